@@ -1,0 +1,1 @@
+"""disttune workloads: Triton kernels with host launchers and torch references."""
