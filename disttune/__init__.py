@@ -1,0 +1,32 @@
+"""disttune: tune Triton kernels across many ranks, in context, so every rank agrees on the winners.
+
+The public entry points:
+
+* :func:`contextual_autotune` wraps a function and tunes every ``triton.autotune``
+  kernel launched inside it, agreed across ranks;
+* :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
+"""
+
+from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
+from .contextual import ContextualAutotuner, SiteResult, TuningError, TuningReport, contextual_autotune
+from .sites import AllConfigsFailed, SiteId
+from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
+
+__all__ = [
+    "AllConfigsFailed",
+    "CollectiveTimeout",
+    "ContextualAutotuner",
+    "CudaEventTimer",
+    "HostTimer",
+    "LaunchInfo",
+    "LocalComm",
+    "MpiComm",
+    "SiteId",
+    "SiteResult",
+    "Timer",
+    "TorchComm",
+    "TuningError",
+    "TuningReport",
+    "contextual_autotune",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,541 @@
+"""``contextual_autotune``: tune every ``triton.autotune`` kernel inside a function, in place.
+
+The wrapped function is run again and again. Each run, every autotuned launch
+inside it (a *site*: kernel, tuning key, occurrence) tries the config the
+rank-independent schedule gives it, on that launch's own current arguments and
+grid, and a Timer measures it. Per-rank statistics are all-gathered once and
+combined (max by default), so every rank picks the same winner. See
+``docs``/README for the walk-through; in short, one tuning call is:
+
+1. discovery run (registers the sites, finds a config that works on this rank);
+2. consensus: one all-gather of the site digests and errors, so a mismatch is the
+   same clear error on every rank before anything else happens;
+3. ``longest * (n_warmup + n_repeat)`` tuning runs, each ended by a one-float
+   all-gather that turns an error on any rank into an error on all;
+4. agreement: one all-gather of a fixed-length vector (a slot per site x config);
+5. commit to each kernel's ``Autotuner.cache`` and the per-rank log;
+6. a final run with the winners, whose return value the caller gets.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
+
+from . import intercept as _hook
+from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, make_communicator
+from .logs import RankLog
+from .sites import (
+    REDUCTIONS,
+    AllConfigsFailed,
+    Schedule,
+    Site,
+    SiteId,
+    Statistic,
+    agree,
+    resolve_statistic,
+    total_function_runs,
+    winner_index,
+)
+from .timing import LaunchInfo, Timer, default_timer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+TIMEOUT_ENV = "DISTTUNE_TIMEOUT"
+
+
+class TuningError(RuntimeError):
+    """Tuning could not complete; raised with the same message on every rank."""
+
+
+@dataclass(frozen=True)
+class SiteResult:
+    """The outcome of one site: candidates, agreed times (ms, inf = failed), the winner."""
+
+    site: SiteId
+    configs: tuple
+    per_rank_ms: tuple  # [rank][config]
+    agreed_ms: tuple
+    winner: int
+    source: str  # "tuned" or "cached"
+
+    @property
+    def config(self) -> Any:
+        return self.configs[self.winner]
+
+
+@dataclass(frozen=True)
+class TuningReport:
+    """What one tuning call did."""
+
+    results: tuple
+    function_runs: int
+    wall_s: float
+    world_size: int
+
+
+class _Session:
+    """The launch handler of one call of the wrapped function: discover, tune, final or fast mode."""
+
+    def __init__(self, timer: Timer, rank: int, always_tune: bool) -> None:
+        self.timer = timer
+        self.rank = rank
+        self.always_tune = always_tune
+        self.sites: dict[tuple, Site] = {}
+        self.winners: dict[tuple, Any] = {}
+        self.schedule: Optional[Schedule] = None
+        self.mode = "discover"
+        self.run = -1
+        self.stale: list[str] = []
+        self._occurrences: dict[tuple, int] = {}
+        self._launched: set = set()
+        self._problems: list[str] = []
+        self._readers: list = []
+        self._reset_done: set = set()
+
+    # -- run bookkeeping -------------------------------------------------------------------
+    def start_run(self, mode: str, run: int = -1) -> None:
+        self.mode, self.run = mode, run
+        self._occurrences.clear()
+        self._launched.clear()
+        self._problems = []
+        self._readers = []
+
+    def finish_run(self) -> list[str]:
+        """Read this run's timers and check that every site launched; returns local problems."""
+        for site, index, read in self._readers:
+            site.samples[index].append(read())
+        if self.mode == "tune":
+            missing = [s.id.describe() for ident, s in self.sites.items() if ident not in self._launched]
+            if missing:
+                self._problems.append(
+                    "the wrapped function did not launch " + "; ".join(missing)
+                    + f" in tuning run {self.run + 1}, though the discovery run did: it must launch the same "
+                    "autotuned kernels with the same keys on every run"
+                )
+        return self._problems
+
+    # -- the hook ----------------------------------------------------------------------------
+    def launch(self, autotuner: Any, args: tuple, kwargs: dict) -> Any:
+        if len(autotuner.configs) <= 1:
+            return _hook.triton_run(autotuner, *args, **kwargs)
+        key = _hook.tuning_key(autotuner, args, kwargs)
+        count_key = (id(autotuner), key)
+        occurrence = self._occurrences.get(count_key, 0)
+        self._occurrences[count_key] = occurrence + 1
+        ident = (id(autotuner), key, occurrence)
+        if self.mode == "fast":
+            return self._launch_fast(ident, autotuner, key, args, kwargs)
+        if self.mode == "discover":
+            return self._launch_discover(ident, autotuner, key, occurrence, args, kwargs)
+        if self.mode == "tune":
+            return self._launch_tune(ident, autotuner, args, kwargs)
+        return self._launch_final(ident, autotuner, key, args, kwargs)
+
+    def _launch_discover(self, ident, autotuner, key, occurrence, args, kwargs) -> Any:
+        configs = _hook.candidate_configs(autotuner, args, kwargs)
+        for config in configs:
+            _hook.check_conflicts(autotuner, kwargs, config)
+        preset = None if self.always_tune else autotuner.cache.get(key)
+        site = Site(SiteId(_hook.kernel_name(autotuner), key, occurrence), autotuner, configs, preset)
+        self.sites[ident] = site
+        if preset is not None:
+            return _hook.launch_winner(autotuner, args, kwargs, preset)
+        for index, config in enumerate(configs):
+            try:
+                result = _hook.launch_config(autotuner, args, kwargs, config)
+            except Exception as err:  # a config that fails here is scored inf, not fatal
+                site.record_failure(index, err)
+                continue
+            site.stand_in = index
+            return result
+        return None  # nothing launches on this rank; agreement fails the site on every rank
+
+    def _launch_tune(self, ident, autotuner, args, kwargs) -> Any:
+        site = self.sites.get(ident)
+        if site is None:
+            self._problems.append(
+                f"tuning run {self.run + 1} launched {_hook.kernel_name(autotuner)} key="
+                f"{_hook.tuning_key(autotuner, args, kwargs)!r}, which the discovery run did not: the wrapped "
+                "function must launch the same autotuned kernels with the same keys on every run"
+            )
+            return None
+        self._launched.add(ident)
+        if site.preset is not None:
+            return _hook.launch_winner(autotuner, args, kwargs, site.preset)
+        index, timed = self.schedule.slot(self.run, len(site.configs))  # type: ignore[union-attr]
+        if index is None or index in site.failures:
+            return self._launch_stand_in(site, args, kwargs)
+        config = site.configs[index]
+        try:
+            if not timed:
+                return _hook.launch_config(autotuner, args, kwargs, config)
+            info = LaunchInfo(site.id.kernel, site.id.key, site.id.occurrence, index, config, self.run, self.rank)
+            outcome: dict = {}
+
+            def timed_launch(launch: Callable[[], Any]) -> None:
+                outcome["read"] = self.timer.time(lambda: outcome.__setitem__("result", launch()), info)
+
+            _hook.launch_config(autotuner, args, kwargs, config, timed_launch)
+            self._readers.append((site, index, outcome["read"]))
+            return outcome.get("result")
+        except Exception as err:
+            site.record_failure(index, err)
+            return self._launch_stand_in(site, args, kwargs)
+
+    def _launch_stand_in(self, site: Site, args: tuple, kwargs: dict) -> Any:
+        if site.stand_in is None:
+            return None
+        try:
+            return _hook.launch_config(site.autotuner, args, kwargs, site.configs[site.stand_in])
+        except Exception as err:
+            self._problems.append(f"stand-in config of {site.id.describe()} failed: {type(err).__name__}: {err}")
+            return None
+
+    def _launch_final(self, ident, autotuner, key, args, kwargs) -> Any:
+        config = self.winners.get(ident)
+        if config is None:
+            return self._launch_fast(ident, autotuner, key, args, kwargs)
+        if ident not in self._reset_done:
+            self._reset_done.add(ident)
+            _hook.reset_before_real_launch(autotuner, args, kwargs, config)
+        return _hook.launch_winner(autotuner, args, kwargs, config)
+
+    def _launch_fast(self, ident, autotuner, key, args, kwargs) -> Any:
+        config = self.winners.get(ident) or autotuner.cache.get(key)
+        if config is None:
+            config = _hook.candidate_configs(autotuner, args, kwargs)[0]
+            self.stale.append(f"{_hook.kernel_name(autotuner)} key={key!r}")
+        return _hook.launch_winner(autotuner, args, kwargs, config)
+
+
+class ContextualAutotuner:
+    """The callable that ``contextual_autotune`` returns. See :func:`contextual_autotune`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        is_dist: bool = False,
+        n_repeat: int = 5,
+        n_warmup: int = 3,
+        *,
+        group: Any = None,
+        comm: Any = None,
+        timer: Optional[Timer] = None,
+        reduce: str = "max",
+        statistic: Statistic = "median",
+        timeout_s: Optional[float] = None,
+        log_dir: Optional[str | os.PathLike] = None,
+        verbose: bool = True,
+        always_tune: bool = False,
+    ) -> None:
+        _check_count("n_repeat", n_repeat, minimum=1)
+        _check_count("n_warmup", n_warmup, minimum=0)
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {', '.join(REDUCTIONS)}")
+        resolve_statistic(statistic)
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        if not timeout_s > 0:
+            raise ValueError(f"disttune: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if timer is not None and not isinstance(timer, Timer):
+            raise TypeError(f"disttune: timer must have a .time(launch, info) method, got {type(timer).__name__}")
+        if not is_dist and group is not None:
+            raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.is_dist = is_dist
+        self.n_repeat = n_repeat
+        self.n_warmup = n_warmup
+        self.group = group
+        self.comm = comm
+        self.timer = timer
+        self.reduce = reduce
+        self.statistic = statistic
+        self.timeout_s = timeout_s
+        self.log_dir = log_dir
+        self.verbose = verbose
+        self.always_tune = always_tune
+        self.report: Optional[TuningReport] = None
+        self._winners: dict[tuple, Any] = {}
+        self._tuned = False
+        self._communicator: Optional[Communicator] = None
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self.__call__, obj)
+
+    @property
+    def tuned(self) -> bool:
+        return self._tuned
+
+    def retune(self) -> None:
+        """Forget the winners of this wrapper; the next call tunes again (the kernels' caches are kept)."""
+        self._tuned = False
+        self._winners = {}
+
+    def expected_runs(self, longest_config_list: int) -> int:
+        """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``."""
+        return total_function_runs(longest_config_list, self.n_warmup, self.n_repeat)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _hook.active_handler() is not None:
+            # Nested inside another wrapped call: its kernels are that call's sites.
+            return self.fn(*args, **kwargs)
+        if self._tuned:
+            return self._fast_call(args, kwargs)
+        return self._tuning_call(args, kwargs)
+
+    # -- after tuning ------------------------------------------------------------------------
+    def _fast_call(self, args: tuple, kwargs: dict) -> Any:
+        session = _Session(None, 0, False)  # type: ignore[arg-type]
+        session.winners = self._winners
+        session.mode = "fast"
+        with _hook.intercept(session):
+            result = self.fn(*args, **kwargs)
+        if session.stale:
+            self._tuned = False
+            warnings.warn(
+                f"disttune: {self.__qualname__} launched kernels it was not tuned for ("
+                + ", ".join(session.stale) + "); they ran with their first config and the next call tunes again",
+                RuntimeWarning, stacklevel=3,
+            )
+        return result
+
+    # -- one tuning call ---------------------------------------------------------------------
+    def _get_communicator(self) -> Communicator:
+        if self._communicator is None:
+            self._communicator = make_communicator(self.is_dist, self.group, self.comm, self.timeout_s)
+        return self._communicator
+
+    def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
+        comm = self._get_communicator()
+        started = time.perf_counter()
+        session = _Session(self.timer or default_timer(), comm.rank, self.always_tune)
+        log = RankLog(self.log_dir, _global_rank(comm))
+        try:
+            with _hook.intercept(session):
+                result, error = self._guarded_run(session, "discover", -1, args, kwargs)
+                session.finish_run()
+                self._consensus(comm, session, error)
+                tuned = [s for s in session.sites.values() if s.preset is None]
+                longest = max((len(s.configs) for s in tuned), default=0)
+                session.schedule = Schedule(longest, self.n_warmup, self.n_repeat)
+                for run in range(session.schedule.runs):
+                    _, error = self._guarded_run(session, "tune", run, args, kwargs)
+                    problems = session.finish_run() + ([error[1]] if error else [])
+                    self._check_run(comm, problems, f"tuning run {run + 1}/{session.schedule.runs}")
+                results = self._agree(comm, session, tuned, log)
+                self._commit(session, results)
+                if tuned:
+                    session.start_run("final")
+                    result = self.fn(*args, **kwargs)
+            wall_s = time.perf_counter() - started
+            runs = total_function_runs(longest, self.n_warmup, self.n_repeat)
+            self.report = TuningReport(tuple(results), runs, wall_s, comm.world_size)
+            log.tuning(self.__qualname__, wall_s, runs, len(tuned), comm.world_size, self.reduce, str(self.statistic))
+            self._tuned = True
+            if self.verbose and comm.rank == 0:
+                self._print_summary(log)
+            return result
+        finally:
+            log.flush()
+
+    def _guarded_run(self, session: _Session, mode: str, run: int, args: tuple, kwargs: dict):
+        """Run the function once; an exception is kept (to be shared with the peers), not raised."""
+        session.start_run(mode, run)
+        try:
+            return self.fn(*args, **kwargs), None
+        except Exception as err:
+            return None, (err, f"{type(err).__name__}: {err}")
+
+    def _check_run(self, comm: Communicator, problems: list[str], step: str) -> None:
+        flags = comm.all_gather_floats([1.0 if problems else 0.0], step)
+        if flags.any():
+            reports = comm.all_gather_objects(problems, step + " (errors)")
+            lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
+            raise TuningError(f"disttune: {self.__qualname__}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
+
+    def _consensus(self, comm: Communicator, session: _Session, error) -> None:
+        """One all-gather of digests and discovery errors; identical verdict on every rank."""
+        mine = {
+            "error": error[1] if error else None,
+            "sites": [s.digest()[:4] for s in session.sites.values()],
+            "presets": [s.digest()[4] for s in session.sites.values()],
+        }
+        everyone = comm.all_gather_objects(mine, "consensus (site digest)")
+        failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
+        if failed:
+            message = (
+                f"disttune: {self.__qualname__}: the discovery run raised on rank(s) "
+                + ", ".join(str(r) for r, _ in failed) + ":\n  "
+                + "\n  ".join(f"rank {r}: {msg}" for r, msg in failed)
+            )
+            if error:
+                raise TuningError(message) from error[0]
+            raise TuningError(message)
+        mismatch = describe_mismatch([d["sites"] for d in everyone])
+        if mismatch:
+            raise TuningError(f"disttune: {self.__qualname__}: ranks disagree on what to tune: {mismatch}")
+        for index, site in enumerate(session.sites.values()):
+            if len({d["presets"][index] for d in everyone}) != 1:
+                site.preset = None  # cached on some ranks only, or differently: tune it everywhere
+
+    def _agree(self, comm: Communicator, session: _Session, tuned: list[Site], log: RankLog) -> list[SiteResult]:
+        local: list[float] = []
+        for site in tuned:
+            local.extend(site.local_times(self.statistic))
+        gathered = comm.all_gather_floats(local, "agreement") if tuned else None
+        results, offset, dead = [], 0, []
+        for site in tuned:
+            per_rank = gathered[:, offset : offset + len(site.configs)]
+            offset += len(site.configs)
+            agreed = agree(per_rank, self.reduce)
+            winner = winner_index(agreed)
+            for r_index, samples in enumerate(site.samples):
+                for iteration, ms in enumerate(samples):
+                    log.measure(site.id.kernel, site.id.key, r_index, str(site.configs[r_index]), iteration, ms)
+            for c, config in enumerate(site.configs):
+                log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, str(config),
+                                  list(per_rank[:, c]), float(agreed[c]), site.failures.get(c))
+            if winner is None:
+                dead.append(site)
+                continue
+            log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, str(site.configs[winner]),
+                       float(agreed[winner]), "tuned")
+            results.append(SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in per_rank),
+                                      tuple(map(float, agreed)), winner, "tuned"))
+        if dead:
+            self._raise_all_failed(comm, dead)
+        for site in session.sites.values():
+            if site.preset is not None:
+                index = site.configs.index(site.preset) if site.preset in site.configs else -1
+                results.append(SiteResult(site.id, tuple(site.configs), (), (), index, "cached"))
+        return results
+
+    def _raise_all_failed(self, comm: Communicator, dead: list[Site]) -> None:
+        failures = comm.all_gather_objects([dict(s.failures) for s in dead], "agreement (failures)")
+        parts = []
+        for i, site in enumerate(dead):
+            lines = [
+                f"    config[{c}] {{{site.configs[c]}}}: "
+                + "; ".join(f"rank {r}: {rank_failures[i][c]}" for r, rank_failures in enumerate(failures)
+                            if c in rank_failures[i])
+                for c in range(len(site.configs))
+            ]
+            parts.append(f"  {site.id.describe()}: every config failed or was pruned on some rank:\n"
+                         + "\n".join(lines))
+        raise AllConfigsFailed(f"disttune: {self.__qualname__}: no config works for:\n" + "\n".join(parts))
+
+    def _commit(self, session: _Session, results: list[SiteResult]) -> None:
+        by_id = {s.id: (ident, s) for ident, s in session.sites.items()}
+        winners = {}
+        for result in results:
+            ident, site = by_id[result.site]
+            config = site.preset if result.source == "cached" else result.config
+            winners[ident] = config
+            if result.site.occurrence == 0:
+                site.autotuner.cache[result.site.key] = config
+        session.winners = winners
+        self._winners = winners
+
+    def _print_summary(self, log: RankLog) -> None:
+        report = self.report
+        assert report is not None
+        lines = [
+            f"disttune: tuned {self.__qualname__} over {report.world_size} rank(s) in {report.wall_s:.2f} s "
+            f"({report.function_runs} runs of the function); log: {log.path}"
+        ]
+        for r in report.results:
+            agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({self.reduce})" if r.source == "tuned" else "cached"
+            lines.append(f"  {r.site.describe()} -> {{{r.config}}} {agreed}")
+        print("\n".join(lines), file=sys.stdout, flush=True)
+
+
+def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:
+    """None when every rank has the same site list; else which site differs on which ranks."""
+    reference = per_rank_sites[0]
+    if all(sites == reference for sites in per_rank_sites):
+        return None
+    longest = max(len(s) for s in per_rank_sites)
+    for position in range(longest):
+        groups: dict[Any, list[int]] = {}
+        for rank, sites in enumerate(per_rank_sites):
+            groups.setdefault(sites[position] if position < len(sites) else None, []).append(rank)
+        if len(groups) > 1:
+            described = []
+            for entry, ranks in groups.items():
+                if entry is None:
+                    described.append(f"ranks {ranks}: no such launch")
+                else:
+                    kernel, key, occurrence, configs = entry
+                    described.append(
+                        f"ranks {ranks}: kernel {kernel} key={key} occurrence={occurrence} with {len(configs)} "
+                        f"config(s) [{'; '.join(configs)}]"
+                    )
+            return (
+                f"autotuned launch #{position} differs between ranks (different kernels, keys, or config lists "
+                "after pruning):\n  " + "\n  ".join(described)
+                + "\nMake the tuning key rank-independent (e.g. a bucketed global size) so all ranks tune the same sites."
+            )
+    return "site lists differ"  # unreachable: unequal lists differ at some position
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"disttune: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _global_rank(comm: Communicator) -> int:
+    """The rank that names the log file: the process's rank in the whole job."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    if not isinstance(comm, LocalComm):
+        try:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD.Get_rank()
+        except ImportError:
+            pass
+    return comm.rank
+
+
+def contextual_autotune(
+    is_dist: bool = False,
+    n_repeat: int = 5,
+    n_warmup: int = 3,
+    **options: Any,
+) -> Callable[[F], F]:
+    """Tune every ``triton.autotune`` kernel launched inside the decorated function, in context.
+
+    Compatible with Triton-distributed's ``contextual_autotune(is_dist=False, n_repeat=5, n_warmup=3)``.
+
+    **The function runs several times.** The first call runs it
+    ``2 + C * (n_warmup + n_repeat)`` times, where ``C`` is the longest candidate
+    list of any site (one discovery run, the tuning runs, one final run with the
+    winners whose result is returned); with the defaults and 12 configs that is 98
+    runs. It must be re-runnable with the same inputs. Later calls run it once,
+    with the winners, at close to the cost of a plain launch.
+
+    Keyword-only options: ``group`` (a torch process group), ``comm`` (an mpi4py
+    communicator), ``timer`` (a :class:`~disttune.timing.Timer`), ``reduce``
+    (``"max"``, ``"mean"`` or ``"min"`` over ranks), ``statistic`` (``"median"``,
+    ``"mean"``, ``"min"`` or a callable over a config's timed samples),
+    ``timeout_s`` (per collective; default ``$DISTTUNE_TIMEOUT`` or 300),
+    ``log_dir`` (default ``$DISTTUNE_LOG_DIR`` or ``logs``), ``verbose`` (rank 0
+    prints a summary), ``always_tune`` (ignore winners already in kernels' caches).
+    """
+
+    def decorate(fn: F) -> F:
+        return ContextualAutotuner(fn, is_dist, n_repeat, n_warmup, **options)  # type: ignore[return-value]
+
+    return decorate

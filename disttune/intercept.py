@@ -1,0 +1,154 @@
+"""The scoped hook on ``triton.runtime.autotuner.Autotuner.run``, and Triton-faithful launches.
+
+While at least one scope is open, ``Autotuner.run`` is replaced by a thin function
+that looks up the *current thread's* handler in a context variable. Launches on
+other threads, or on this thread outside the scope, go straight to Triton's own
+``run``. When the last scope closes (normally, on an exception or on
+KeyboardInterrupt) Triton's method is put back, so code outside behaves exactly
+like stock Triton.
+
+``launch_config`` reproduces what Triton does for one tuning launch
+(``Config.pre_hook``, the tuner's ``pre_hook``/``reset_to_zero``/``restore_value``,
+the launch, ``post_hook``); ``launch_winner`` what it does for a cached launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+from triton.runtime.autotuner import Autotuner
+
+
+class LaunchHandler(Protocol):
+    def launch(self, autotuner: Autotuner, args: tuple, kwargs: dict) -> Any:
+        """Called instead of ``Autotuner.run`` for launches inside the scope."""
+        ...
+
+
+_current: contextvars.ContextVar[Optional[LaunchHandler]] = contextvars.ContextVar(
+    "disttune_launch_handler", default=None
+)
+_install_lock = threading.Lock()
+_open_scopes = 0
+_triton_run: Optional[Callable[..., Any]] = None
+
+
+def _hooked_run(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
+    handler = _current.get()
+    if handler is None:
+        return _triton_run(self, *args, **kwargs)  # type: ignore[misc]
+    return handler.launch(self, args, kwargs)
+
+
+def active_handler() -> Optional[LaunchHandler]:
+    """The handler of the scope open on this thread, if any."""
+    return _current.get()
+
+
+def hook_installed() -> bool:
+    return Autotuner.run is _hooked_run
+
+
+def triton_run(autotuner: Autotuner, *args: Any, **kwargs: Any) -> Any:
+    """Triton's own ``Autotuner.run``, whether or not the hook is installed."""
+    original = _triton_run if hook_installed() else Autotuner.run
+    return original(autotuner, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def intercept(handler: LaunchHandler) -> Iterator[None]:
+    """Route this thread's autotuned launches to ``handler`` for the duration of the block."""
+    global _open_scopes, _triton_run
+    if _current.get() is not None:
+        raise RuntimeError("disttune: an interception scope is already open on this thread")
+    with _install_lock:
+        if _open_scopes == 0:
+            _triton_run = Autotuner.run
+            Autotuner.run = _hooked_run  # type: ignore[method-assign]
+        _open_scopes += 1
+    token = _current.set(handler)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+        with _install_lock:
+            _open_scopes -= 1
+            if _open_scopes == 0:
+                Autotuner.run = _triton_run  # type: ignore[method-assign]
+                _triton_run = None
+
+
+def tuning_key(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
+    """The key Triton's ``Autotuner.run`` caches under: the ``key`` arguments, then every tensor's dtype."""
+    nargs = dict(zip(autotuner.arg_names, args))
+    all_args = {**nargs, **kwargs}
+    named = {k: v for k, v in all_args.items() if k in autotuner.arg_names}
+    key = [named[k] for k in autotuner.keys if k in named]
+    key.extend(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
+    return tuple(key)
+
+
+def candidate_configs(autotuner: Autotuner, args: tuple, kwargs: dict) -> list:
+    """The configs Triton would benchmark for this launch (``early_config_prune``, ``perf_model``/``top_k``)."""
+    autotuner.nargs = dict(zip(autotuner.arg_names, args))
+    try:
+        return list(autotuner.prune_configs(kwargs))
+    finally:
+        autotuner.nargs = None
+
+
+def check_conflicts(autotuner: Autotuner, kwargs: dict, config: Any) -> None:
+    """Triton's rule: a meta-parameter set both by the caller and by a config is an error."""
+    conflicts = kwargs.keys() & config.kwargs.keys()
+    if conflicts:
+        raise ValueError(
+            f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}."
+            " Make sure that you don't re-define auto-tuned symbols."
+        )
+
+
+def launch_config(
+    autotuner: Autotuner,
+    args: tuple,
+    kwargs: dict,
+    config: Any,
+    wrap: Callable[[Callable[[], Any]], Any] = lambda launch: launch(),
+) -> Any:
+    """One tuning launch with Triton's hook semantics; ``wrap`` surrounds the bare launch (a timer).
+
+    Raises whatever the hooks or the launch raise (compile errors included), after
+    the tuner's ``post_hook`` has run, as Triton does.
+    """
+    current = dict(kwargs, **config.all_kwargs())
+    full_nargs = {**dict(zip(autotuner.arg_names, args)), **current}
+    if config.pre_hook:
+        config.pre_hook(full_nargs)
+    autotuner.pre_hook(full_nargs)
+    try:
+        result = wrap(lambda: autotuner.fn.run(*args, **current))
+    except Exception as err:
+        autotuner.post_hook(full_nargs, exception=err)
+        raise
+    autotuner.post_hook(full_nargs, exception=None)
+    return result
+
+
+def launch_winner(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any) -> Any:
+    """A launch with a chosen config, exactly as Triton's cached path does it."""
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
+    return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
+def reset_before_real_launch(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any) -> None:
+    """What Triton does once after benchmarking: ``pre_hook(reset_only=True)`` (zeroes ``reset_to_zero``)."""
+    full_nargs = {**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()}
+    autotuner.pre_hook(full_nargs, reset_only=True)
+
+
+def kernel_name(autotuner: Autotuner) -> str:
+    fn = autotuner.base_fn
+    return f"{fn.__module__}.{fn.__qualname__}"

@@ -1,0 +1,110 @@
+"""Per-rank tuning logs: ``<log_dir>/rank-<r>.log``, a readable line then a JSON line per event.
+
+Each rank writes only its own file, in append mode, so several wrappers (or jobs)
+never truncate one another. Events are buffered during tuning and written in one
+append at the end, keeping file I/O out of the timed runs.
+
+JSON lines start with ``{`` and carry ``"event"`` (``measure``, ``config``,
+``winner``, ``tuning``), ``rank``, ``host`` and ``time`` (ISO 8601, UTC), so
+``disttune report`` can read them back with ``json.loads`` line by line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Any, Optional
+
+LOG_DIR_ENV = "DISTTUNE_LOG_DIR"
+
+
+def resolve_log_dir(log_dir: Optional[str | os.PathLike]) -> Path:
+    return Path(log_dir or os.environ.get(LOG_DIR_ENV) or "logs")
+
+
+def _json_number(value: float) -> Optional[float]:
+    return value if math.isfinite(value) else None
+
+
+class RankLog:
+    """Buffered writer of one rank's log. ``flush`` appends everything buffered so far."""
+
+    def __init__(self, log_dir: Optional[str | os.PathLike], rank: int) -> None:
+        self.path = resolve_log_dir(log_dir) / f"rank-{rank}.log"
+        self.rank = rank
+        self.host = socket.gethostname()
+        self._lines: list[str] = []
+
+    def _add(self, event: str, text: str, **fields: Any) -> None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        self._lines.append(f"{stamp} rank={self.rank} host={self.host} {event}: {text}")
+        record = {"event": event, "rank": self.rank, "host": self.host, "time": stamp, **fields}
+        self._lines.append(json.dumps(record, default=str))
+
+    def measure(self, site: str, key: tuple, config_index: int, config: str, iteration: int, ms: float) -> None:
+        self._add(
+            "measure",
+            f"{site} key={key!r} config[{config_index}]={{{config}}} iteration={iteration} ms={ms:.6f}",
+            kernel=site, key=repr(key), config_index=config_index, config=config, iteration=iteration, ms=ms,
+        )
+
+    def config_result(
+        self, site: str, key: tuple, occurrence: int, config_index: int, config: str,
+        per_rank_ms: list[float], agreed_ms: float, failure: Optional[str],
+    ) -> None:
+        shown = ", ".join(f"r{r}={t:.4f}" for r, t in enumerate(per_rank_ms))
+        self._add(
+            "config",
+            f"{site} key={key!r} occ={occurrence} config[{config_index}]={{{config}}} per-rank ms [{shown}] "
+            f"agreed={agreed_ms:.4f}" + (f" failed here: {failure}" if failure else ""),
+            kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
+            per_rank_ms=[_json_number(t) for t in per_rank_ms], agreed_ms=_json_number(agreed_ms),
+            failure=failure,
+        )
+
+    def winner(
+        self, site: str, key: tuple, occurrence: int, config_index: int, config: str, agreed_ms: float,
+        source: str,
+    ) -> None:
+        self._add(
+            "winner",
+            f"{site} key={key!r} occ={occurrence} -> config[{config_index}]={{{config}}} "
+            f"agreed={agreed_ms:.4f} ms ({source})",
+            kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
+            agreed_ms=_json_number(agreed_ms), source=source,
+        )
+
+    def tuning(self, function: str, wall_s: float, function_runs: int, sites: int, world_size: int,
+               reduce: str, statistic: str) -> None:
+        self._add(
+            "tuning",
+            f"{function}: {sites} site(s) tuned over {world_size} rank(s) in {wall_s:.3f} s, "
+            f"{function_runs} function runs, reduce={reduce}, statistic={statistic}",
+            function=function, wall_s=wall_s, function_runs=function_runs, sites=sites,
+            world_size=world_size, reduce=reduce, statistic=statistic,
+        )
+
+    def flush(self) -> None:
+        if not self._lines:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write("\n".join(self._lines) + "\n")
+        self._lines.clear()
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """The JSON records of one rank log, skipping readable lines and lines that do not parse."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("{"):
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return records

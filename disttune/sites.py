@@ -1,0 +1,147 @@
+"""Tuning sites, the rank-independent schedule, per-rank statistics and the agreed winner.
+
+A *site* is one autotuned launch within a run of the wrapped function, named by
+(kernel, tuning key, occurrence of that kernel and key within the run). It owns its
+candidate configs and the samples this rank measured for them. Nothing here talks
+to other ranks: the caller gathers :meth:`Site.local_times` from every rank and
+hands the gathered matrix to :func:`agree`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics as _stats
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+INF = float("inf")
+
+Statistic = Union[str, Callable[[Sequence[float]], float]]
+STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
+    "median": _stats.median,
+    "mean": _stats.fmean,
+    "min": min,
+}
+REDUCTIONS = ("max", "mean", "min")
+
+
+class AllConfigsFailed(RuntimeError):
+    """Every candidate config of a site failed (or was pruned) on at least one rank."""
+
+
+@dataclass(frozen=True)
+class SiteId:
+    kernel: str
+    key: tuple
+    occurrence: int
+
+    def describe(self) -> str:
+        return f"{self.kernel} key={self.key!r} occurrence={self.occurrence}"
+
+
+@dataclass
+class Site:
+    """One tuning site on this rank: its candidates, its samples, its local failures."""
+
+    id: SiteId
+    autotuner: Any
+    configs: list
+    preset: Optional[Any] = None  # a winner already in the kernel's cache (used only if all ranks agree)
+    samples: list = field(default_factory=list)
+    failures: dict = field(default_factory=dict)  # config index -> message
+    stand_in: Optional[int] = None  # index of a config that launched fine on this rank
+
+    def __post_init__(self) -> None:
+        self.samples = [[] for _ in self.configs]
+
+    def digest(self) -> tuple:
+        """What must be identical on every rank: identity and candidate list (plus the preset)."""
+        return (
+            self.id.kernel,
+            repr(self.id.key),
+            self.id.occurrence,
+            tuple(str(c) for c in self.configs),
+            None if self.preset is None else str(self.preset),
+        )
+
+    def record_failure(self, index: int, err: BaseException) -> None:
+        self.failures.setdefault(index, f"{type(err).__name__}: {err}")
+
+    def local_times(self, statistic: Statistic) -> list[float]:
+        """One value per config: the statistic of its samples, ``inf`` where it failed here."""
+        reduce = resolve_statistic(statistic)
+        return [
+            INF if i in self.failures or not samples else float(reduce(samples))
+            for i, samples in enumerate(self.samples)
+        ]
+
+
+def resolve_statistic(statistic: Statistic) -> Callable[[Sequence[float]], float]:
+    if callable(statistic):
+        return statistic
+    try:
+        return STATISTICS[statistic]
+    except KeyError:
+        raise ValueError(
+            f"disttune: unknown statistic {statistic!r}; use one of {sorted(STATISTICS)} or a callable"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which config each site tries in each tuning run: the same on every rank.
+
+    Config ``c`` of every site gets runs ``c*(w+r) .. c*(w+r)+w+r-1``: ``w`` warm-up
+    runs, then ``r`` timed ones. A site with fewer configs than the longest list
+    launches its stand-in (untimed) once its own configs are done.
+    """
+
+    longest: int
+    n_warmup: int
+    n_repeat: int
+
+    @property
+    def runs(self) -> int:
+        return self.longest * (self.n_warmup + self.n_repeat)
+
+    def slot(self, run: int, n_configs: int) -> tuple[Optional[int], bool]:
+        """(config index or None for a stand-in launch, whether this launch is timed)."""
+        per_config = self.n_warmup + self.n_repeat
+        index, phase = divmod(run, per_config)
+        if index >= n_configs:
+            return None, False
+        return index, phase >= self.n_warmup
+
+
+def total_function_runs(longest: int, n_warmup: int, n_repeat: int) -> int:
+    """Runs of the wrapped function for one tuning: discovery + tuning runs + the final run."""
+    if longest == 0:
+        return 1
+    return 2 + longest * (n_warmup + n_repeat)
+
+
+def agree(per_rank: np.ndarray, reduce: str) -> np.ndarray:
+    """Combine ``[world, n]`` per-rank times into one agreed vector.
+
+    A config that is ``inf`` on any rank is ``inf`` in the result (a config that
+    fails anywhere fails everywhere); otherwise max, mean or min over ranks.
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {REDUCTIONS}")
+    per_rank = np.asarray(per_rank, dtype=np.float64)
+    failed = ~np.isfinite(per_rank).all(axis=0)
+    combined = {"max": np.max, "mean": np.mean, "min": np.min}[reduce](
+        np.where(np.isfinite(per_rank), per_rank, 0.0), axis=0
+    )
+    return np.where(failed, INF, combined)
+
+
+def winner_index(agreed: Sequence[float]) -> Optional[int]:
+    """argmin, ties to the lowest index; None when every entry is inf."""
+    best, best_time = None, INF
+    for i, t in enumerate(agreed):
+        if t < best_time:
+            best, best_time = i, t
+    return best if best_time < INF and not math.isnan(best_time) else None
