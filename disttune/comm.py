@@ -118,10 +118,11 @@ class TorchComm:
 
     def _all_gather_tensor(self, tensor: Any, step: str) -> Any:
         torch = self._torch
-        out = torch.empty((self.world_size, tensor.numel()), dtype=tensor.dtype, device=self._device)
-        work = self._dist.all_gather_into_tensor(out, tensor.to(self._device), group=self.group, async_op=True)
+        tensor = tensor.to(self._device).reshape(-1)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = self._dist.all_gather(parts, tensor, group=self.group, async_op=True)
         self._wait(work, step)
-        return out.cpu()
+        return torch.stack(parts).cpu()
 
     def all_gather_floats(self, values: Sequence[float], step: str) -> np.ndarray:
         tensor = self._torch.tensor(np.asarray(values, dtype=np.float64))

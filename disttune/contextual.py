@@ -86,8 +86,8 @@ class _Session:
         self.timer = timer
         self.rank = rank
         self.always_tune = always_tune
-        self.sites: dict[tuple, Site] = {}
-        self.winners: dict[tuple, Any] = {}
+        self.sites: dict[SiteId, Site] = {}
+        self.winners: dict[SiteId, Any] = {}
         self.schedule: Optional[Schedule] = None
         self.mode = "discover"
         self.run = -1
@@ -111,7 +111,7 @@ class _Session:
         for site, index, read in self._readers:
             site.samples[index].append(read())
         if self.mode == "tune":
-            missing = [s.id.describe() for ident, s in self.sites.items() if ident not in self._launched]
+            missing = [ident.describe() for ident in self.sites if ident not in self._launched]
             if missing:
                 self._problems.append(
                     "the wrapped function did not launch " + "; ".join(missing)
@@ -125,24 +125,24 @@ class _Session:
         if len(autotuner.configs) <= 1:
             return _hook.triton_run(autotuner, *args, **kwargs)
         key = _hook.tuning_key(autotuner, args, kwargs)
-        count_key = (id(autotuner), key)
-        occurrence = self._occurrences.get(count_key, 0)
-        self._occurrences[count_key] = occurrence + 1
-        ident = (id(autotuner), key, occurrence)
+        name = _hook.kernel_name(autotuner)
+        occurrence = self._occurrences.get((name, key), 0)
+        self._occurrences[(name, key)] = occurrence + 1
+        ident = SiteId(name, key, occurrence)
         if self.mode == "fast":
             return self._launch_fast(ident, autotuner, key, args, kwargs)
         if self.mode == "discover":
-            return self._launch_discover(ident, autotuner, key, occurrence, args, kwargs)
+            return self._launch_discover(ident, autotuner, key, args, kwargs)
         if self.mode == "tune":
             return self._launch_tune(ident, autotuner, args, kwargs)
         return self._launch_final(ident, autotuner, key, args, kwargs)
 
-    def _launch_discover(self, ident, autotuner, key, occurrence, args, kwargs) -> Any:
+    def _launch_discover(self, ident, autotuner, key, args, kwargs) -> Any:
         configs = _hook.candidate_configs(autotuner, args, kwargs)
         for config in configs:
             _hook.check_conflicts(autotuner, kwargs, config)
         preset = None if self.always_tune else autotuner.cache.get(key)
-        site = Site(SiteId(_hook.kernel_name(autotuner), key, occurrence), autotuner, configs, preset)
+        site = Site(ident, autotuner, configs, preset)
         self.sites[ident] = site
         if preset is not None:
             return _hook.launch_winner(autotuner, args, kwargs, preset)
@@ -160,9 +160,8 @@ class _Session:
         site = self.sites.get(ident)
         if site is None:
             self._problems.append(
-                f"tuning run {self.run + 1} launched {_hook.kernel_name(autotuner)} key="
-                f"{_hook.tuning_key(autotuner, args, kwargs)!r}, which the discovery run did not: the wrapped "
-                "function must launch the same autotuned kernels with the same keys on every run"
+                f"tuning run {self.run + 1} launched {ident.describe()}, which the discovery run did not: the "
+                "wrapped function must launch the same autotuned kernels with the same keys on every run"
             )
             return None
         self._launched.add(ident)
@@ -210,7 +209,7 @@ class _Session:
         config = self.winners.get(ident) or autotuner.cache.get(key)
         if config is None:
             config = _hook.candidate_configs(autotuner, args, kwargs)[0]
-            self.stale.append(f"{_hook.kernel_name(autotuner)} key={key!r}")
+            self.stale.append(ident.describe())
         return _hook.launch_winner(autotuner, args, kwargs, config)
 
 
@@ -262,7 +261,7 @@ class ContextualAutotuner:
         self.verbose = verbose
         self.always_tune = always_tune
         self.report: Optional[TuningReport] = None
-        self._winners: dict[tuple, Any] = {}
+        self._winners: dict[SiteId, Any] = {}
         self._tuned = False
         self._communicator: Optional[Communicator] = None
 
@@ -432,13 +431,13 @@ class ContextualAutotuner:
         raise AllConfigsFailed(f"disttune: {self.__qualname__}: no config works for:\n" + "\n".join(parts))
 
     def _commit(self, session: _Session, results: list[SiteResult]) -> None:
-        by_id = {s.id: (ident, s) for ident, s in session.sites.items()}
-        winners = {}
-        for result in results:
-            ident, site = by_id[result.site]
+        winners, committed = {}, set()
+        for result in sorted(results, key=lambda r: r.site.occurrence):
+            site = session.sites[result.site]
             config = site.preset if result.source == "cached" else result.config
-            winners[ident] = config
-            if result.site.occurrence == 0:
+            winners[result.site] = config
+            if (id(site.autotuner), result.site.key) not in committed:  # the kernel's cache holds one per key
+                committed.add((id(site.autotuner), result.site.key))
                 site.autotuner.cache[result.site.key] = config
         session.winners = winners
         self._winners = winners

@@ -150,5 +150,9 @@ def reset_before_real_launch(autotuner: Autotuner, args: tuple, kwargs: dict, co
 
 
 def kernel_name(autotuner: Autotuner) -> str:
-    fn = autotuner.base_fn
-    return f"{fn.__module__}.{fn.__qualname__}"
+    """``module.qualname`` of the kernel's Python function (remembered on the autotuner)."""
+    name = autotuner.__dict__.get("_disttune_name")
+    if name is None:
+        fn = autotuner.base_fn
+        name = autotuner._disttune_name = f"{fn.__module__}.{fn.__qualname__}"
+    return name

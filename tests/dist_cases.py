@@ -1,0 +1,314 @@
+"""Multi-rank scenarios for the contextual tuner, run under torchrun or mpiexec.
+
+    python tests/dist_cases.py OUT_DIR [--mpi] CASE [CASE ...]
+
+Each rank runs the named cases in order and writes ``OUT_DIR/<case>.rank<r>.json``:
+what the case returned, or the exception it raised (type and message). The pytest
+module ``test_contextual_dist.py`` launches this script and asserts on those files.
+Runs on GPUs (NCCL, CUDA events where no fake timer is given) and on CPUs (gloo,
+``TRITON_INTERPRET=1``) alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import disttune  # noqa: E402
+from disttune import dist as dt_dist  # noqa: E402
+from tiny_kernels import TableTimer, device, launch_add, make_kernel  # noqa: E402
+
+
+class Context:
+    def __init__(self, out_dir: str, use_mpi: bool) -> None:
+        self.out_dir = out_dir
+        self.use_mpi = use_mpi
+        if use_mpi:
+            from mpi4py import MPI
+
+            self.mpi = MPI.COMM_WORLD
+            self.rank, self.world = self.mpi.Get_rank(), self.mpi.Get_size()
+            if torch.cuda.is_available():
+                torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        else:
+            info = dt_dist.init()
+            self.rank, self.world = info.rank, info.world_size
+        self.device = device()
+
+    def tuner_options(self, case: str, **extra):
+        options = dict(is_dist=True, n_warmup=1, n_repeat=2, log_dir=os.path.join(self.out_dir, "logs", case),
+                       timeout_s=60, verbose=False)
+        if self.use_mpi:
+            options["comm"] = self.mpi
+        options.update(extra)
+        return options
+
+    def sum_across_ranks(self, value: float) -> float:
+        """A collective inside the user's function (the kind the schedule must keep paired)."""
+        if self.use_mpi:
+            return float(self.mpi.allreduce(value))
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return float(t.item())
+
+
+def winners_of(tuner) -> list[dict]:
+    return [
+        {"kernel": r.site.kernel, "key": repr(r.site.key), "occurrence": r.site.occurrence, "winner": r.winner,
+         "block": r.config.kwargs["BLOCK"], "agreed_ms": list(r.agreed_ms), "per_rank_ms": [list(x) for x in r.per_rank_ms]}
+        for r in tuner.report.results
+    ]
+
+
+def disagreement_times(rank: int, world: int, config_index: int) -> float:
+    """Each rank alone prefers its own config; the slowest-rank (max) view prefers config ``world``."""
+    if config_index == world:
+        return 3.0
+    return 1.0 if config_index == rank else 5.0
+
+
+def _agree_case(ctx: Context, reduce: str) -> dict:
+    blocks = [16 << i for i in range(ctx.world + 1)]
+    kernel = make_kernel(blocks=blocks)
+    timer = TableTimer(lambda info: disagreement_times(ctx.rank, ctx.world, info.config_index))
+    runs = {"n": 0}
+    x = torch.randn(200, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options(f"agree_{reduce}", timer=timer, reduce=reduce))
+    def step():
+        runs["n"] += 1
+        y = torch.full_like(x, float("nan"))  # allocated inside: every run must write it
+        launch_add(kernel, x, y)
+        return y
+
+    y = step()
+    winner_block = kernel.cache[(200, str(x.dtype), str(x.dtype))].kwargs["BLOCK"]
+    return {
+        "winners": winners_of(step),
+        "runs": runs["n"],
+        "expected_runs": step.expected_runs(len(blocks)),
+        "output_ok": bool(torch.equal(y, x + winner_block)),
+        "timed_configs": sorted({i.config_index for i in timer.seen}),
+        "blocks": blocks,
+    }
+
+
+def case_agree_max(ctx):
+    return _agree_case(ctx, "max")
+
+
+def case_agree_mean(ctx):
+    return _agree_case(ctx, "mean")
+
+
+def case_agree_min(ctx):
+    return _agree_case(ctx, "min")
+
+
+def case_fail_one_rank(ctx):
+    """Config 1 of the first kernel fails on rank 1 only; a user collective sits between two kernels."""
+
+    def fault(nargs):
+        if ctx.rank == 1:
+            raise RuntimeError("injected fault: config 1 cannot run on rank 1")
+
+    first = make_kernel(blocks=(16, 32, 64), pre_hooks={1: fault})
+    second = make_kernel(blocks=(16, 32, 64))
+    fake_ms = {0: 2.0, 1: 0.5, 2: 1.0}
+    timer = TableTimer(lambda info: fake_ms[info.config_index])
+    counts = {"runs": 0, "collectives": 0}
+    x = torch.randn(300, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("fail_one_rank", timer=timer))
+    def step():
+        counts["runs"] += 1
+        y = torch.full_like(x, float("nan"))
+        z = torch.full_like(x, float("nan"))
+        launch_add(first, x, y)
+        total = ctx.sum_across_ranks(1.0)
+        counts["collectives"] += 1
+        launch_add(second, y, z)
+        return z, total
+
+    z, total = step()
+    first_block = first.cache[(300, str(x.dtype), str(x.dtype))].kwargs["BLOCK"]
+    second_block = second.cache[(300, str(x.dtype), str(x.dtype))].kwargs["BLOCK"]
+    return {
+        "winners": winners_of(step),
+        "runs": counts["runs"],
+        "collectives": counts["collectives"],
+        "expected_runs": step.expected_runs(3),
+        "total": total,
+        "output_ok": bool(torch.equal(z, x + first_block + second_block)),
+    }
+
+
+def case_mismatch_configs(ctx):
+    """Rank 1 prunes a config that the others keep: an error naming kernel and ranks, not a hang."""
+
+    def prune(configs, named_args, **kwargs):
+        return configs[:-1] if ctx.rank == 1 else configs
+
+    kernel = make_kernel(blocks=(16, 32, 64), prune_configs_by={"early_config_prune": prune})
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("mismatch_configs", timer=TableTimer(lambda i: 1.0)))
+    def step():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step()
+    return {"unexpected": "no error"}
+
+
+def case_keys_differ(ctx):
+    """Each rank launches with a different size (the tuning key): the error names the key."""
+    kernel = make_kernel()
+    x = torch.randn(64 + 16 * ctx.rank, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("keys_differ", timer=TableTimer(lambda i: 1.0)))
+    def step():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step()
+    return {"unexpected": "no error"}
+
+
+def case_all_fail(ctx):
+    """Every config fails on rank 0: the same AllConfigsFailed, with per-config errors, on every rank."""
+
+    def fault(nargs):
+        if ctx.rank == 0:
+            raise RuntimeError("injected fault on rank 0")
+
+    kernel = make_kernel(blocks=(16, 32), pre_hooks={0: fault, 1: fault})
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("all_fail", timer=TableTimer(lambda i: 1.0)))
+    def step():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step()
+    return {"unexpected": "no error"}
+
+
+def case_raise_in_run(ctx):
+    """The last rank raises inside the function (after its collective) in its 5th run: every rank raises."""
+    kernel = make_kernel()
+    runs = {"n": 0}
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("raise_in_run", timer=TableTimer(lambda i: 1.0)))
+    def step():
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        ctx.sum_across_ranks(1.0)
+        if ctx.rank == ctx.world - 1 and runs["n"] == 5:
+            raise ValueError("user code failed in run 5")
+        return y
+
+    step()
+    return {"unexpected": "no error"}
+
+
+def case_second_call(ctx):
+    """After tuning, a call runs the function once and launches the winner; no tuning, no collective."""
+    kernel = make_kernel()
+    runs = {"n": 0}
+    x = torch.randn(128, device=ctx.device)
+    timer = TableTimer(lambda info: {0: 3.0, 1: 2.0, 2: 1.0}[info.config_index])
+
+    @disttune.contextual_autotune(**ctx.tuner_options("second_call", timer=timer))
+    def step():
+        runs["n"] += 1
+        y = torch.full_like(x, float("nan"))
+        launch_add(kernel, x, y)
+        return y
+
+    step()
+    after_tuning, timed = runs["n"], len(timer.seen)
+    y = step()
+    return {"runs_added": runs["n"] - after_tuning, "timed_added": len(timer.seen) - timed,
+            "output_ok": bool(torch.equal(y, x + 64)), "tuned": step.tuned}
+
+
+def case_subgroup(ctx):
+    """Ranks split into pairs; each pair agrees over its own group (world 4)."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, ctx.world, 2)]
+    mine = pairs[ctx.rank // 2]
+    pair_index = ctx.rank // 2
+    kernel = make_kernel()
+    # pair 0 prefers config 0, pair 1 prefers config 2; within a pair ranks disagree on the runner-up
+    table = {0: {0: 1.0, 1: 2.0 + ctx.rank, 2: 4.0}, 1: {0: 4.0, 1: 2.0 + ctx.rank, 2: 1.0}}[pair_index % 2]
+    x = torch.randn(96, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("subgroup", group=mine, timer=TableTimer(lambda i: table[i.config_index])))
+    def step():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step()
+    return {"pair": pair_index, "winners": winners_of(step), "world_in_report": step.report.world_size}
+
+
+def case_timeout(ctx):
+    """Rank 1 never calls the wrapped function: rank 0 must raise CollectiveTimeout quickly."""
+    kernel = make_kernel()
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("timeout", timer=TableTimer(lambda i: 1.0), timeout_s=3))
+    def step():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    if ctx.rank == 1:
+        time.sleep(8)
+        return {"skipped": True}
+    started = time.monotonic()
+    try:
+        step()
+    except disttune.CollectiveTimeout as err:
+        return {"error_type": "CollectiveTimeout", "error": str(err), "elapsed_s": time.monotonic() - started}
+    return {"unexpected": "no error"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--mpi", action="store_true")
+    parser.add_argument("cases", nargs="+")
+    options = parser.parse_args()
+    ctx = Context(options.out_dir, options.mpi)
+    for name in options.cases:
+        try:
+            result = globals()[f"case_{name}"](ctx)
+        except Exception as err:  # recorded for the test to inspect
+            result = {"error_type": type(err).__name__, "error": str(err), "traceback": traceback.format_exc()}
+        result["rank"] = ctx.rank
+        result["world"] = ctx.world
+        with open(os.path.join(options.out_dir, f"{name}.rank{ctx.rank}.json"), "w") as handle:
+            json.dump(result, handle)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

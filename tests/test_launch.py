@@ -1,0 +1,279 @@
+"""scripts/launch.sh and disttune.dist, end to end: real 2-rank jobs on this machine.
+
+Each job is a subprocess with a timeout (helpers.run_command kills the whole tree),
+so a hang fails the test instead of the run. Jobs shared by several tests run once
+per module (fixtures) to keep the file fast on a small CPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from helpers import (
+    describe,
+    mpi,
+    rank_lines,
+    run_launch,
+    run_mpiexec,
+    run_python,
+    write_script,
+)
+
+TIMEOUT_S = 120.0
+
+# Arguments that a shell or a launcher could mangle: spaces, quotes, globs, $, empty.
+TRICKY_ARGS = ["a b", "c'd", 'e "f"', "$HOME", "*", "--opt=1 2", "", "x\\y"]
+
+ALLREDUCE_SCRIPT = """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from disttune.dist import init, destroy
+
+    info = init()
+    assert init() is info, "a second init() must return the cached info"
+    t = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(t)
+    line = (f"rank {info.rank} world {info.world_size} sum {int(t.item())} "
+            f"backend {info.backend} launcher {info.launcher} "
+            f"local {info.local_rank}/{info.local_world_size} argv {json.dumps(sys.argv[1:])}\\n")
+    sys.stdout.write(line)  # one write per line: ranks share the pipe
+    sys.stdout.flush()
+    destroy()
+"""
+
+LINE_RE = (
+    r"rank (?P<rank>\d+) world (?P<world>\d+) sum (?P<sum>\d+) backend (?P<backend>\S+) "
+    r"launcher (?P<launcher>\S+) local (?P<local>\d+)/(?P<local_world>\d+) argv (?P<argv>\[.*\])"
+)
+
+
+def _check_allreduce(proc: subprocess.CompletedProcess[str], world: int, launcher: str) -> dict[int, re.Match[str]]:
+    assert proc.returncode == 0, describe(proc)
+    lines = rank_lines(proc.stdout, LINE_RE)
+    assert sorted(lines) == list(range(world)), describe(proc)
+    expected_sum = world * (world + 1) // 2
+    for rank, m in lines.items():
+        assert int(m["world"]) == world, describe(proc)
+        assert int(m["sum"]) == expected_sum, describe(proc)
+        assert m["launcher"] == launcher, describe(proc)
+        assert m["backend"] == "gloo", describe(proc)  # no GPU here
+        assert int(m["local"]) == rank and int(m["local_world"]) == world, describe(proc)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def allreduce_script(tmp_path_factory: pytest.TempPathFactory):
+    return write_script(tmp_path_factory.mktemp("allreduce"), ALLREDUCE_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(allreduce_script) -> subprocess.CompletedProcess[str]:
+    return run_launch(["--nproc_per_node=2", str(allreduce_script), *TRICKY_ARGS], timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def mpi_job(allreduce_script) -> subprocess.CompletedProcess[str]:
+    return run_launch(["--mpi", "-n", "2", str(allreduce_script), *TRICKY_ARGS], timeout=TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------- launch.sh
+
+
+def test_help_exits_zero() -> None:
+    proc = run_launch(["--help"], timeout=30)
+    assert proc.returncode == 0, describe(proc)
+    assert "Usage:" in proc.stdout and "--nproc_per_node" in proc.stdout and "--mpi" in proc.stdout
+
+
+def test_bad_usage_is_a_clear_error(tmp_path) -> None:
+    script = write_script(tmp_path, "print('should not run')\n")
+    for args, needle in (
+        ([], "no script given"),
+        (["--bogus", str(script)], "unknown option '--bogus'"),
+        (["--nproc_per_node=zero", str(script)], "positive integer"),
+        ([str(tmp_path / "missing.py")], "not found"),
+    ):
+        proc = run_launch(args, timeout=30)
+        assert proc.returncode == 2, describe(proc)
+        assert needle in proc.stderr, describe(proc)
+        assert "should not run" not in proc.stdout
+
+
+def test_torchrun_two_ranks_allreduce(torchrun_job) -> None:
+    _check_allreduce(torchrun_job, world=2, launcher="torchrun")
+
+
+def test_torchrun_passes_arguments_intact(torchrun_job) -> None:
+    lines = _check_allreduce(torchrun_job, world=2, launcher="torchrun")
+    for m in lines.values():
+        assert json.loads(m["argv"]) == TRICKY_ARGS, describe(torchrun_job)
+
+
+@mpi
+def test_mpi_two_ranks_allreduce(mpi_job) -> None:
+    _check_allreduce(mpi_job, world=2, launcher="mpi")
+
+
+@mpi
+def test_mpi_passes_arguments_intact(mpi_job) -> None:
+    lines = _check_allreduce(mpi_job, world=2, launcher="mpi")
+    for m in lines.values():
+        assert json.loads(m["argv"]) == TRICKY_ARGS, describe(mpi_job)
+
+
+def test_plain_python_is_a_world_of_one(allreduce_script) -> None:
+    proc = run_python([str(allreduce_script), "a b"], timeout=TIMEOUT_S)
+    lines = _check_allreduce(proc, world=1, launcher="single")
+    assert json.loads(lines[0]["argv"]) == ["a b"]
+
+
+# --------------------------------------------------------------------------- communicators
+
+MPICOMM_SCRIPT = """
+    import json, sys
+    from mpi4py import MPI
+    from disttune.comm import MpiComm
+
+    comm = MpiComm(MPI.COMM_WORLD, timeout_s=30)
+    r = comm.rank
+    floats = comm.all_gather_floats([r, 10.0 * r, 0.5], step="floats")
+    # Different sizes per rank: rank 1 sends a far larger object.
+    mine = {"rank": r, "text": "x" * (10 + 20000 * r), "nested": [1, 2.5, None, {"k": r}]}
+    objects = comm.all_gather_objects(mine, step="objects")
+    comm.barrier(step="barrier")
+    out = {"rank": r, "world": comm.world_size, "floats": floats.tolist(), "shape": list(floats.shape),
+           "objects": objects}
+    sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+@mpi
+def test_mpicomm_collectives(tmp_path) -> None:
+    script = write_script(tmp_path, MPICOMM_SCRIPT)
+    proc = run_mpiexec(2, [str(script)], timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[len("RESULT "):])
+            results[res["rank"]] = res
+    assert sorted(results) == [0, 1], describe(proc)
+    expected_objects = [
+        {"rank": r, "text": "x" * (10 + 20000 * r), "nested": [1, 2.5, None, {"k": r}]} for r in range(2)
+    ]
+    for res in results.values():
+        assert res["world"] == 2
+        assert res["shape"] == [2, 3]
+        assert res["floats"] == [[0.0, 0.0, 0.5], [1.0, 10.0, 0.5]]
+        assert res["objects"] == expected_objects
+
+
+# Rank 1 skips the collective; rank 0 must raise CollectiveTimeout naming the step.
+# Rank 1 stays alive (so this is a true timeout, not a dead peer) until rank 0
+# writes the flag file; os._exit avoids tearing down a group with a pending op.
+TIMEOUT_SCRIPT = """
+    import os, sys, time
+    from pathlib import Path
+    from disttune.comm import CollectiveTimeout
+
+    flag = Path(sys.argv[2])
+    if sys.argv[1] == "mpi":
+        from mpi4py import MPI
+        from disttune.comm import MpiComm
+        comm = MpiComm(MPI.COMM_WORLD, timeout_s=2)
+    else:
+        from disttune.dist import init
+        from disttune.comm import TorchComm
+        init()
+        comm = TorchComm(timeout_s=2)
+    comm.barrier(step="warm-up")
+    if comm.rank == 0:
+        start = time.monotonic()
+        try:
+            comm.all_gather_floats([1.0], step="gather-timings")
+            print("NO TIMEOUT", flush=True)
+        except CollectiveTimeout as err:
+            elapsed = time.monotonic() - start
+            print(f"TIMEOUT after {elapsed:.2f} s: {err}", flush=True)
+        flag.write_text("done")
+    else:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(f"rank {comm.rank} done", flush=True)
+    if sys.argv[1] != "mpi":
+        os._exit(0)
+"""
+
+
+def _check_timeout(proc: subprocess.CompletedProcess[str]) -> None:
+    assert "NO TIMEOUT" not in proc.stdout, describe(proc)
+    m = re.search(r"TIMEOUT after (?P<elapsed>[\d.]+) s: (?P<msg>.*)", proc.stdout)
+    assert m, describe(proc)
+    assert "'gather-timings'" in m["msg"], describe(proc)  # the message names the step
+    assert "rank 0" in m["msg"], describe(proc)
+    assert 1.5 <= float(m["elapsed"]) < 15.0, describe(proc)  # waited ~timeout_s, then gave up
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, describe(proc)
+    assert proc.returncode == 0, describe(proc)
+
+
+@mpi
+def test_mpicomm_timeout_names_the_step(tmp_path) -> None:
+    script = write_script(tmp_path, TIMEOUT_SCRIPT)
+    proc = run_mpiexec(2, [str(script), "mpi", str(tmp_path / "flag")], timeout=TIMEOUT_S)
+    _check_timeout(proc)
+
+
+def test_torchcomm_timeout_names_the_step(tmp_path) -> None:
+    script = write_script(tmp_path, TIMEOUT_SCRIPT)
+    proc = run_launch(["--nproc_per_node", "2", str(script), "torch", str(tmp_path / "flag")], timeout=TIMEOUT_S)
+    _check_timeout(proc)
+
+
+# --------------------------------------------------------------------------- env parsing (in-process)
+
+
+def test_env_errors_name_the_variable(monkeypatch) -> None:
+    from disttune import dist
+
+    cases = [
+        ({"RANK": "0"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "2"}, "RANK"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "[0, world size)"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "MASTER_ADDR"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT"),
+        ({"PMI_RANK": "abc", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}, "PMI_RANK"),
+    ]
+    for env, needle in cases:
+        with pytest.raises(dist.DistEnvError, match=re.escape(needle)):
+            dist._detect(env)
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "soon")
+    with pytest.raises(dist.DistEnvError, match="DISTTUNE_TIMEOUT"):
+        dist._timeout_s(None)
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "7.5")
+    assert dist._timeout_s(None) == 7.5
+    assert dist._timeout_s(3) == 3.0
+
+
+def test_env_detection() -> None:
+    from disttune import dist
+
+    tr = dist._detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "node0", "MASTER_PORT": "29501"})
+    assert (tr.launcher, tr.rank, tr.world_size, tr.local_rank, tr.local_world_size) == ("torchrun", 3, 8, 1, 2)
+    assert (tr.master_addr, tr.master_port) == ("node0", 29501)
+    ompi = dist._detect({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6",
+                         "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"})
+    assert (ompi.launcher, ompi.rank, ompi.world_size, ompi.local_rank, ompi.local_world_size) == ("mpi", 5, 6, 2, 3)
+    hydra = dist._detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (hydra.launcher, hydra.rank, hydra.world_size, hydra.local_rank) == ("mpi", 1, 2, 1)
+    assert hydra.master_addr is None and hydra.master_port is None
+    single = dist._detect({})
+    assert (single.launcher, single.rank, single.world_size) == ("single", 0, 1)

@@ -1,0 +1,75 @@
+"""Small autotuned kernels and a table-driven Timer for the tuner's tests.
+
+``add_block`` writes ``x + BLOCK``: its output shows which config a launch used.
+Factories return a fresh ``Autotuner`` (empty cache) around the shared jitted body,
+so every test starts from an untuned kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from disttune.timing import LaunchInfo
+
+
+@triton.jit
+def add_block(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    tl.store(y_ptr + offsets, x + BLOCK, mask=mask)
+
+
+@triton.jit
+def accumulate(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.atomic_add(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
+def increment(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1, mask=mask)
+
+
+def block_configs(blocks: Sequence[int], pre_hooks: dict | None = None) -> list[triton.Config]:
+    pre_hooks = pre_hooks or {}
+    return [triton.Config({"BLOCK": b}, num_warps=1, pre_hook=pre_hooks.get(i)) for i, b in enumerate(blocks)]
+
+
+def make_kernel(body: Any = add_block, blocks: Sequence[int] = (16, 32, 64), pre_hooks: dict | None = None,
+                **autotune_kwargs: Any) -> Any:
+    """A fresh autotuned kernel over ``body`` with one config per block size."""
+    return triton.autotune(block_configs(blocks, pre_hooks), key=["n"], **autotune_kwargs)(body)
+
+
+def grid(n: int) -> Callable[[dict], tuple]:
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+
+
+def launch_add(kernel: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    kernel[grid(x.numel())](x, y, x.numel())
+
+
+class TableTimer:
+    """A fake Timer: runs the launch for real, reports ``table(info)`` ms and remembers what it saw."""
+
+    def __init__(self, table: Callable[[LaunchInfo], float]) -> None:
+        self.table = table
+        self.seen: list[LaunchInfo] = []
+
+    def time(self, launch: Callable[[], Any], info: LaunchInfo) -> Callable[[], float]:
+        launch()
+        self.seen.append(info)
+        value = float(self.table(info))
+        return lambda: value
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
