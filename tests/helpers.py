@@ -59,7 +59,7 @@ class CommandTimeout(subprocess.TimeoutExpired):
 
 
 def repo_env(extra: Mapping[str, str] | None = None, scrub_launcher: bool = True) -> dict[str, str]:
-    """``os.environ`` plus PYTHONPATH=<repo root>:..., TRITON_INTERPRET=1, unbuffered output.
+    """``os.environ`` plus PYTHONPATH=<repo root>:..., TRITON_INTERPRET=1 without a GPU, unbuffered output.
 
     ``PYTHON`` is set to this interpreter so ``scripts/launch.sh`` runs the same one.
     ``extra`` is applied last (a value of ``""`` still sets the variable).
@@ -71,13 +71,20 @@ def repo_env(extra: Mapping[str, str] | None = None, scrub_launcher: bool = True
                 del env[name]
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + old if old else "")
-    env["TRITON_INTERPRET"] = "1"
+    if not _cuda_available():
+        env["TRITON_INTERPRET"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("PYTHON", sys.executable)
     env.setdefault("OMP_NUM_THREADS", "1")
     if extra:
         env.update(extra)
     return env
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_command(
@@ -261,6 +268,8 @@ def mpi_missing_reason() -> str | None:
 
 
 _MPI_REASON = mpi_missing_reason()
+if _MPI_REASON and os.environ.get("DISTTUNE_REQUIRE_MPI") == "1":  # CI: a missing MPI is a failure, not a skip
+    raise RuntimeError(f"DISTTUNE_REQUIRE_MPI=1 but MPI tests cannot run: {_MPI_REASON}")
 
 #: Decorator for tests that need mpiexec and mpi4py: marks them ``mpi`` and skips with the reason.
 requires_mpi = pytest.mark.skipif(_MPI_REASON is not None, reason=_MPI_REASON or "")
