@@ -9,7 +9,7 @@ The public entry points:
 
 from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
 from .contextual import ContextualAutotuner, SiteResult, TuningError, TuningReport, contextual_autotune
-from .sites import AllConfigsFailed, SiteId
+from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 
 __all__ = [
@@ -28,5 +28,6 @@ __all__ = [
     "TuningError",
     "TuningReport",
     "contextual_autotune",
+    "describe_config",
 ]
 __version__ = "0.1.0"

@@ -38,6 +38,7 @@ from .sites import (
     SiteId,
     Statistic,
     agree,
+    describe_config,
     resolve_statistic,
     total_function_runs,
     winner_index,
@@ -451,7 +452,7 @@ class ContextualAutotuner:
         ]
         for r in report.results:
             agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({self.reduce})" if r.source == "tuned" else "cached"
-            lines.append(f"  {r.site.describe()} -> {{{r.config}}} {agreed}")
+            lines.append(f"  {r.site.describe()} -> {describe_config(r.config)}: {agreed}")
         print("\n".join(lines), file=sys.stdout, flush=True)
 
 

@@ -78,6 +78,17 @@ class Site:
         ]
 
 
+def describe_config(config: Any) -> str:
+    """A short one-line form of a ``triton.Config``: ``BLOCK_M=128 BLOCK_N=256 w8 s3``."""
+    parts = [f"{k}={v}" for k, v in config.kwargs.items()]
+    parts.append(f"w{config.num_warps} s{config.num_stages}")
+    if getattr(config, "num_ctas", 1) not in (None, 1):
+        parts.append(f"ctas{config.num_ctas}")
+    if getattr(config, "maxnreg", None):
+        parts.append(f"maxnreg{config.maxnreg}")
+    return " ".join(parts)
+
+
 def resolve_statistic(statistic: Statistic) -> Callable[[Sequence[float]], float]:
     if callable(statistic):
         return statistic

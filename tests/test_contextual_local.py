@@ -1,0 +1,468 @@
+"""contextual_autotune in one process (no torch.distributed): interception, sites, Triton options, logs.
+
+Kernels run under TRITON_INTERPRET=1 on the CPU (see conftest.py). Fake timers from
+``tiny_kernels.TableTimer`` make the expected winners computable.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+
+import disttune
+from disttune import intercept
+from tiny_kernels import TableTimer, accumulate, device, grid, increment, launch_add, make_kernel
+
+STOCK_RUN = Autotuner.run
+
+
+def tuner(tmp_path, **options):
+    options.setdefault("n_warmup", 1)
+    options.setdefault("n_repeat", 2)
+    options.setdefault("verbose", False)
+    return disttune.contextual_autotune(log_dir=tmp_path / "logs", **options)
+
+
+def host_bench(kernel_call, quantiles):
+    kernel_call()
+    return [1.0, 1.0, 1.0]
+
+
+def key_of(x):
+    return (x.numel(), str(x.dtype), str(x.dtype))
+
+
+# -- 1. interception is scoped -------------------------------------------------------------------
+
+def test_hook_is_installed_only_while_the_function_runs(tmp_path):
+    kernel = make_kernel()
+    seen = []
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
+    def step(x):
+        seen.append(intercept.hook_installed())
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    assert Autotuner.run is STOCK_RUN
+    step(torch.randn(64))
+    assert seen and all(seen)
+    assert Autotuner.run is STOCK_RUN
+    step(torch.randn(64))  # fast path also scopes the hook
+    assert Autotuner.run is STOCK_RUN
+
+
+def test_hook_restored_after_exception_and_keyboard_interrupt(tmp_path):
+    kernel = make_kernel()
+    runs = {"n": 0, "interrupt_at": 4}
+    x = torch.randn(64)
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: float(i.config_index)))
+    def step():
+        runs["n"] += 1
+        y = torch.full_like(x, float("nan"))
+        launch_add(kernel, x, y)
+        if runs["n"] == runs["interrupt_at"]:
+            raise KeyboardInterrupt
+        return y
+
+    with pytest.raises(KeyboardInterrupt):
+        step()
+    assert Autotuner.run is STOCK_RUN
+    assert kernel.cache == {} and not step.tuned, "an interrupted tuning must leave no winner behind"
+    runs["interrupt_at"] = -1
+    y = step()  # tunes again from scratch, correctly
+    assert step.tuned and torch.equal(y, x + 16)
+    assert Autotuner.run is STOCK_RUN
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
+    def broken():
+        launch_add(kernel, x, torch.empty_like(x))
+        raise ValueError("user bug")
+
+    with pytest.raises(disttune.TuningError, match="ValueError: user bug") as info:
+        broken()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert Autotuner.run is STOCK_RUN
+
+
+def test_launches_on_other_threads_are_not_intercepted(tmp_path):
+    ours = make_kernel()
+    theirs = make_kernel(blocks=(16, 32), do_bench=host_bench)  # stock Triton tuning with a host benchmarker
+    inside, done, outcome = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        inside.wait(30)
+        z = torch.randn(48)
+        out = torch.empty_like(z)
+        theirs[grid(48)](z, out, 48)
+        outcome["stock_tuned"] = key_of(z) in theirs.cache
+        outcome["handler"] = intercept.active_handler()
+        done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    timer = TableTimer(lambda i: 1.0)
+
+    @tuner(tmp_path, timer=timer)
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(ours, x, y)
+        inside.set()
+        assert done.wait(30)
+        return y
+
+    step(torch.randn(64))
+    worker.join(30)
+    assert outcome == {"stock_tuned": True, "handler": None}
+    assert {i.kernel for i in timer.seen} == {"tiny_kernels.add_block"}
+    assert len(step.report.results) == 1, "the other thread's launch must not become a site"
+
+
+def test_nested_wrapped_call_is_tuned_by_the_outer_one(tmp_path):
+    kernel = make_kernel()
+    timer = TableTimer(lambda i: {0: 3.0, 1: 1.0, 2: 2.0}[i.config_index])
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 9.0))
+    def inner(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    @tuner(tmp_path, timer=timer)
+    def outer(x):
+        return inner(x) * 2
+
+    x = torch.randn(64)
+    assert torch.equal(outer(x), (x + 32) * 2)
+    assert outer.tuned and not inner.tuned
+    assert timer.seen, "the outer tuner timed the inner function's kernel"
+
+
+def test_kernels_outside_behave_like_stock_triton(tmp_path):
+    kernel = make_kernel(do_bench=host_bench)
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: {0: 3.0, 1: 1.0, 2: 2.0}[i.config_index]))
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    x = torch.randn(64)
+    step(x)
+    y = torch.empty_like(x)
+    launch_add(kernel, x, y)  # outside: Triton's own run, hitting the committed winner
+    assert torch.equal(y, x + 32)
+    z = torch.randn(80)
+    out = torch.empty_like(z)
+    launch_add(kernel, z, out)  # a new key outside: stock Triton tunes it with its own benchmarker
+    assert key_of(z) in kernel.cache and torch.equal(out, z + kernel.cache[key_of(z)].kwargs["BLOCK"])
+
+
+# -- 2. current arguments -------------------------------------------------------------------------
+
+def test_every_run_uses_its_own_arguments_and_grid(tmp_path):
+    kernel = make_kernel()
+    pairs = []
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: float(i.config_index)))
+    def step(n):
+        x = torch.randn(n)  # fresh inputs and a fresh output each run
+        y = torch.full_like(x, float("nan"))
+        launch_add(kernel, x, y)
+        pairs.append((x, y))
+        return y
+
+    step(100)
+    assert len(pairs) == step.report.function_runs == 2 + 3 * 3
+    for x, y in pairs:
+        assert not torch.isnan(y).any(), "a run's own output was left unwritten"
+        assert any(torch.equal(y, x + b) for b in (16, 32, 64))
+
+
+# -- 3. several sites -----------------------------------------------------------------------------
+
+def test_each_kernel_key_and_occurrence_is_its_own_site(tmp_path):
+    first, second = make_kernel(), make_kernel(blocks=(16, 32))
+    # preferred config per (key size, occurrence); the second kernel prefers config 1
+    preferred = {(64, 0): 2, (64, 1): 0, (80, 0): 1}
+
+    def fake(info):
+        wanted = preferred.get((info.key[0], info.occurrence), 1)
+        return 1.0 if info.config_index == wanted else 2.0
+
+    outputs = {}
+
+    @tuner(tmp_path, timer=TableTimer(fake))
+    def step(a, b):
+        ya, yb, yc, yd = (torch.empty_like(t) for t in (a, a, b, a))
+        launch_add(first, a, ya)       # key 64, occurrence 0
+        launch_add(first, a, yb)       # key 64, occurrence 1
+        launch_add(first, b, yc)       # key 80, occurrence 0
+        launch_add(second, a, yd)      # another autotuner over the same body: key 64, occurrence 2
+        outputs.update(ya=ya, yb=yb, yc=yc, yd=yd)
+        return ya
+
+    a, b = torch.randn(64), torch.randn(80)
+    step(a, b)
+    sites = {(r.site.key[0], r.site.occurrence): r for r in step.report.results}
+    assert sorted(sites) == [(64, 0), (64, 1), (64, 2), (80, 0)]
+    assert sites[(64, 0)].winner == 2 and sites[(64, 1)].winner == 0 and sites[(80, 0)].winner == 1
+    assert torch.equal(outputs["ya"], a + 64) and torch.equal(outputs["yb"], a + 16)
+    assert torch.equal(outputs["yc"], b + 32) and torch.equal(outputs["yd"], a + 32)
+    # the fast path keeps per-occurrence winners too
+    step(a, b)
+    assert torch.equal(outputs["ya"], a + 64) and torch.equal(outputs["yb"], a + 16)
+    # each kernel's own cache holds its first occurrence's winner
+    assert first.cache[key_of(a)].kwargs["BLOCK"] == 64 and second.cache[key_of(a)].kwargs["BLOCK"] == 32
+
+
+# -- 4. Triton's options ----------------------------------------------------------------------------
+
+def test_early_config_prune_and_perf_model_top_k(tmp_path):
+    pruned = make_kernel(blocks=(16, 32, 64, 128), prune_configs_by={
+        "early_config_prune": lambda configs, nargs, **kw: [c for c in configs if c.kwargs["BLOCK"] != 64]})
+    modelled = make_kernel(blocks=(16, 32, 64, 128), prune_configs_by={
+        "perf_model": lambda **kw: -kw["BLOCK"], "top_k": 2})
+    timer = TableTimer(lambda i: 1.0)
+
+    @tuner(tmp_path, timer=timer)
+    def step(x):
+        y, z = torch.empty_like(x), torch.empty_like(x)
+        launch_add(pruned, x, y)
+        launch_add(modelled, x, z)
+        return y
+
+    step(torch.randn(64))
+    tried = {}
+    for info in timer.seen:
+        tried.setdefault(info.occurrence, set()).add(info.config.kwargs["BLOCK"])
+    assert tried == {0: {16, 32, 128}, 1: {128, 64}}
+
+
+def test_reset_to_zero_and_restore_value_keep_their_meaning(tmp_path):
+    acc = make_kernel(accumulate, reset_to_zero=["out_ptr"])
+    inc = make_kernel(increment, restore_value=["x_ptr"])
+    x = torch.randn(64)
+    out = torch.zeros(64)
+    counter = torch.arange(64, dtype=torch.float32)
+    original = counter.clone()
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
+    def step():
+        acc[grid(64)](x, out, 64)
+        inc[grid(64)](counter, 64)
+
+    step()
+    # tuning launches were reset/restored, the final run applied each kernel exactly once
+    assert torch.allclose(out, x)
+    assert torch.equal(counter, original + 1)
+
+
+def test_user_hooks_and_config_pre_hook_run_on_each_tuning_launch(tmp_path):
+    calls = {"pre": 0, "post": 0, "config": 0}
+    configs = [triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: calls.__setitem__("config", calls["config"] + 1)),
+               triton.Config({"BLOCK": 32})]
+    from tiny_kernels import add_block
+
+    kernel = triton.autotune(configs, key=["n"],
+                             pre_hook=lambda kwargs, reset_only=False: calls.__setitem__("pre", calls["pre"] + 1),
+                             post_hook=lambda kwargs, exception: calls.__setitem__("post", calls["post"] + 1))(add_block)
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: float(i.config_index)))
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step(torch.randn(64))
+    tuning_launches = 1 + 2 * (1 + 2)  # discovery + configs x (warm-up + repeat)
+    assert calls["post"] == tuning_launches
+    assert calls["pre"] == tuning_launches + 1  # + Triton's reset_only call before the real launch
+    # config 0's hook: discovery + its 3 tuning launches + the final launch (config 0 wins)
+    assert calls["config"] == 1 + 3 + 1
+
+
+def test_meta_parameter_given_by_caller_and_config_is_tritons_conflict_error(tmp_path):
+    kernel = make_kernel()
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
+    def step(x):
+        y = torch.empty_like(x)
+        kernel[(4,)](x, y, x.numel(), BLOCK=16)
+        return y
+
+    with pytest.raises(disttune.TuningError, match="Conflicting meta-parameters: BLOCK") as info:
+        step(torch.randn(64))
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+# -- 5. timing ----------------------------------------------------------------------------------------
+
+def test_host_timer_by_default_and_counts_and_statistic(tmp_path):
+    kernel = make_kernel()
+
+    @tuner(tmp_path, n_warmup=2, n_repeat=3)
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step(torch.randn(64))
+    (result,) = step.report.results
+    assert all(0 < t < float("inf") for t in result.agreed_ms)
+    assert step.report.function_runs == 2 + 3 * (2 + 3)
+
+    samples = {0: [5.0, 1.0, 1.0], 1: [2.0, 2.0, 2.0]}
+    calls = {}
+
+    def fake(info):
+        n = calls.get(info.config_index, 0)
+        calls[info.config_index] = n + 1
+        return samples[info.config_index][n]
+
+    fresh = make_kernel(blocks=(16, 32))
+
+    def run(statistic):
+        calls.clear()
+        fresh.cache.clear()
+
+        @tuner(tmp_path, n_warmup=0, n_repeat=3, timer=TableTimer(fake), statistic=statistic)
+        def g(x):
+            launch_add(fresh, x, torch.empty_like(x))
+
+        g(torch.randn(32))
+        return g.report.results[0]
+
+    assert run("median").winner == 0          # median 1.0 vs 2.0
+    assert run("mean").winner == 1           # mean 2.33 vs 2.0
+    assert run(max).winner == 1              # a callable statistic: worst sample 5.0 vs 2.0
+
+
+# -- 9/10/11. all failing, caches, run counts ---------------------------------------------------------
+
+def test_all_configs_failing_is_an_error_not_a_default(tmp_path):
+    def fault(nargs):
+        raise RuntimeError("cannot run")
+
+    kernel = make_kernel(blocks=(16, 32), pre_hooks={0: fault, 1: fault})
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
+    def step(x):
+        launch_add(kernel, x, torch.empty_like(x))
+
+    with pytest.raises(disttune.AllConfigsFailed, match=r"config\[1\].*rank 0: RuntimeError: cannot run"):
+        step(torch.randn(64))
+    assert kernel.cache == {}
+
+
+def test_single_process_needs_no_torch_distributed(tmp_path):
+    assert not torch.distributed.is_initialized()
+    kernel = make_kernel()
+    runs = {"n": 0}
+
+    timer = TableTimer(lambda i: {0: 2.0, 1: 3.0, 2: 1.0}[i.config_index])
+
+    @tuner(tmp_path, timer=timer)
+    def step(x):
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    x = torch.randn(64)
+    y = step(x)
+    assert runs["n"] == step.expected_runs(3) == 11
+    assert len(timer.seen) == 3 * 2, "only the n_repeat runs after the n_warmup ones are timed"
+    assert torch.equal(y, x + 64) and kernel.cache[key_of(x)].kwargs["BLOCK"] == 64
+    step(x)
+    assert runs["n"] == 12
+    step.retune()
+    step(x)
+    assert runs["n"] == 12 + 1, "winners already in the kernel's cache are reused: one discovery run only"
+    assert step.report.results[0].source == "cached"
+
+
+def test_untuned_key_on_the_fast_path_retunes_next_call(tmp_path):
+    kernel = make_kernel()
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: {0: 2.0, 1: 3.0, 2: 1.0}[i.config_index]))
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step(torch.randn(64))
+    with pytest.warns(RuntimeWarning, match="not tuned for"):
+        step(torch.randn(80))
+    assert not step.tuned
+    z = torch.randn(80)
+    assert torch.equal(step(z), z + 64) and step.tuned
+
+
+# -- 12. logs --------------------------------------------------------------------------------------------
+
+def test_logs_append_and_honour_the_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "envlogs"))
+    for blocks in ((16, 32), (32, 64)):
+        kernel = make_kernel(blocks=blocks)
+
+        @disttune.contextual_autotune(n_warmup=0, n_repeat=1, timer=TableTimer(lambda i: 1.0))
+        def step(x):
+            launch_add(kernel, x, torch.empty_like(x))
+
+        step(torch.randn(64))
+    lines = (tmp_path / "envlogs" / "rank-0.log").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["function"] for r in records if r["event"] == "tuning"] == [step.__qualname__] * 2
+    assert all({"rank", "host", "time"} <= r.keys() for r in records)
+    printed = capsys.readouterr().out
+    assert printed.count("disttune: tuned") == 2 and "rank-0.log" in printed
+
+
+# -- bad arguments ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, message", [
+    ({"n_repeat": 0}, "n_repeat must be an integer >= 1"),
+    ({"n_warmup": -1}, "n_warmup must be an integer >= 0"),
+    ({"n_repeat": 2.5}, "n_repeat must be an integer"),
+    ({"reduce": "median"}, "unknown reduce 'median'"),
+    ({"statistic": "p99"}, "unknown statistic 'p99'"),
+    ({"timeout_s": 0}, "timeout_s must be a positive"),
+    ({"timer": object()}, "timer must have a .time"),
+])
+def test_bad_arguments_are_clear_errors(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        disttune.contextual_autotune(**options)(lambda: None)
+
+
+def test_unknown_keyword_is_rejected():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'n_repeats'"):
+        disttune.contextual_autotune(n_repeats=3)(lambda: None)
+
+
+def test_is_dist_without_a_process_group_says_what_to_do():
+    step = disttune.contextual_autotune(is_dist=True)(lambda: None)
+    with pytest.raises(RuntimeError, match=r"disttune\.dist\.init\(\)"):
+        step()
+
+
+def test_device_helper_is_cpu_here():
+    assert device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_ties_go_to_the_lowest_config_index(tmp_path):
+    kernel = make_kernel(blocks=(16, 32, 64))
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 2.0 if i.config_index == 0 else 1.0))
+    def step(x):
+        launch_add(kernel, x, torch.empty_like(x))
+
+    step(torch.randn(64))
+    assert step.report.results[0].winner == 1

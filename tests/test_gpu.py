@@ -1,0 +1,38 @@
+"""GPU checks: NCCL, CUDA events and the AG-GEMM example tuned in context on two GPUs.
+
+Skipped on machines without CUDA GPUs (CI); run on the lent 2-GPU machine with
+``bash scripts/gpu_check.sh``. The rest of the suite also runs there, under NCCL.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from disttune.timing import CudaEventTimer, default_timer
+from helpers import describe, run_launch
+
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_events_are_the_default_timer():
+    assert isinstance(default_timer(), CudaEventTimer)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("launcher", [["--nproc_per_node=2"], ["--mpi", "-n", "2"]])
+def test_ag_gemm_tuned_in_context_with_the_12_config_space(launcher):
+    proc = run_launch([*launcher, "examples/ag_gemm.py", "--m", "8192", "--k", "8192", "--n", "8192"], timeout=540)
+    assert proc.returncode == 0, describe(proc)
+    assert "correct on every rank: True" in proc.stdout, describe(proc)
+    rows = re.findall(r"^BLOCK_M=.*$", proc.stdout, flags=re.M)
+    assert len(rows) == 12, describe(proc)
+    assert sum("<- winner" in row for row in rows) == 1
+    print(proc.stdout)
