@@ -16,7 +16,6 @@ each rank that is still alive, never a hang.
 
 from __future__ import annotations
 
-import datetime
 import pickle
 import time
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -103,18 +102,26 @@ class TorchComm:
         return f"torch.distributed ({self._dist.get_backend(self.group)}, {self.world_size} ranks)"
 
     def _wait(self, work: Any, step: str) -> None:
+        # Poll rather than trust wait(timeout): NCCL ignores that timeout unless blocking wait is on.
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
         try:
-            completed = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeout(
+                        f"disttune: rank {self.rank}: collective in step '{step}' did not complete within "
+                        f"{self.timeout_s:.0f} s (a peer rank died, raised, or skipped this step)"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2 or 1e-5, 1e-3)
+            work.wait()
+        except CollectiveTimeout:
+            raise
         except RuntimeError as err:
             raise CollectiveTimeout(
-                f"disttune: rank {self.rank}: collective in step '{step}' failed or did not complete "
-                f"within {self.timeout_s:.0f} s (a peer rank died, raised, or skipped this step): {err}"
+                f"disttune: rank {self.rank}: collective in step '{step}' failed "
+                f"(a peer rank died, raised, or skipped this step): {err}"
             ) from err
-        if completed is False:
-            raise CollectiveTimeout(
-                f"disttune: rank {self.rank}: collective in step '{step}' did not complete "
-                f"within {self.timeout_s:.0f} s"
-            )
 
     def _all_gather_tensor(self, tensor: Any, step: str) -> Any:
         torch = self._torch

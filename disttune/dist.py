@@ -14,7 +14,7 @@ process group once:
 * **nothing** (``python script.py``): a world of one process on
   ``127.0.0.1`` and a free port, so the same script runs without a launcher.
 
-The backend is ``nccl`` when CUDA has devices and ``gloo`` otherwise; with CUDA
+The backend is ``nccl`` when every local rank can have a GPU of its own and ``gloo`` otherwise; with CUDA
 each rank is pinned to ``cuda:(local_rank % device_count)`` *before* the group
 is created. Every collective's timeout comes from ``timeout_s``, else
 ``$DISTTUNE_TIMEOUT`` (seconds), else 300 s.
@@ -409,7 +409,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     launch = _detect(os.environ)
     device_count = _cuda_device_count()
     if backend is None:
-        backend = "nccl" if device_count > 0 else "gloo"
+        # NCCL needs a GPU of its own per rank; with more local ranks than GPUs fall back to gloo.
+        backend = "nccl" if 0 < launch.local_world_size <= device_count else "gloo"
     device = _device_for(launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds to the current device

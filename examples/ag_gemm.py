@@ -40,9 +40,9 @@ from disttune.kernels.matmul import (  # noqa: E402
 def parse_args() -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--m", type=int, default=8192 if gpu else 96, help="total rows of A (all ranks)")
-    parser.add_argument("--k", type=int, default=8192 if gpu else 64)
-    parser.add_argument("--n", type=int, default=8192 if gpu else 64, help="total columns of B (all ranks)")
+    parser.add_argument("--M", type=int, default=8192 if gpu else 96, help="total rows of A (all ranks)")
+    parser.add_argument("--K", type=int, default=8192 if gpu else 64)
+    parser.add_argument("--N", type=int, default=8192 if gpu else 64, help="total columns of B (all ranks)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16" if gpu else "float16")
     parser.add_argument("--n-warmup", type=int, default=3)
     parser.add_argument("--n-repeat", type=int, default=5)
@@ -55,14 +55,14 @@ def main() -> int:
     info = dt_dist.init()
     rank, world, device = info.rank, info.world_size, info.device
     dtype = getattr(torch, options.dtype)
-    if options.m % world or options.n % world:
-        raise SystemExit(f"--m ({options.m}) and --n ({options.n}) must be multiples of the world size {world}")
-    rows, cols = options.m // world, options.n // world
+    if options.M % world or options.N % world:
+        raise SystemExit(f"--M ({options.M}) and --N ({options.N}) must be multiples of the world size {world}")
+    rows, cols = options.M // world, options.N // world
     generator = torch.Generator(device="cpu").manual_seed(1234 + rank)
-    a_local = torch.randn(rows, options.k, generator=generator).to(device, dtype)
-    b_local = torch.randn(options.k, cols, generator=generator).to(device, dtype) / options.k ** 0.5
-    a_full = torch.empty(options.m, options.k, device=device, dtype=dtype)
-    c = torch.empty(options.m, cols, device=device, dtype=dtype)
+    a_local = torch.randn(rows, options.K, generator=generator).to(device, dtype)
+    b_local = torch.randn(options.K, cols, generator=generator).to(device, dtype) / options.K ** 0.5
+    a_full = torch.empty(options.M, options.K, device=device, dtype=dtype)
+    c = torch.empty(options.M, cols, device=device, dtype=dtype)
     configs = HOPPER_GEMM_CONFIGS if device.type == "cuda" else CPU_GEMM_CONFIGS
     kernel = make_matmul_kernel(configs)
 
@@ -98,7 +98,7 @@ def main() -> int:
     dist.all_gather_object(verdicts, (ok, error))
     if rank == 0:
         (result,) = ag_gemm_step.report.results
-        print(f"AG-GEMM M={options.m} K={options.k} N={options.n} {options.dtype} on {world} rank(s) "
+        print(f"AG-GEMM M={options.M} K={options.K} N={options.N} {options.dtype} on {world} rank(s) "
               f"({info.backend}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreter'})")
         print(f"{'config':<52} " + " ".join(f"{'rank ' + str(r):>9}" for r in range(world)) + f" {'agreed':>9}")
         for index, config in enumerate(result.configs):

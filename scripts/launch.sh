@@ -155,6 +155,10 @@ if [[ "$use_mpi" == 1 ]]; then
     mpi_version="$(mpiexec --version 2>&1 || true)"
     if [[ "$mpi_version" == *"Open MPI"* || "$mpi_version" == *"OpenRTE"* ]]; then
         mpi_flags+=(--allow-run-as-root --oversubscribe)
+        # Open MPI insists on an rsh agent even for local ranks; containers often have no ssh.
+        if [[ -z "${OMPI_MCA_plm_rsh_agent:-}" ]] && ! command -v ssh >/dev/null 2>&1 && ! command -v rsh >/dev/null 2>&1; then
+            mpi_flags+=(--mca plm_rsh_agent false)
+        fi
     fi
     extra=()
     if [[ -n "${MPIEXEC_ARGS:-}" ]]; then

@@ -215,7 +215,10 @@ def mpiexec_flags() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     if "Open MPI" in version or "OpenRTE" in version:
-        return ["--allow-run-as-root", "--oversubscribe"]
+        flags = ["--allow-run-as-root", "--oversubscribe"]
+        if not os.environ.get("OMPI_MCA_plm_rsh_agent") and not (shutil.which("ssh") or shutil.which("rsh")):
+            flags += ["--mca", "plm_rsh_agent", "false"]  # as scripts/launch.sh: no ssh in containers
+        return flags
     return []
 
 

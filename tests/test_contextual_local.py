@@ -19,6 +19,7 @@ from disttune import intercept
 from tiny_kernels import TableTimer, accumulate, device, grid, increment, launch_add, make_kernel
 
 STOCK_RUN = Autotuner.run
+DEV = device()
 
 
 def tuner(tmp_path, **options):
@@ -51,17 +52,17 @@ def test_hook_is_installed_only_while_the_function_runs(tmp_path):
         return y
 
     assert Autotuner.run is STOCK_RUN
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     assert seen and all(seen)
     assert Autotuner.run is STOCK_RUN
-    step(torch.randn(64))  # fast path also scopes the hook
+    step(torch.randn(64, device=DEV))  # fast path also scopes the hook
     assert Autotuner.run is STOCK_RUN
 
 
 def test_hook_restored_after_exception_and_keyboard_interrupt(tmp_path):
     kernel = make_kernel()
     runs = {"n": 0, "interrupt_at": 4}
-    x = torch.randn(64)
+    x = torch.randn(64, device=DEV)
 
     @tuner(tmp_path, timer=TableTimer(lambda i: float(i.config_index)))
     def step():
@@ -99,7 +100,7 @@ def test_launches_on_other_threads_are_not_intercepted(tmp_path):
 
     def other_thread():
         inside.wait(30)
-        z = torch.randn(48)
+        z = torch.randn(48, device=DEV)
         out = torch.empty_like(z)
         theirs[grid(48)](z, out, 48)
         outcome["stock_tuned"] = key_of(z) in theirs.cache
@@ -118,7 +119,7 @@ def test_launches_on_other_threads_are_not_intercepted(tmp_path):
         assert done.wait(30)
         return y
 
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     worker.join(30)
     assert outcome == {"stock_tuned": True, "handler": None}
     assert {i.kernel for i in timer.seen} == {"tiny_kernels.add_block"}
@@ -139,7 +140,7 @@ def test_nested_wrapped_call_is_tuned_by_the_outer_one(tmp_path):
     def outer(x):
         return inner(x) * 2
 
-    x = torch.randn(64)
+    x = torch.randn(64, device=DEV)
     assert torch.equal(outer(x), (x + 32) * 2)
     assert outer.tuned and not inner.tuned
     assert timer.seen, "the outer tuner timed the inner function's kernel"
@@ -154,12 +155,12 @@ def test_kernels_outside_behave_like_stock_triton(tmp_path):
         launch_add(kernel, x, y)
         return y
 
-    x = torch.randn(64)
+    x = torch.randn(64, device=DEV)
     step(x)
     y = torch.empty_like(x)
     launch_add(kernel, x, y)  # outside: Triton's own run, hitting the committed winner
     assert torch.equal(y, x + 32)
-    z = torch.randn(80)
+    z = torch.randn(80, device=DEV)
     out = torch.empty_like(z)
     launch_add(kernel, z, out)  # a new key outside: stock Triton tunes it with its own benchmarker
     assert key_of(z) in kernel.cache and torch.equal(out, z + kernel.cache[key_of(z)].kwargs["BLOCK"])
@@ -173,7 +174,7 @@ def test_every_run_uses_its_own_arguments_and_grid(tmp_path):
 
     @tuner(tmp_path, timer=TableTimer(lambda i: float(i.config_index)))
     def step(n):
-        x = torch.randn(n)  # fresh inputs and a fresh output each run
+        x = torch.randn(n, device=DEV)  # fresh inputs and a fresh output each run
         y = torch.full_like(x, float("nan"))
         launch_add(kernel, x, y)
         pairs.append((x, y))
@@ -209,7 +210,7 @@ def test_each_kernel_key_and_occurrence_is_its_own_site(tmp_path):
         outputs.update(ya=ya, yb=yb, yc=yc, yd=yd)
         return ya
 
-    a, b = torch.randn(64), torch.randn(80)
+    a, b = torch.randn(64, device=DEV), torch.randn(80, device=DEV)
     step(a, b)
     sites = {(r.site.key[0], r.site.occurrence): r for r in step.report.results}
     assert sorted(sites) == [(64, 0), (64, 1), (64, 2), (80, 0)]
@@ -239,7 +240,7 @@ def test_early_config_prune_and_perf_model_top_k(tmp_path):
         launch_add(modelled, x, z)
         return y
 
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     tried = {}
     for info in timer.seen:
         tried.setdefault(info.occurrence, set()).add(info.config.kwargs["BLOCK"])
@@ -249,9 +250,9 @@ def test_early_config_prune_and_perf_model_top_k(tmp_path):
 def test_reset_to_zero_and_restore_value_keep_their_meaning(tmp_path):
     acc = make_kernel(accumulate, reset_to_zero=["out_ptr"])
     inc = make_kernel(increment, restore_value=["x_ptr"])
-    x = torch.randn(64)
-    out = torch.zeros(64)
-    counter = torch.arange(64, dtype=torch.float32)
+    x = torch.randn(64, device=DEV)
+    out = torch.zeros(64, device=DEV)
+    counter = torch.arange(64, dtype=torch.float32, device=DEV)
     original = counter.clone()
 
     @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
@@ -281,7 +282,7 @@ def test_user_hooks_and_config_pre_hook_run_on_each_tuning_launch(tmp_path):
         launch_add(kernel, x, y)
         return y
 
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     tuning_launches = 1 + 2 * (1 + 2)  # discovery + configs x (warm-up + repeat)
     assert calls["post"] == tuning_launches
     assert calls["pre"] == tuning_launches + 1  # + Triton's reset_only call before the real launch
@@ -299,7 +300,7 @@ def test_meta_parameter_given_by_caller_and_config_is_tritons_conflict_error(tmp
         return y
 
     with pytest.raises(disttune.TuningError, match="Conflicting meta-parameters: BLOCK") as info:
-        step(torch.randn(64))
+        step(torch.randn(64, device=DEV))
     assert isinstance(info.value.__cause__, ValueError)
 
 
@@ -314,7 +315,7 @@ def test_host_timer_by_default_and_counts_and_statistic(tmp_path):
         launch_add(kernel, x, y)
         return y
 
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     (result,) = step.report.results
     assert all(0 < t < float("inf") for t in result.agreed_ms)
     assert step.report.function_runs == 2 + 3 * (2 + 3)
@@ -337,7 +338,7 @@ def test_host_timer_by_default_and_counts_and_statistic(tmp_path):
         def g(x):
             launch_add(fresh, x, torch.empty_like(x))
 
-        g(torch.randn(32))
+        g(torch.randn(32, device=DEV))
         return g.report.results[0]
 
     assert run("median").winner == 0          # median 1.0 vs 2.0
@@ -358,7 +359,7 @@ def test_all_configs_failing_is_an_error_not_a_default(tmp_path):
         launch_add(kernel, x, torch.empty_like(x))
 
     with pytest.raises(disttune.AllConfigsFailed, match=r"config\[1\].*rank 0: RuntimeError: cannot run"):
-        step(torch.randn(64))
+        step(torch.randn(64, device=DEV))
     assert kernel.cache == {}
 
 
@@ -376,7 +377,7 @@ def test_single_process_needs_no_torch_distributed(tmp_path):
         launch_add(kernel, x, y)
         return y
 
-    x = torch.randn(64)
+    x = torch.randn(64, device=DEV)
     y = step(x)
     assert runs["n"] == step.expected_runs(3) == 11
     assert len(timer.seen) == 3 * 2, "only the n_repeat runs after the n_warmup ones are timed"
@@ -398,11 +399,11 @@ def test_untuned_key_on_the_fast_path_retunes_next_call(tmp_path):
         launch_add(kernel, x, y)
         return y
 
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     with pytest.warns(RuntimeWarning, match="not tuned for"):
-        step(torch.randn(80))
+        step(torch.randn(80, device=DEV))
     assert not step.tuned
-    z = torch.randn(80)
+    z = torch.randn(80, device=DEV)
     assert torch.equal(step(z), z + 64) and step.tuned
 
 
@@ -417,7 +418,7 @@ def test_logs_append_and_honour_the_environment(tmp_path, monkeypatch, capsys):
         def step(x):
             launch_add(kernel, x, torch.empty_like(x))
 
-        step(torch.randn(64))
+        step(torch.randn(64, device=DEV))
     lines = (tmp_path / "envlogs" / "rank-0.log").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.startswith("{")]
     assert [r["function"] for r in records if r["event"] == "tuning"] == [step.__qualname__] * 2
@@ -464,5 +465,5 @@ def test_ties_go_to_the_lowest_config_index(tmp_path):
     def step(x):
         launch_add(kernel, x, torch.empty_like(x))
 
-    step(torch.randn(64))
+    step(torch.randn(64, device=DEV))
     assert step.report.results[0].winner == 1

@@ -29,7 +29,7 @@ def test_cuda_events_are_the_default_timer():
 @needs_two_gpus
 @pytest.mark.parametrize("launcher", [["--nproc_per_node=2"], ["--mpi", "-n", "2"]])
 def test_ag_gemm_tuned_in_context_with_the_12_config_space(launcher):
-    proc = run_launch([*launcher, "examples/ag_gemm.py", "--m", "8192", "--k", "8192", "--n", "8192"], timeout=540)
+    proc = run_launch([*launcher, "examples/ag_gemm.py", "--M", "8192", "--K", "8192", "--N", "8192"], timeout=540)
     assert proc.returncode == 0, describe(proc)
     assert "correct on every rank: True" in proc.stdout, describe(proc)
     rows = re.findall(r"^BLOCK_M=.*$", proc.stdout, flags=re.M)

@@ -36,7 +36,7 @@ ALLREDUCE_SCRIPT = """
 
     info = init()
     assert init() is info, "a second init() must return the cached info"
-    t = torch.tensor([float(info.rank + 1)])
+    t = torch.tensor([float(info.rank + 1)], device=info.device)
     dist.all_reduce(t)
     line = (f"rank {info.rank} world {info.world_size} sum {int(t.item())} "
             f"backend {info.backend} launcher {info.launcher} "
