@@ -430,6 +430,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         store = _make_store(launch, timeout)
         kwargs["store"] = store
     dist.init_process_group(**kwargs)
+    # Connect every rank now: NCCL otherwise builds its communicator inside the first collective,
+    # which blocks without a timeout if a peer never arrives.
+    dist.barrier()
     _STORE = store
     _INFO = DistInfo(
         rank=dist.get_rank(),

@@ -12,6 +12,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from helpers import (
     describe,
@@ -52,6 +53,12 @@ LINE_RE = (
 )
 
 
+def expected_backend(local_ranks: int) -> str:
+    """What dist.init must pick: NCCL when each local rank can have its own GPU, gloo otherwise."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if 0 < local_ranks <= gpus else "gloo"
+
+
 def _check_allreduce(proc: subprocess.CompletedProcess[str], world: int, launcher: str) -> dict[int, re.Match[str]]:
     assert proc.returncode == 0, describe(proc)
     lines = rank_lines(proc.stdout, LINE_RE)
@@ -61,7 +68,7 @@ def _check_allreduce(proc: subprocess.CompletedProcess[str], world: int, launche
         assert int(m["world"]) == world, describe(proc)
         assert int(m["sum"]) == expected_sum, describe(proc)
         assert m["launcher"] == launcher, describe(proc)
-        assert m["backend"] == "gloo", describe(proc)  # no GPU here
+        assert m["backend"] == expected_backend(world), describe(proc)
         assert int(m["local"]) == rank and int(m["local_world"]) == world, describe(proc)
     return lines
 
