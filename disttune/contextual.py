@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 from . import intercept as _hook
+from . import store as _store
 from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, make_communicator
 from .logs import RankLog
 from .sites import (
@@ -233,6 +234,11 @@ class ContextualAutotuner:
         log_dir: Optional[str | os.PathLike] = None,
         verbose: bool = True,
         always_tune: bool = False,
+        cache_dir: Optional[str | os.PathLike] = None,
+        store: bool = True,
+        store_check: str = "strict",
+        store_writer: str = "global",
+        pinned: Optional[str | os.PathLike] = None,
     ) -> None:
         _check_count("n_repeat", n_repeat, minimum=1)
         _check_count("n_warmup", n_warmup, minimum=0)
@@ -247,6 +253,10 @@ class ContextualAutotuner:
             raise TypeError(f"disttune: timer must have a .time(launch, info) method, got {type(timer).__name__}")
         if not is_dist and group is not None:
             raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
+        if store_check not in _store.CHECKS:
+            raise ValueError(f"disttune: store_check must be one of {_store.CHECKS}, got {store_check!r}")
+        if store_writer not in ("global", "node"):
+            raise ValueError(f"disttune: store_writer must be 'global' or 'node', got {store_writer!r}")
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.is_dist = is_dist
@@ -261,6 +271,11 @@ class ContextualAutotuner:
         self.log_dir = log_dir
         self.verbose = verbose
         self.always_tune = always_tune
+        self.cache_dir = cache_dir
+        self.use_store = store
+        self.store_check = store_check
+        self.store_writer = store_writer
+        self.pinned = pinned or os.environ.get(_store.PINNED_ENV) or None
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
         self._tuned = False
@@ -321,8 +336,10 @@ class ContextualAutotuner:
             with _hook.intercept(session):
                 result, error = self._guarded_run(session, "discover", -1, args, kwargs)
                 session.finish_run()
-                self._consensus(comm, session, error)
-                tuned = [s for s in session.sites.values() if s.preset is None]
+                winners_store = self._open_store(comm)
+                table = _store.load_table(self.pinned) if self.pinned else None
+                self._consensus(comm, session, error, self._lookups(session, winners_store, table), table)
+                tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
                 longest = max((len(s.configs) for s in tuned), default=0)
                 session.schedule = Schedule(longest, self.n_warmup, self.n_repeat)
                 for run in range(session.schedule.runs):
@@ -331,11 +348,14 @@ class ContextualAutotuner:
                     self._check_run(comm, problems, f"tuning run {run + 1}/{session.schedule.runs}")
                 results = self._agree(comm, session, tuned, log)
                 self._commit(session, results)
-                if tuned:
+                if winners_store is not None and self._is_store_writer(comm):
+                    self._save(winners_store, session, results)
+                final_run = any(s.preset is None for s in session.sites.values())
+                if final_run:
                     session.start_run("final")
                     result = self.fn(*args, **kwargs)
             wall_s = time.perf_counter() - started
-            runs = total_function_runs(longest, self.n_warmup, self.n_repeat)
+            runs = 1 + session.schedule.runs + int(final_run)
             self.report = TuningReport(tuple(results), runs, wall_s, comm.world_size)
             log.tuning(self.__qualname__, wall_s, runs, len(tuned), comm.world_size, self.reduce, str(self.statistic))
             self._tuned = True
@@ -360,12 +380,51 @@ class ContextualAutotuner:
             lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
             raise TuningError(f"disttune: {self.__qualname__}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
 
-    def _consensus(self, comm: Communicator, session: _Session, error) -> None:
-        """One all-gather of digests and discovery errors; identical verdict on every rank."""
+    # -- the persistent store -----------------------------------------------------------------
+    def _open_store(self, comm: Communicator) -> Optional[_store.WinnerStore]:
+        if not self.use_store:
+            return None
+        fingerprint = _store.environment_fingerprint(comm.world_size, _local_world_size())
+        return _store.WinnerStore(self.cache_dir, fingerprint, self.store_check)
+
+    def _is_store_writer(self, comm: Communicator) -> bool:
+        if self.store_writer == "node":
+            return _local_rank() == 0
+        return _global_rank(comm) == 0
+
+    @staticmethod
+    def _entry(site: Site) -> _store.EntryId:
+        return _store.EntryId("kernel", site.id.kernel, _store.kernel_source_key(site.autotuner), repr(site.id.key),
+                              site.id.occurrence, tuple(str(c) for c in site.configs))
+
+    def _lookups(self, session: _Session, winners_store, table) -> list:
+        """This rank's answer per site: a pinned-table or stored winner index, or None."""
+        answers = []
+        for site in session.sites.values():
+            if table is not None:
+                answers.append(_store.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
+                                                    tuple(str(c) for c in site.configs)))
+            elif winners_store is None or self.always_tune or _store.always_tune():
+                answers.append(None)
+            else:
+                record = winners_store.load(self._entry(site))
+                answers.append(None if record is None else record["winner"])
+        return answers
+
+    def _save(self, winners_store: _store.WinnerStore, session: _Session, results: list[SiteResult]) -> None:
+        for result in results:
+            if result.source == "tuned":
+                winners_store.save(self._entry(session.sites[result.site]), result.winner, list(result.agreed_ms),
+                                   {"function": self.__qualname__})
+
+    def _consensus(self, comm: Communicator, session: _Session, error, lookups: list, table) -> None:
+        """One all-gather of digests, discovery errors and store answers; identical verdict on every rank."""
         mine = {
             "error": error[1] if error else None,
             "sites": [s.digest()[:4] for s in session.sites.values()],
             "presets": [s.digest()[4] for s in session.sites.values()],
+            "lookups": lookups,
+            "table": None if table is None else _store.table_digest(table),
         }
         everyone = comm.all_gather_objects(mine, "consensus (site digest)")
         failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
@@ -381,9 +440,25 @@ class ContextualAutotuner:
         mismatch = describe_mismatch([d["sites"] for d in everyone])
         if mismatch:
             raise TuningError(f"disttune: {self.__qualname__}: ranks disagree on what to tune: {mismatch}")
+        tables = {d["table"] for d in everyone}
+        if len(tables) != 1:
+            raise TuningError(f"disttune: {self.__qualname__}: ranks loaded different pinned winner tables "
+                              f"(digests by rank: {[d['table'] for d in everyone]}); deploy the same file to all")
+        missing = []
         for index, site in enumerate(session.sites.values()):
             if len({d["presets"][index] for d in everyone}) != 1:
                 site.preset = None  # cached on some ranks only, or differently: tune it everywhere
+            answer = everyone[0]["lookups"][index]  # rank 0's entry decides for everyone
+            if table is not None:
+                site.preset = None
+                if answer is None:
+                    missing.append(site.id.describe())
+                site.decided, site.decided_by = answer, "pinned"
+            elif site.preset is None and answer is not None:
+                site.decided, site.decided_by = answer, "store"
+        if missing:
+            raise TuningError(f"disttune: {self.__qualname__}: pinned table {self.pinned} has no winner for: "
+                              + "; ".join(missing) + ". Export a table that covers these sites (disttune export).")
 
     def _agree(self, comm: Communicator, session: _Session, tuned: list[Site], log: RankLog) -> list[SiteResult]:
         local: list[float] = []
@@ -412,7 +487,11 @@ class ContextualAutotuner:
         if dead:
             self._raise_all_failed(comm, dead)
         for site in session.sites.values():
-            if site.preset is not None:
+            if site.decided is not None:
+                log.winner(site.id.kernel, site.id.key, site.id.occurrence, site.decided,
+                           str(site.configs[site.decided]), float("nan"), site.decided_by)
+                results.append(SiteResult(site.id, tuple(site.configs), (), (), site.decided, site.decided_by))
+            elif site.preset is not None:
                 index = site.configs.index(site.preset) if site.preset in site.configs else -1
                 results.append(SiteResult(site.id, tuple(site.configs), (), (), index, "cached"))
         return results
@@ -451,7 +530,7 @@ class ContextualAutotuner:
             f"({report.function_runs} runs of the function); log: {log.path}"
         ]
         for r in report.results:
-            agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({self.reduce})" if r.source == "tuned" else "cached"
+            agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({self.reduce})" if r.source == "tuned" else r.source
             lines.append(f"  {r.site.describe()} -> {describe_config(r.config)}: {agreed}")
         print("\n".join(lines), file=sys.stdout, flush=True)
 
@@ -488,6 +567,20 @@ def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:
 def _check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"disttune: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _local_rank() -> int:
+    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _local_world_size() -> int:
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
 
 
 def _global_rank(comm: Communicator) -> int:

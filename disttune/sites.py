@@ -52,6 +52,8 @@ class Site:
     samples: list = field(default_factory=list)
     failures: dict = field(default_factory=dict)  # config index -> message
     stand_in: Optional[int] = None  # index of a config that launched fine on this rank
+    decided: Optional[int] = None  # winner agreed without tuning (store or pinned table)
+    decided_by: str = ""
 
     def __post_init__(self) -> None:
         self.samples = [[] for _ in self.configs]

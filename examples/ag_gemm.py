@@ -98,6 +98,8 @@ def main() -> int:
     dist.all_gather_object(verdicts, (ok, error))
     if rank == 0:
         (result,) = ag_gemm_step.report.results
+        if result.source != "tuned":
+            print(f"winner from the {result.source} (no tuning): {disttune.describe_config(result.config)}")
         print(f"AG-GEMM M={options.M} K={options.K} N={options.N} {options.dtype} on {world} rank(s) "
               f"({info.backend}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreter'})")
         print(f"{'config':<52} " + " ".join(f"{'rank ' + str(r):>9}" for r in range(world)) + f" {'agreed':>9}")

@@ -10,3 +10,13 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def isolated_winner_store(tmp_path, monkeypatch):
+    """Each test gets its own winner store, so no test sees another's (or the user's) winners."""
+    monkeypatch.setenv("DISTTUNE_CACHE_DIR", str(tmp_path / "winner-store"))
+    monkeypatch.delenv("DISTTUNE_PINNED", raising=False)
+    monkeypatch.delenv("DISTTUNE_ALWAYS_TUNE", raising=False)

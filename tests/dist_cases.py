@@ -46,7 +46,7 @@ class Context:
 
     def tuner_options(self, case: str, **extra):
         options = dict(is_dist=True, n_warmup=1, n_repeat=2, log_dir=os.path.join(self.out_dir, "logs", case),
-                       timeout_s=60, verbose=False)
+                       cache_dir=os.path.join(self.out_dir, "store", case), timeout_s=60, verbose=False)
         if self.use_mpi:
             options["comm"] = self.mpi
         options.update(extra)

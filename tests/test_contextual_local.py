@@ -334,7 +334,7 @@ def test_host_timer_by_default_and_counts_and_statistic(tmp_path):
         calls.clear()
         fresh.cache.clear()
 
-        @tuner(tmp_path, n_warmup=0, n_repeat=3, timer=TableTimer(fake), statistic=statistic)
+        @tuner(tmp_path, n_warmup=0, n_repeat=3, timer=TableTimer(fake), statistic=statistic, store=False)
         def g(x):
             launch_add(fresh, x, torch.empty_like(x))
 
