@@ -4,11 +4,14 @@ The public entry points:
 
 * :func:`contextual_autotune` wraps a function and tunes every ``triton.autotune``
   kernel launched inside it, agreed across ranks;
+* :func:`autotune` tunes a function over keyword-argument configs, agreed across ranks;
+* :mod:`disttune.store` keeps winners on disk so the next process tunes nothing;
 * :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
 """
 
 from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
 from .contextual import ContextualAutotuner, SiteResult, TuningError, TuningReport, contextual_autotune
+from .function import FunctionAutotuner, autotune
 from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 
@@ -27,6 +30,8 @@ __all__ = [
     "TorchComm",
     "TuningError",
     "TuningReport",
+    "FunctionAutotuner",
+    "autotune",
     "contextual_autotune",
     "describe_config",
 ]

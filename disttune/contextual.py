@@ -458,7 +458,7 @@ class ContextualAutotuner:
                 site.decided, site.decided_by = answer, "store"
         if missing:
             raise TuningError(f"disttune: {self.__qualname__}: pinned table {self.pinned} has no winner for: "
-                              + "; ".join(missing) + ". Export a table that covers these sites (disttune export).")
+                              + "; ".join(missing) + ". Export a table that covers these sites (disttune.store.export_table after a tuning run).")
 
     def _agree(self, comm: Communicator, session: _Session, tuned: list[Site], log: RankLog) -> list[SiteResult]:
         local: list[float] = []

@@ -166,7 +166,7 @@ class WinnerStore:
     def _read(self, path: Path, entry: EntryId, any_environment: bool = False) -> Optional[dict]:
         try:
             text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as err:
             warnings.warn(f"disttune: cannot read store file {path}: {err}; tuning instead", StoreWarning)

@@ -269,6 +269,78 @@ def case_subgroup(ctx):
     return {"pair": pair_index, "winners": winners_of(step), "world_in_report": step.report.world_size}
 
 
+def _store_case(ctx, name: str) -> dict:
+    """Tune (or load) one site with a per-rank winner store: only rank 0's directory gets the file."""
+    kernel = make_kernel(blocks=(16, 32, 64))
+    timer = TableTimer(lambda info: {0: 3.0, 1: 1.0, 2: 2.0}[info.config_index])
+    runs = {"n": 0}
+    x = torch.randn(128, device=ctx.device)
+    cache_dir = os.path.join(os.environ["DISTTUNE_TEST_STORE"], f"rank{ctx.rank}")
+
+    @disttune.contextual_autotune(**ctx.tuner_options(name, timer=timer, cache_dir=cache_dir))
+    def step():
+        runs["n"] += 1
+        ctx.sum_across_ranks(1.0)  # a user collective: every rank must run step equally often
+        y = torch.full_like(x, float("nan"))
+        launch_add(kernel, x, y)
+        return y
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = step()
+    (result,) = step.report.results
+    return {"runs": runs["n"], "source": result.source, "winner": result.winner, "timed": len(timer.seen),
+            "output_ok": bool(torch.equal(y, x + 32)), "warnings": [str(w.message) for w in caught]}
+
+
+def case_store(ctx):
+    return _store_case(ctx, "store")
+
+
+def case_pinned(ctx):
+    """Every rank runs with the pinned table named by DISTTUNE_PINNED: no tuning at all."""
+    return _store_case(ctx, "pinned")
+
+
+def case_function(ctx):
+    """disttune.autotune over gloo/MPI: each rank alone prefers its own config, max picks the last."""
+    space = [{"chunks": c} for c in range(ctx.world + 1)]
+    timer = TableTimer(lambda info: disagreement_times(ctx.rank, ctx.world, info.config_index))
+    calls = []
+
+    @disttune.autotune(space, key_fn=lambda x: (x.shape[0],), n_warmup=1, n_repeat=2, timer=timer,
+                       comm=ctx.mpi if ctx.use_mpi else None,
+                       cache_dir=os.path.join(ctx.out_dir, "store", "function"))
+    def scaled(x, *, chunks):
+        calls.append(chunks)
+        return x * (chunks + 1) + ctx.sum_across_ranks(0.0)
+
+    x = torch.ones(4, device=ctx.device)
+    out = scaled(x)
+    return {"winner": scaled.last_timings["winner"], "agreed_ms": scaled.last_timings["agreed_ms"],
+            "calls": len(calls), "out": out.tolist(), "first": scaled(x, autotune=False).tolist()}
+
+
+def case_function_subgroup(ctx):
+    """disttune.autotune agreeing over pairs of ranks (autotune_pg)."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, ctx.world, 2)]
+    pair = ctx.rank // 2
+    table = {0: {0: 1.0, 1: 2.0 + ctx.rank, 2: 4.0}, 1: {0: 4.0, 1: 2.0 + ctx.rank, 2: 1.0}}[pair % 2]
+
+    @disttune.autotune([{"variant": v} for v in range(3)], key_fn=lambda x: x.numel(), n_warmup=0, n_repeat=1,
+                       timer=TableTimer(lambda i: table[i.config_index]),
+                       cache_dir=os.path.join(ctx.out_dir, "store", f"function_pair{pair}"))
+    def pick(x, *, variant):
+        return variant
+
+    winner = pick(torch.ones(3), autotune_pg=pairs[pair])
+    return {"pair": pair, "winner": winner}
+
+
 def case_timeout(ctx):
     """Rank 1 never calls the wrapped function: rank 0 must raise CollectiveTimeout quickly."""
     kernel = make_kernel()
