@@ -98,15 +98,16 @@ def main() -> int:
     dist.all_gather_object(verdicts, (ok, error))
     if rank == 0:
         (result,) = ag_gemm_step.report.results
-        if result.source != "tuned":
-            print(f"winner from the {result.source} (no tuning): {disttune.describe_config(result.config)}")
         print(f"AG-GEMM M={options.M} K={options.K} N={options.N} {options.dtype} on {world} rank(s) "
               f"({info.backend}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreter'})")
-        print(f"{'config':<52} " + " ".join(f"{'rank ' + str(r):>9}" for r in range(world)) + f" {'agreed':>9}")
-        for index, config in enumerate(result.configs):
-            times = " ".join(f"{row[index]:9.4f}" for row in result.per_rank_ms)
-            mark = "  <- winner" if index == result.winner else ""
-            print(f"{disttune.describe_config(config):<52} {times} {result.agreed_ms[index]:9.4f}{mark}")
+        if result.source != "tuned":
+            print(f"winner from the {result.source} (no tuning): {disttune.describe_config(result.config)}")
+        else:
+            print(f"{'config (ms)':<52} " + " ".join(f"{'rank ' + str(r):>9}" for r in range(world)) + f" {'agreed':>9}")
+            for index, config in enumerate(result.configs):
+                times = " ".join(f"{row[index]:9.4f}" for row in result.per_rank_ms)
+                mark = "  <- winner" if index == result.winner else ""
+                print(f"{disttune.describe_config(config):<52} {times} {result.agreed_ms[index]:9.4f}{mark}")
         print(f"tuning call: {tuning_s:.2f} s, {ag_gemm_step.report.function_runs} runs; "
               f"tuned step: {step_ms:.3f} ms/call (host clock, {options.timed_calls} calls)")
         print("correct on every rank:", all(v[0] for v in verdicts),

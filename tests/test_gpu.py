@@ -28,11 +28,28 @@ def test_cuda_events_are_the_default_timer():
 @pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.parametrize("launcher", [["--nproc_per_node=2"], ["--mpi", "-n", "2"]])
-def test_ag_gemm_tuned_in_context_with_the_12_config_space(launcher):
-    proc = run_launch([*launcher, "examples/ag_gemm.py", "--M", "8192", "--K", "8192", "--N", "8192"], timeout=540)
+def test_ag_gemm_tuned_in_context_with_the_12_config_space(launcher, tmp_path):
+    proc = run_launch([*launcher, "examples/ag_gemm.py", "--M", "8192", "--K", "8192", "--N", "8192"], timeout=540,
+                      extra_env={"DISTTUNE_CACHE_DIR": str(tmp_path / "store")})
     assert proc.returncode == 0, describe(proc)
     assert "correct on every rank: True" in proc.stdout, describe(proc)
     rows = re.findall(r"^BLOCK_M=.*$", proc.stdout, flags=re.M)
     assert len(rows) == 12, describe(proc)
     assert sum("<- winner" in row for row in rows) == 1
     print(proc.stdout)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_second_launch_starts_without_tuning(tmp_path):
+    env = {"DISTTUNE_CACHE_DIR": str(tmp_path / "store")}
+    shape = ["--M", "8192", "--K", "8192", "--N", "8192"]
+    first = run_launch(["--nproc_per_node=2", "examples/ag_gemm.py", *shape], timeout=540, extra_env=env)
+    second = run_launch(["--nproc_per_node=2", "examples/ag_gemm.py", *shape], timeout=540, extra_env=env)
+    for proc in (first, second):
+        assert proc.returncode == 0 and "correct on every rank: True" in proc.stdout, describe(proc)
+    assert "winner from the store (no tuning)" in second.stdout, describe(second)
+    timings = [re.search(r"tuning call: ([0-9.]+) s, (\d+) runs", p.stdout).groups() for p in (first, second)]
+    assert timings[1][1] == "2", "a store hit costs the discovery run and the final run"
+    print(f"first launch tuning call {timings[0][0]} s ({timings[0][1]} runs); "
+          f"second launch {timings[1][0]} s ({timings[1][1]} runs)")
