@@ -9,6 +9,7 @@ The public entry points:
 * :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
 """
 
+from . import dist
 from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
 from .contextual import ContextualAutotuner, SiteResult, TuningError, TuningReport, contextual_autotune
 from .function import FunctionAutotuner, autotune
@@ -16,6 +17,7 @@ from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 
 __all__ = [
+    "dist",
     "AllConfigsFailed",
     "CollectiveTimeout",
     "ContextualAutotuner",
