@@ -331,7 +331,7 @@ class ContextualAutotuner:
         comm = self._get_communicator()
         started = time.perf_counter()
         session = _Session(self.timer or default_timer(), comm.rank, self.always_tune)
-        log = RankLog(self.log_dir, _global_rank(comm))
+        log = RankLog(self.log_dir, _global_rank(comm), self.__qualname__)
         try:
             with _hook.intercept(session):
                 result, error = self._guarded_run(session, "discover", -1, args, kwargs)

@@ -5,7 +5,8 @@ never truncate one another. Events are buffered during tuning and written in one
 append at the end, keeping file I/O out of the timed runs.
 
 JSON lines start with ``{`` and carry ``"event"`` (``measure``, ``config``,
-``winner``, ``tuning``), ``rank``, ``host`` and ``time`` (ISO 8601, UTC), so
+``winner``, ``tuning``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
+``function`` (the wrapped function's qualified name), so
 ``disttune report`` can read them back with ``json.loads`` line by line.
 """
 
@@ -33,16 +34,18 @@ def _json_number(value: float) -> Optional[float]:
 class RankLog:
     """Buffered writer of one rank's log. ``flush`` appends everything buffered so far."""
 
-    def __init__(self, log_dir: Optional[str | os.PathLike], rank: int) -> None:
+    def __init__(self, log_dir: Optional[str | os.PathLike], rank: int, function: str = "") -> None:
         self.path = resolve_log_dir(log_dir) / f"rank-{rank}.log"
         self.rank = rank
+        self.function = function
         self.host = socket.gethostname()
         self._lines: list[str] = []
 
     def _add(self, event: str, text: str, **fields: Any) -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
         self._lines.append(f"{stamp} rank={self.rank} host={self.host} {event}: {text}")
-        record = {"event": event, "rank": self.rank, "host": self.host, "time": stamp, **fields}
+        record = {"event": event, "rank": self.rank, "host": self.host, "time": stamp, "function": self.function,
+                  **fields}
         self._lines.append(json.dumps(record, default=str))
 
     def measure(self, site: str, key: tuple, config_index: int, config: str, iteration: int, ms: float) -> None:

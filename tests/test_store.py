@@ -159,8 +159,9 @@ def test_warn_mode_uses_an_entry_from_another_environment(tmp_path):
     tuned_step(make_kernel(), preferring(2))(x)
     (path,) = store_files(tmp_path / "winner-store")
     record = json.loads(path.read_text())
-    record["fingerprint"]["torch"] = "0.0.1"
-    path.write_text(json.dumps(record))
+    record["fingerprint"]["torch"] = "0.0.1"  # as if written by another torch: another file name
+    path.with_name(path.name.split("-")[0] + "-0123456789abcdef.json").write_text(json.dumps(record))
+    path.unlink()
     timer = preferring(1)
     step = tuned_step(make_kernel(), timer, store_check="warn")
     with pytest.warns(store.StoreWarning, match="another environment.*torch"):
