@@ -342,10 +342,16 @@ class ContextualAutotuner:
                 tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
                 longest = max((len(s.configs) for s in tuned), default=0)
                 session.schedule = Schedule(longest, self.n_warmup, self.n_repeat)
+                progress = _progress_bar(self.verbose and comm.rank == 0, session.schedule.runs,
+                                         f"disttune {self.__qualname__}: {len(tuned)} site(s), {longest} config(s)")
                 for run in range(session.schedule.runs):
                     _, error = self._guarded_run(session, "tune", run, args, kwargs)
                     problems = session.finish_run() + ([error[1]] if error else [])
                     self._check_run(comm, problems, f"tuning run {run + 1}/{session.schedule.runs}")
+                    if progress is not None:
+                        progress.update(1)
+                if progress is not None:
+                    progress.close()
                 results = self._agree(comm, session, tuned, log)
                 self._commit(session, results)
                 if winners_store is not None and self._is_store_writer(comm):
@@ -361,6 +367,11 @@ class ContextualAutotuner:
             self._tuned = True
             if self.verbose and comm.rank == 0:
                 self._print_summary(log)
+            if _triton_prints_autotuning():
+                for r in self.report.results:
+                    print(f"Triton autotuning for function {r.site.kernel} (disttune, rank {comm.rank}),\n"
+                          f"with key as {r.site.key},\nfinished after {wall_s:.2f}s,\n"
+                          f"best config selected: {r.config};", flush=True)
             return result
         finally:
             log.flush()
@@ -567,6 +578,27 @@ def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:
 def _check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"disttune: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _progress_bar(wanted: bool, total: int, description: str) -> Any:
+    """A tqdm bar on stderr when wanted, on a terminal, and not disabled by DISTTUNE_PROGRESS=0."""
+    if not wanted or total == 0 or os.environ.get("DISTTUNE_PROGRESS", "1") == "0" or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=description, unit="run", leave=False, file=sys.stderr)
+
+
+def _triton_prints_autotuning() -> bool:
+    """Honour TRITON_PRINT_AUTOTUNING=1 as Triton does (its knob, else the variable)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.autotuning.print)
+    except (ImportError, AttributeError):
+        return os.environ.get("TRITON_PRINT_AUTOTUNING", "0") == "1"
 
 
 def _local_rank() -> int:
