@@ -20,3 +20,12 @@ def isolated_winner_store(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTTUNE_CACHE_DIR", str(tmp_path / "winner-store"))
     monkeypatch.delenv("DISTTUNE_PINNED", raising=False)
     monkeypatch.delenv("DISTTUNE_ALWAYS_TUNE", raising=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from fault_tally import TALLY
+
+    if TALLY["trials"]:
+        terminalreporter.write_line(
+            "fault injection: {trials} trials, {faults} faults injected, {hangs} hangs, "
+            "{disagreements} disagreements, {torn_files} torn files".format(**TALLY))

@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -51,6 +52,13 @@ class Context:
             options["comm"] = self.mpi
         options.update(extra)
         return options
+
+    def gather_ints(self, value: int) -> list[int]:
+        if self.use_mpi:
+            return list(self.mpi.allgather(value))
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, value)
+        return out
 
     def sum_across_ranks(self, value: float) -> float:
         """A collective inside the user's function (the kind the schedule must keep paired)."""
@@ -341,6 +349,130 @@ def case_function_subgroup(ctx):
     return {"pair": pair, "winner": winner}
 
 
+def _compile_fault_case(ctx, limit_for_rank) -> dict:
+    """The kernel's static assertion fails for BLOCK >= LIMIT; LIMIT differs per rank."""
+    from tiny_kernels import add_block_limited, grid
+
+    kernel = make_kernel(add_block_limited)
+    timer = TableTimer(lambda info: {0: 3.0, 1: 2.0, 2: 1.0}[info.config_index])
+    runs = {"n": 0}
+    x = torch.randn(128, device=ctx.device)
+    limit = limit_for_rank(ctx.rank)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("compile_fault", timer=timer, store=False))
+    def step():
+        runs["n"] += 1
+        y = torch.full_like(x, float("nan"))
+        kernel[grid(128)](x, y, 128, LIMIT=limit)
+        ctx.sum_across_ranks(1.0)
+        return y
+
+    y = step()
+    winner = step.report.results[0]
+    return {"runs": runs["n"], "winner": winner.winner, "agreed_ms": list(winner.agreed_ms),
+            "output_ok": bool(torch.equal(y, x + winner.config.kwargs["BLOCK"]))}
+
+
+def case_compile_fault_one_rank(ctx):
+    return _compile_fault_case(ctx, lambda rank: 64 if rank == 1 else 1024)  # BLOCK 64 fails on rank 1
+
+
+def case_compile_fault_all_ranks(ctx):
+    return _compile_fault_case(ctx, lambda rank: 64)
+
+
+def case_compile_fault_every_config_one_rank(ctx):
+    return _compile_fault_case(ctx, lambda rank: 16 if rank == 0 else 1024)
+
+
+def _raise_at(ctx, name: str, failing_run: int) -> dict:
+    kernel = make_kernel()
+    runs = {"n": 0}
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options(name, timer=TableTimer(lambda i: 1.0), store=False))
+    def step():
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        ctx.sum_across_ranks(1.0)
+        if ctx.rank == ctx.world - 1 and runs["n"] == failing_run:
+            raise RuntimeError(f"injected failure in run {failing_run}")
+        return y
+
+    started = time.monotonic()
+    step()
+    return {"unexpected": "no error", "elapsed_s": time.monotonic() - started}
+
+
+def case_raise_first_run(ctx):
+    return _raise_at(ctx, "raise_first_run", 1)
+
+
+def case_raise_last_config(ctx):
+    return _raise_at(ctx, "raise_last_config", 2 + 2 * 3)  # a run of the last of 3 configs (1 warm-up + 2)
+
+
+def case_rank_killed(ctx):
+    """The last rank dies (SIGKILL) in the middle of tuning: the others raise within the timeout."""
+    import signal
+
+    kernel = make_kernel()
+    runs = {"n": 0}
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("rank_killed", timer=TableTimer(lambda i: 1.0), store=False,
+                                                      timeout_s=5))
+    def step():
+        runs["n"] += 1
+        if ctx.rank == ctx.world - 1 and runs["n"] == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    started = time.monotonic()
+    try:
+        step()
+    except Exception as err:
+        return {"error_type": type(err).__name__, "error": str(err), "elapsed_s": time.monotonic() - started}
+    return {"unexpected": "no error"}
+
+
+def case_soak(ctx):
+    """200 tunings of a small AG-GEMM-like step with random per-rank timing noise: winners always agree."""
+    import random
+    import resource
+
+    rng = random.Random(1000 + ctx.rank)
+    disagreements, rss, fds = 0, [], []
+    x = torch.randn(96, device=ctx.device)
+    for trial in range(int(os.environ.get("DISTTUNE_SOAK_TRIALS", "200"))):
+        kernel = make_kernel()
+        base = {0: 1.0, 1: 1.05, 2: 1.1}
+
+        @disttune.contextual_autotune(**ctx.tuner_options("soak", n_warmup=0, n_repeat=1, store=False,
+                                                          timer=TableTimer(lambda i: base[i.config_index]
+                                                                           * rng.uniform(0.8, 1.25))))
+        def step():
+            full = torch.empty(x.numel() * ctx.world, device=ctx.device)
+            if ctx.use_mpi:
+                full.copy_(torch.from_numpy(np.concatenate(ctx.mpi.allgather(x.cpu().numpy()))))
+            else:
+                torch.distributed.all_gather(list(full.chunk(ctx.world)), x)
+            y = torch.empty_like(full)
+            launch_add(kernel, full, y)
+            return y
+
+        step()
+        winners = ctx.gather_ints(step.report.results[0].winner)
+        disagreements += len(set(winners)) != 1
+        if trial in (20, 199):
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            fds.append(len(os.listdir("/proc/self/fd")))
+    return {"disagreements": disagreements, "rss_kb": rss, "fds": fds}
+
+
 def case_timeout(ctx):
     """Rank 1 never calls the wrapped function: rank 0 must raise CollectiveTimeout quickly."""
     kernel = make_kernel()
@@ -380,7 +512,7 @@ def main() -> None:
         with open(os.path.join(options.out_dir, f"{name}.rank{ctx.rank}.json"), "w") as handle:
             json.dump(result, handle)
     sys.stdout.flush()
-    if "timeout" in options.cases:
+    if "timeout" in options.cases or "rank_killed" in options.cases:
         os._exit(0)  # a timed-out collective leaves the group unusable; skip its teardown
     if not options.mpi:
         import torch.distributed as dist

@@ -73,3 +73,12 @@ class TableTimer:
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@triton.jit
+def add_block_limited(x_ptr, y_ptr, n, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """``add_block`` that fails to compile (static assertion) when BLOCK >= LIMIT: a real compile fault."""
+    tl.static_assert(BLOCK < LIMIT, "BLOCK must be smaller than LIMIT")
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + BLOCK, mask=mask)

@@ -1,0 +1,162 @@
+"""Fault injection: no hang, no disagreement, no torn file, under every fault we can inject on CPUs.
+
+Covers compile failures on one rank / all ranks / every config of one rank (a real
+``tl.static_assert``), exceptions inside the function at the first run, mid-tuning and
+in the last config, a rank killed mid-tuning, per-rank keys and config lists, 8 ranks,
+a writer killed mid-write, and a 200-tuning soak with random timing noise over 4 ranks.
+Every launch is bounded in wall time. The session ends with one summary line:
+trials, faults injected, hangs, disagreements, torn files (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fault_tally import TALLY
+from helpers import CommandTimeout, REPO_ROOT, describe, mpi, repo_env, run_launch
+
+CASES = Path(__file__).with_name("dist_cases.py")
+
+
+def launch(tmp_path: Path, launcher: list[str], cases: list[str], faults_per_case: int = 1, **env) -> dict:
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    out.mkdir()
+    mpi_flag = ["--mpi"] if launcher[0] == "--mpi" else []
+    TALLY["trials"] += len(cases)
+    TALLY["faults"] += faults_per_case * len(cases)
+    try:
+        proc = run_launch([*launcher, str(CASES), str(out), *mpi_flag, *cases], timeout=300,
+                          extra_env={"DISTTUNE_TIMEOUT": "30", **env})
+    except CommandTimeout:
+        TALLY["hangs"] += 1
+        raise
+    assert proc.returncode == 0, describe(proc)
+    world = int(launcher[-1].split("=")[-1])
+    return {case: [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(world)] for case in cases}
+
+
+def agreed(per_rank: list[dict], *fields: str) -> None:
+    """Every rank reports the same values for ``fields``; a difference counts as a disagreement."""
+    values = {json.dumps([r.get(f) for f in fields]) for r in per_rank}
+    if len(values) != 1:
+        TALLY["disagreements"] += 1
+    assert len(values) == 1, per_rank
+
+
+def test_compile_failures_on_one_rank_all_ranks_and_every_config(tmp_path):
+    results = launch(tmp_path, ["--nproc_per_node=2"], ["compile_fault_one_rank", "compile_fault_all_ranks",
+                                                        "compile_fault_every_config_one_rank"])
+    for case in ("compile_fault_one_rank", "compile_fault_all_ranks"):
+        per_rank = results[case]
+        agreed(per_rank, "winner", "runs")
+        for result in per_rank:
+            assert "error" not in result, result.get("traceback")
+            # config 2 (BLOCK 64, the fastest) cannot compile somewhere: inf everywhere, config 1 wins
+            assert result["agreed_ms"][2] == float("inf") and result["winner"] == 1
+            assert result["runs"] == 2 + 3 * 3 and result["output_ok"]
+    every = results["compile_fault_every_config_one_rank"]
+    agreed(every, "error_type", "error")
+    assert every[0]["error_type"] == "AllConfigsFailed"
+    assert "rank 0:" in every[0]["error"] and "BLOCK must be smaller than LIMIT" in every[0]["error"]
+
+
+def test_exceptions_inside_the_function_at_any_point(tmp_path):
+    results = launch(tmp_path, ["--nproc_per_node=2"], ["raise_first_run", "raise_in_run", "raise_last_config"])
+    for case, where in (("raise_first_run", "discovery run"), ("raise_in_run", "tuning run 4/"),
+                        ("raise_last_config", "tuning run 7/")):
+        per_rank = results[case]
+        agreed(per_rank, "error_type", "error")
+        assert per_rank[0]["error_type"] == "TuningError" and where in per_rank[0]["error"], per_rank[0]
+        assert "rank 1:" in per_rank[0]["error"]
+
+
+def test_rank_dependent_keys_and_config_lists_on_eight_ranks(tmp_path):
+    results = launch(tmp_path, ["--nproc_per_node=8"], ["keys_differ", "mismatch_configs", "fail_one_rank",
+                                                        "agree_max"])
+    agreed(results["keys_differ"], "error")
+    assert all(f"key=({64 + 16 * r}," in results["keys_differ"][0]["error"] for r in range(8))
+    agreed(results["mismatch_configs"], "error")
+    assert "ranks [1]" in results["mismatch_configs"][0]["error"]
+    agreed(results["fail_one_rank"], "winners", "runs")
+    agreed(results["agree_max"], "winners")
+    assert results["agree_max"][0]["winners"][0]["winner"] == 8  # every rank alone prefers its own config
+
+
+def run_ranks_without_supervisor(world: int, args: list[str], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks by hand (torchrun would kill the survivors when one rank dies)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = repo_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "DISTTUNE_TIMEOUT": "30"})
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            TALLY["hangs"] += 1
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def test_a_rank_killed_mid_tuning_is_an_error_on_the_others(tmp_path):
+    TALLY["trials"] += 1
+    TALLY["faults"] += 1
+    procs = run_ranks_without_supervisor(3, [str(CASES), str(tmp_path), "rank_killed"], timeout=120)
+    assert procs[2].returncode == -9, "the last rank was meant to die by SIGKILL"
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank_killed.rank{rank}.json").read_text())
+        assert result.get("error_type") in ("CollectiveTimeout", "TuningError"), result
+        assert "rank" in result["error"] and "tuning run" in result["error"]
+        assert result["elapsed_s"] < 60
+
+
+def test_writer_killed_mid_write_leaves_no_torn_file(tmp_path):
+    from test_store import test_writer_killed_mid_write_leaves_the_old_entry_whole as killed_writer
+
+    TALLY["trials"] += 1
+    TALLY["faults"] += 1
+    try:
+        killed_writer(tmp_path)
+    except (AssertionError, json.JSONDecodeError):
+        TALLY["torn_files"] += 1
+        raise
+
+
+def test_soak_200_tunings_on_four_ranks_always_agree(tmp_path):
+    (per_rank,) = launch(tmp_path, ["--nproc_per_node=4"], ["soak"], faults_per_case=200).values()
+    TALLY["trials"] += 199  # 200 tunings in the one launch
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        TALLY["disagreements"] += result["disagreements"]
+        assert result["disagreements"] == 0
+        early, late = result["rss_kb"]
+        assert late - early < 64 * 1024, f"resident memory grew by {late - early} kB over 180 tunings"
+        assert result["fds"][1] <= result["fds"][0] + 2, f"open files grew: {result['fds']}"
+
+
+@mpi
+def test_faults_under_mpi(tmp_path):
+    results = launch(tmp_path, ["--mpi", "-n", "2"], ["compile_fault_one_rank", "raise_first_run"])
+    agreed(results["compile_fault_one_rank"], "winner", "runs")
+    assert results["compile_fault_one_rank"][0]["winner"] == 1
+    agreed(results["raise_first_run"], "error")
+    assert results["raise_first_run"][0]["error_type"] == "TuningError"
