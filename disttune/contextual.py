@@ -19,6 +19,7 @@ combined (max by default), so every rank picks the same winner. See
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import sys
@@ -84,8 +85,10 @@ class TuningReport:
 class _Session:
     """The launch handler of one call of the wrapped function: discover, tune, final or fast mode."""
 
-    def __init__(self, timer: Timer, rank: int, always_tune: bool) -> None:
+    def __init__(self, timer: Timer, rank: int, always_tune: bool, compile_pool: Any = None) -> None:
         self.timer = timer
+        self.compile_pool = compile_pool
+        self._compiles: dict[SiteId, list] = {}
         self.rank = rank
         self.always_tune = always_tune
         self.sites: dict[SiteId, Site] = {}
@@ -148,8 +151,11 @@ class _Session:
         self.sites[ident] = site
         if preset is not None:
             return _hook.launch_winner(autotuner, args, kwargs, preset)
+        compiles = self._start_compiles(ident, autotuner, configs, args, kwargs)
         for index, config in enumerate(configs):
             try:
+                if compiles:
+                    compiles[index].result()  # this config compiled (the rest go on in the background)
                 result = _hook.launch_config(autotuner, args, kwargs, config)
             except Exception as err:  # a config that fails here is scored inf, not fatal
                 site.record_failure(index, err)
@@ -157,6 +163,26 @@ class _Session:
             site.stand_in = index
             return result
         return None  # nothing launches on this rank; agreement fails the site on every rank
+
+    def _start_compiles(self, ident: SiteId, autotuner: Any, configs: list, args: tuple, kwargs: dict) -> list:
+        """Compile every candidate in the pool (JITFunction.warmup: no launch); [] when not pooled."""
+        if self.compile_pool is None or not _hook.can_precompile(autotuner):
+            return []
+        device = _hook.current_cuda_device()
+        futures = [self.compile_pool.submit(_hook.precompile, autotuner, args, kwargs, config, device)
+                   for config in configs]
+        self._compiles[ident] = futures
+        return futures
+
+    def finish_compiles(self) -> None:
+        """Wait for the compile pool; a config that did not compile fails on this rank (inf)."""
+        for ident, futures in self._compiles.items():
+            for index, future in enumerate(futures):
+                try:
+                    future.result()
+                except Exception as err:
+                    self.sites[ident].record_failure(index, err)
+        self._compiles.clear()
 
     def _launch_tune(self, ident, autotuner, args, kwargs) -> Any:
         site = self.sites.get(ident)
@@ -239,6 +265,7 @@ class ContextualAutotuner:
         store_check: str = "strict",
         store_writer: str = "global",
         pinned: Optional[str | os.PathLike] = None,
+        compile_threads: Optional[int] = None,
     ) -> None:
         _check_count("n_repeat", n_repeat, minimum=1)
         _check_count("n_warmup", n_warmup, minimum=0)
@@ -276,6 +303,9 @@ class ContextualAutotuner:
         self.store_check = store_check
         self.store_writer = store_writer
         self.pinned = pinned or os.environ.get(_store.PINNED_ENV) or None
+        if compile_threads is not None:
+            _check_count("compile_threads", compile_threads, minimum=0)
+        self.compile_threads = compile_threads
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
         self._tuned = False
@@ -330,11 +360,14 @@ class ContextualAutotuner:
     def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
         comm = self._get_communicator()
         started = time.perf_counter()
-        session = _Session(self.timer or default_timer(), comm.rank, self.always_tune)
+        threads = _hook.default_compile_threads() if self.compile_threads is None else self.compile_threads
+        pool = concurrent.futures.ThreadPoolExecutor(threads, "disttune-compile") if threads > 0 else None
+        session = _Session(self.timer or default_timer(), comm.rank, self.always_tune, pool)
         log = RankLog(self.log_dir, _global_rank(comm), self.__qualname__)
         try:
             with _hook.intercept(session):
                 result, error = self._guarded_run(session, "discover", -1, args, kwargs)
+                session.finish_compiles()
                 session.finish_run()
                 winners_store = self._open_store(comm)
                 table = _store.load_table(self.pinned) if self.pinned else None
@@ -374,6 +407,8 @@ class ContextualAutotuner:
                           f"best config selected: {r.config};", flush=True)
             return result
         finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             log.flush()
 
     def _guarded_run(self, session: _Session, mode: str, run: int, args: tuple, kwargs: dict):

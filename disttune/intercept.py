@@ -156,3 +156,40 @@ def kernel_name(autotuner: Autotuner) -> str:
         fn = autotuner.base_fn
         name = autotuner._disttune_name = f"{fn.__module__}.{fn.__qualname__}"
     return name
+
+
+def can_precompile(autotuner: Autotuner) -> bool:
+    """Whether the kernel can be compiled without a launch (a JITFunction on a real GPU backend)."""
+    from triton.runtime.jit import JITFunction
+
+    from .timing import interpreting
+
+    return isinstance(autotuner.fn, JITFunction) and not interpreting()
+
+
+def current_cuda_device() -> Optional[int]:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def default_compile_threads() -> int:
+    """Compile threads when none are asked for: up to 8 on a GPU backend, none in the interpreter."""
+    import os
+
+    from .timing import interpreting
+
+    if interpreting() or current_cuda_device() is None:
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def precompile(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any, device: Optional[int]) -> Any:
+    """Compile one config of a launch on a worker thread (``JITFunction.warmup``), on the caller's GPU."""
+    if device is not None:
+        import torch
+
+        torch.cuda.set_device(device)  # the CUDA device is per thread; compile for the launching rank's GPU
+    meta = {k: v for k, v in kwargs.items() if k != "warmup"}
+    check_conflicts(autotuner, meta, config)
+    return autotuner.fn.warmup(*args, **meta, **config.all_kwargs())
