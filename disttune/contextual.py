@@ -85,8 +85,10 @@ class TuningReport:
 class _Session:
     """The launch handler of one call of the wrapped function: discover, tune, final or fast mode."""
 
-    def __init__(self, timer: Timer, rank: int, always_tune: bool, compile_pool: Any = None) -> None:
+    def __init__(self, timer: Timer, rank: int, always_tune: bool, compile_pool: Any = None,
+                 lookup: Optional[Callable[[Site], Optional[int]]] = None) -> None:
         self.timer = timer
+        self.lookup = lookup  # this rank's stored/pinned winner for a new site, if any
         self.compile_pool = compile_pool
         self._compiles: dict[SiteId, list] = {}
         self.rank = rank
@@ -151,8 +153,19 @@ class _Session:
         self.sites[ident] = site
         if preset is not None:
             return _hook.launch_winner(autotuner, args, kwargs, preset)
+        site.local_answer = self.lookup(site) if self.lookup is not None else None
+        if site.local_answer is not None:
+            # A stored or pinned winner: compile and launch just that one (a warm start compiles nothing else).
+            try:
+                result = _hook.launch_config(autotuner, args, kwargs, configs[site.local_answer])
+                site.stand_in = site.local_answer
+                return result
+            except Exception as err:
+                site.record_failure(site.local_answer, err)
         compiles = self._start_compiles(ident, autotuner, configs, args, kwargs)
         for index, config in enumerate(configs):
+            if index in site.failures:
+                continue
             try:
                 if compiles:
                     compiles[index].result()  # this config compiled (the rest go on in the background)
@@ -362,16 +375,17 @@ class ContextualAutotuner:
         started = time.perf_counter()
         threads = _hook.default_compile_threads() if self.compile_threads is None else self.compile_threads
         pool = concurrent.futures.ThreadPoolExecutor(threads, "disttune-compile") if threads > 0 else None
-        session = _Session(self.timer or default_timer(), comm.rank, self.always_tune, pool)
+        winners_store = self._open_store(comm)
+        table = _store.load_table(self.pinned) if self.pinned else None
+        session = _Session(self.timer or default_timer(), comm.rank, self.always_tune, pool,
+                           self._lookup_function(winners_store, table))
         log = RankLog(self.log_dir, _global_rank(comm), self.__qualname__)
         try:
             with _hook.intercept(session):
                 result, error = self._guarded_run(session, "discover", -1, args, kwargs)
                 session.finish_compiles()
                 session.finish_run()
-                winners_store = self._open_store(comm)
-                table = _store.load_table(self.pinned) if self.pinned else None
-                self._consensus(comm, session, error, self._lookups(session, winners_store, table), table)
+                self._consensus(comm, session, error, [s.local_answer for s in session.sites.values()], table)
                 tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
                 longest = max((len(s.configs) for s in tuned), default=0)
                 session.schedule = Schedule(longest, self.n_warmup, self.n_repeat)
@@ -443,19 +457,19 @@ class ContextualAutotuner:
         return _store.EntryId("kernel", site.id.kernel, _store.kernel_source_key(site.autotuner), repr(site.id.key),
                               site.id.occurrence, tuple(str(c) for c in site.configs))
 
-    def _lookups(self, session: _Session, winners_store, table) -> list:
-        """This rank's answer per site: a pinned-table or stored winner index, or None."""
-        answers = []
-        for site in session.sites.values():
-            if table is not None:
-                answers.append(_store.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
-                                                    tuple(str(c) for c in site.configs)))
-            elif winners_store is None or self.always_tune or _store.always_tune():
-                answers.append(None)
-            else:
-                record = winners_store.load(self._entry(site))
-                answers.append(None if record is None else record["winner"])
-        return answers
+    def _lookup_function(self, winners_store, table) -> Optional[Callable[[Site], Optional[int]]]:
+        """How this rank answers for a new site: its pinned-table or stored winner index, or None."""
+        if table is not None:
+            return lambda site: _store.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
+                                                     tuple(str(c) for c in site.configs))
+        if winners_store is None or self.always_tune or _store.always_tune():
+            return None
+
+        def stored(site: Site) -> Optional[int]:
+            record = winners_store.load(self._entry(site))
+            return None if record is None else record["winner"]
+
+        return stored
 
     def _save(self, winners_store: _store.WinnerStore, session: _Session, results: list[SiteResult]) -> None:
         for result in results:

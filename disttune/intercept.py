@@ -174,14 +174,15 @@ def current_cuda_device() -> Optional[int]:
 
 
 def default_compile_threads() -> int:
-    """Compile threads when none are asked for: up to 8 on a GPU backend, none in the interpreter."""
+    """Compile threads when none are asked for: up to 16 per rank on a GPU backend, none in the interpreter."""
     import os
 
     from .timing import interpreting
 
     if interpreting() or current_cuda_device() is None:
         return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # ranks of this node compile side by side
+    return max(1, min(16, (os.cpu_count() or 2) // max(1, ranks_here)))
 
 
 def precompile(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any, device: Optional[int]) -> Any:

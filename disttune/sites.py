@@ -52,6 +52,7 @@ class Site:
     samples: list = field(default_factory=list)
     failures: dict = field(default_factory=dict)  # config index -> message
     stand_in: Optional[int] = None  # index of a config that launched fine on this rank
+    local_answer: Optional[int] = None  # this rank's stored or pinned winner, before agreement
     decided: Optional[int] = None  # winner agreed without tuning (store or pinned table)
     decided_by: str = ""
 
