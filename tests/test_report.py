@@ -1,0 +1,226 @@
+"""disttune.report: merged Markdown report and plots from per-rank logs.
+
+One real 2-rank launch (gloo, interpreter, fake timer tables) supplies logs for the main tests;
+damaged directories are written here with disttune.logs.RankLog and then corrupted by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from disttune.logs import RankLog
+from disttune.report import build_report, short_config
+from helpers import describe, run_launch
+
+CASES = Path(__file__).with_name("dist_cases.py")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+KERNEL = "tiny_kernels.add_block"
+KEY = (128, "torch.float32", "torch.float32")
+CONFIGS = [f"BLOCK: {b}, num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None" for b in (16, 32, 64)]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("report-run")
+    proc = run_launch(["--nproc_per_node=2", str(CASES), str(out), "agree_max", "fail_one_rank"],
+                      extra_env={"DISTTUNE_TIMEOUT": "30"}, timeout=240)
+    assert proc.returncode == 0, describe(proc)
+    return out
+
+
+def expected_winners(out: Path, case: str) -> dict[int, int]:
+    """occurrence -> winner index, from what each rank returned (all ranks must agree)."""
+    per_rank = [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(2)]
+    for result in per_rank:
+        assert "winners" in result, result
+    winners = [{w["occurrence"]: w["winner"] for w in result["winners"]} for result in per_rank]
+    assert winners[0] == winners[1]
+    return winners[0]
+
+
+def site_sections(markdown: str) -> dict[int, str]:
+    """occurrence -> that site's Markdown section."""
+    sections = {}
+    for part in markdown.split("\n## Site ")[1:]:
+        occurrence = int(re.match(r"\d+: .*\(occurrence (\d+)\)", part).group(1))
+        sections[occurrence] = part
+    return sections
+
+
+def table_row(section: str, index: int) -> str:
+    (row,) = [line for line in section.splitlines() if line.startswith(f"| {index} | `")]
+    return row
+
+
+def check_pngs(paths: list[Path]) -> None:
+    from matplotlib.image import imread
+
+    assert paths
+    for path in paths:
+        data = path.read_bytes()
+        assert len(data) > 1000 and data.startswith(PNG_SIGNATURE), path
+        image = imread(path)
+        height, width = image.shape[:2]
+        assert 150 <= height <= 4000 and 300 <= width <= 4000, (path, image.shape)
+        assert image.shape[2] in (3, 4)
+        assert image.std() > 0.01, f"{path} looks blank"
+        assert re.fullmatch(r"site-\d+-(heatmap|agreed)\.png", path.name)
+
+
+def test_agree_max_report(real_run, tmp_path):
+    winners = expected_winners(real_run, "agree_max")
+    report = build_report(real_run / "logs" / "agree_max", tmp_path / "report")
+    markdown = report.markdown_path.read_text()
+    assert report.markdown_path == tmp_path / "report" / "report.md"
+    assert report.problems == [] and "No problems found." in markdown
+    assert [(s.occurrence, s.winner) for s in report.sites] == sorted(winners.items())
+    (site,) = report.sites
+    assert site.reduce == "max" and site.function_runs and site.function_runs > 2 and set(site.wall_s) == {0, 1}
+    # each rank alone prefers its own config; the agreed (max) winner is neither
+    assert site.alone_picks() == {0: 0, 1: 1} and site.disagreeing_ranks() == [0, 1]
+    section = site_sections(markdown)[0]
+    assert "**winner**" in table_row(section, winners[0])
+    assert sum("**winner**" in line for line in section.splitlines()) == 1
+    assert table_row(section, 0).split("|")[3:6] == [" 1.0000 ", " 5.0000 ", " 5.0000 "]  # rank 0, rank 1, agreed
+    assert "400.0%" in table_row(section, 0)
+    assert "**2 of 2 ranks alone would have picked a different winner.**" in section
+    assert "tuning call:" in section and f"{site.function_runs} function runs" in section
+    assert {p.name for p in report.plots} == {"site-1-heatmap.png", "site-1-agreed.png"}
+    assert "![site-1-heatmap](site-1-heatmap.png)" in markdown
+    check_pngs(report.plots)
+
+
+def test_fail_one_rank_report(real_run, tmp_path):
+    winners = expected_winners(real_run, "fail_one_rank")
+    log_dir = real_run / "logs" / "fail_one_rank"
+    report = build_report(log_dir)  # default out_dir
+    assert report.markdown_path == log_dir / "report" / "report.md"
+    markdown = report.markdown_path.read_text()
+    assert report.problems == []
+    assert [(s.occurrence, s.winner) for s in report.sites] == sorted(winners.items())
+    sections = site_sections(markdown)
+    for occurrence, winner in winners.items():
+        assert "**winner**" in table_row(sections[occurrence], winner)
+    failed = table_row(sections[0], 1)  # config 1 of the first kernel fails on rank 1 only
+    cells = [c.strip() for c in failed.split("|")]
+    assert cells[3:6] == ["0.5000", "failed", "failed"]
+    assert "rank 1: RuntimeError: injected fault: config 1 cannot run on rank 1" in failed
+    assert "rank 0:" not in failed
+    first = report.sites[0]
+    assert first.row(1).failures == {1: "RuntimeError: injected fault: config 1 cannot run on rank 1"}
+    assert math.isinf(first.row(1).agreed_ms) and first.row(1).per_rank_ms == [0.5, math.inf]
+    assert "**1 of 2 ranks alone would have picked a different winner.**" in sections[0]  # rank 0 prefers config 1
+    assert "**0 of 2 ranks alone would have picked a different winner.**" in sections[1]
+    assert len(report.plots) == 4
+    check_pngs(report.plots)
+
+
+# -- hand-made logs ------------------------------------------------------------------------------
+def write_tuning(log_dir: Path, rank: int, times: list[list[float]], function: str = "step",
+                 failures: dict[int, str] | None = None) -> None:
+    """One tuning call as rank ``rank`` logs it: times[c][r] for every rank, agreed by max."""
+    log = RankLog(log_dir, rank, function)
+    agreed = [max(row) for row in times]
+    for c, row in enumerate(times):
+        log.config_result(KERNEL, KEY, 0, c, CONFIGS[c], row, agreed[c], (failures or {}).get(c))
+    winner = min(range(len(times)), key=lambda c: agreed[c])
+    log.winner(KERNEL, KEY, 0, winner, CONFIGS[winner], agreed[winner], "tuned")
+    log.tuning(function, 1.5, 11, 1, len(times[0]), "max", "median")
+    log.flush()
+
+
+TIMES_3 = [[4.0, 4.5, 4.2], [2.0, 2.2, 2.1], [1.0, 3.0, 1.5]]  # winner config 1 (max 2.2); ranks 0, 2 prefer 2
+
+
+def test_corrupt_and_missing_rank_logs(tmp_path):
+    log_dir = tmp_path / "logs"
+    write_tuning(log_dir, 0, TIMES_3)
+    write_tuning(log_dir, 1, TIMES_3)  # rank 2 never wrote its log
+    path = log_dir / "rank-1.log"
+    lines = path.read_text().splitlines()  # 3 configs, winner, tuning: 10 lines
+    assert len(lines) == 10 and lines[5].startswith('{"event": "config"')
+    lines.insert(4, "@@@ garbage that is not a log line @@@")  # line 5
+    lines[6] = lines[6][: len(lines[6]) // 2]  # line 7: config 2's JSON cut in half
+    lines[10] = lines[10][:40]  # line 11: the tuning record, cut off at the end of the file
+    path.write_text("\n".join(lines))
+
+    report = build_report(log_dir, tmp_path / "out")
+    problems = "\n".join(report.problems)
+    assert "rank-1.log line 5: not a disttune log line" in problems
+    assert "rank-1.log line 7: truncated JSON" in problems
+    assert "rank-1.log line 11: truncated JSON" in problems
+    assert "rank-2.log is missing" in problems and "world size of 3" in problems
+    markdown = report.markdown_path.read_text()
+    section = markdown.split("## Problems")[1].split("## Summary")[0]
+    for needle in ("rank-1.log line 5", "rank-1.log line 7", "rank-1.log line 11", "rank-2.log is missing"):
+        assert needle in section
+    (site,) = report.sites
+    assert site.winner == 1 and site.ranks == [0, 1, 2]
+    # rank 2's column and rank 1's lost config 2 come from the all-gathered copies the others logged
+    assert [row.per_rank_ms for row in site.configs] == TIMES_3
+    assert "| 1 | `BLOCK=32 w1 s3` | 2.0000 | 2.2000 | 2.1000 | 2.2000 | 10.0% |  | **winner** |" in markdown
+    assert site.alone_picks() == {0: 2, 1: 1, 2: 2}
+    assert "**2 of 3 ranks alone would have picked a different winner.**" in markdown
+    assert site.wall_s == {0: 1.5}  # rank 1's tuning record was lost
+    check_pngs(report.plots)
+
+
+def test_empty_rank_log_and_binary_garbage(tmp_path):
+    write_tuning(tmp_path, 0, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    (tmp_path / "rank-1.log").write_bytes(b"")
+    (tmp_path / "rank-2.log").write_bytes(b"\xff\xfe\x00garbage\n{\"event\": \xff}\n")
+    report = build_report(tmp_path, tmp_path / "out")
+    problems = "\n".join(report.problems)
+    assert "rank-1.log is empty" in problems
+    assert "rank-2.log: not valid UTF-8" in problems and "rank-2.log line 1" in problems
+    assert "rank-2.log has no usable records" in problems
+    assert report.sites[0].winner == 0
+    assert "rank-1.log is empty" in report.markdown_path.read_text()
+
+
+def test_appended_runs_report_the_last_tuning(tmp_path):
+    write_tuning(tmp_path, 0, [[1.0], [2.0], [3.0]])  # first tuning: config 0 wins
+    write_tuning(tmp_path, 0, [[3.0], [2.0], [1.0]])  # re-tuned later: config 2 wins
+    log = RankLog(tmp_path, 0, "step")  # a third call hit the store
+    log.winner(KERNEL, KEY, 0, 2, CONFIGS[2], math.nan, "store")
+    log.tuning("step", 0.01, 2, 0, 1, "max", "median")
+    log.flush()
+    report = build_report(tmp_path, tmp_path / "out")
+    assert report.problems == []
+    (site,) = report.sites
+    assert site.winner == 2 and [row.per_rank_ms for row in site.configs] == [[3.0], [2.0], [1.0]]
+    assert site.function_runs == 11 and site.latest_source == "store"
+    assert "winner from the store (the same config)" in report.markdown_path.read_text()
+
+
+def test_no_logs_raise_naming_the_directory(tmp_path):
+    empty = tmp_path / "empty-log-dir"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a rank log")
+    with pytest.raises(FileNotFoundError, match=re.escape(str(empty))):
+        build_report(empty)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_report(tmp_path / "nowhere")
+    assert not (empty / "report").exists()
+
+
+def test_short_config():
+    assert short_config(CONFIGS[1]) == "BLOCK=32 w1 s3"
+    assert short_config("BLOCK_M: 128, num_warps: 8, num_ctas: 2, num_stages: 4, maxnreg: 128") == \
+        "BLOCK_M=128 w8 s4 ctas2 maxnreg128"
+    assert short_config("something else") == "something else"
+
+
+def test_ranks_whose_last_tunings_differ_in_time(tmp_path):
+    times = [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    write_tuning(tmp_path, 0, times)
+    write_tuning(tmp_path, 1, times)
+    path = tmp_path / "rank-1.log"  # rank 1's log lost the latest run: its tuning is a day older
+    path.write_text(path.read_text().replace('"time": "', '"time": "1999-01-01T00:00:00.000+00:00", "old": "'))
+    report = build_report(tmp_path, tmp_path / "out")
+    assert any("last tunings are from different times" in p for p in report.problems), report.problems
