@@ -312,6 +312,21 @@ def case_pinned(ctx):
     return _store_case(ctx, "pinned")
 
 
+def case_pinned_mismatch(ctx):
+    """Even ranks load one pinned table, odd ranks another: an error on every rank, before any tuning."""
+    kernel = make_kernel(blocks=(16, 32, 64))
+    x = torch.randn(128, device=ctx.device)
+    table = os.path.join(os.environ["DISTTUNE_TEST_TABLES"], f"table{ctx.rank % 2}.json")
+
+    @disttune.contextual_autotune(**ctx.tuner_options("pinned_mismatch", timer=TableTimer(lambda i: 1.0),
+                                                      pinned=table))
+    def step():
+        launch_add(kernel, x, torch.empty_like(x))
+
+    step()
+    return {"unexpected": "no error"}
+
+
 def case_function(ctx):
     """disttune.autotune over gloo/MPI: each rank alone prefers its own config, max picks the last."""
     space = [{"chunks": c} for c in range(ctx.world + 1)]

@@ -467,3 +467,58 @@ def test_ties_go_to_the_lowest_config_index(tmp_path):
 
     step(torch.randn(64, device=DEV))
     assert step.report.results[0].winner == 1
+
+
+def test_same_kernel_wrapped_by_two_functions_tuned_once(tmp_path):
+    kernel = make_kernel()
+    timer = TableTimer(lambda i: {0: 2.0, 1: 1.0, 2: 3.0}[i.config_index])
+    x = torch.randn(64, device=DEV)
+
+    def body():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    first, second = tuner(tmp_path, timer=timer)(body), tuner(tmp_path, timer=timer)(body)
+    first()
+    timed = len(timer.seen)
+    assert torch.equal(second(), x + 32)
+    assert len(timer.seen) == timed and second.report.results[0].source == "cached"
+
+
+def test_triton_print_autotuning_is_honoured(tmp_path, monkeypatch, capsys):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.autotuning, "print", True)
+    kernel = make_kernel()
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: float(i.config_index)))
+    def step(x):
+        launch_add(kernel, x, torch.empty_like(x))
+
+    step(torch.randn(64, device=DEV))
+    printed = capsys.readouterr().out
+    assert "Triton autotuning for function tiny_kernels.add_block" in printed and "best config selected: BLOCK: 16" in printed
+
+
+def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch):
+    from disttune.contextual import _progress_bar
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            return len(text)
+
+        def flush(self):
+            pass
+
+    assert _progress_bar(True, 10, "x") is None  # pytest's stderr is not a terminal
+    monkeypatch.setattr("sys.stderr", Terminal())
+    bar = _progress_bar(True, 10, "x")
+    assert bar is not None and bar.total == 10
+    bar.close()
+    assert _progress_bar(False, 10, "x") is None, "only rank 0 (wanted=True) shows a bar"
+    monkeypatch.setenv("DISTTUNE_PROGRESS", "0")
+    assert _progress_bar(True, 10, "x") is None

@@ -368,3 +368,18 @@ def test_function_autotune_over_gloo_and_subgroups(tmp_path):
 def test_function_autotune_over_mpi(tmp_path):
     (per_rank,) = launch_cases(tmp_path, ["--mpi", "-n", "2"], ["function"], tmp_path / "s").values()
     assert [r["winner"] for r in per_rank] == [2, 2]
+
+
+def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
+    stores = tmp_path / "stores"
+    launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    store.export_table(tables / "table0.json", stores / "rank0")
+    other = json.loads((tables / "table0.json").read_text())
+    other["entries"][0]["winner"] = 0  # same site, another winner
+    (tables / "table1.json").write_text(json.dumps(other))
+    (per_rank,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["pinned_mismatch"], tmp_path / "none",
+                               expect_errors=True, DISTTUNE_TEST_TABLES=str(tables)).values()
+    assert [r.get("error_type") for r in per_rank] == ["TuningError"] * 2
+    assert len({r["error"] for r in per_rank}) == 1 and "different pinned winner tables" in per_rank[0]["error"]
