@@ -101,9 +101,12 @@ class RankLog:
 
 
 def read_records(path: str | os.PathLike) -> list[dict]:
-    """The JSON records of one rank log, skipping readable lines and lines that do not parse."""
+    """The JSON records of one rank log, skipping readable lines and lines that do not parse.
+
+    Bytes that are not UTF-8 are replaced, so a damaged file still yields its good records.
+    """
     records = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
             if line.startswith("{"):
                 try:

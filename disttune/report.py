@@ -196,19 +196,6 @@ def scan_log_lines(path: Path, label: str) -> list[str]:
     return problems
 
 
-def _read_lenient(path: Path) -> list[dict]:
-    """As :func:`disttune.logs.read_records`, replacing bytes that are not UTF-8."""
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            if line.startswith("{"):
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return records
-
-
 def validate_record(record: Any) -> Optional[str]:
     """Why a parsed JSON line is not a usable record, or None when it is."""
     if not isinstance(record, dict):
@@ -226,17 +213,15 @@ def validate_record(record: Any) -> Optional[str]:
 
 
 def load_rank_log(rank: int, path: Path) -> RankLogData:
-    """Read one rank's log (:func:`disttune.logs.read_records` plus a line scan): two passes, O(file size)."""
+    """Read one rank's log (:func:`disttune.logs.read_records` plus a line scan): three passes, O(file size)."""
     label = path.name
     try:
         if path.stat().st_size == 0:
             return RankLogData(rank, path, [], [f"{label} is empty"])
         problems = scan_log_lines(path, label)
-        try:
-            raw = read_records(path)
-        except UnicodeDecodeError:
+        if "\ufffd" in path.read_text(encoding="utf-8", errors="replace"):
             problems.append(f"{label}: not valid UTF-8; read with the bad bytes replaced")
-            raw = _read_lenient(path)
+        raw = read_records(path)
     except OSError as err:
         return RankLogData(rank, path, [], [f"{label} cannot be read: {err}"])
     records = []

@@ -160,6 +160,19 @@ def case_fail_one_rank(ctx):
     }
 
 
+def _tune_once(ctx, case: str, kernel, x, **options) -> dict:
+    """Tune one launch of ``kernel`` on ``x``; the cases using it expect an error on every rank."""
+
+    @disttune.contextual_autotune(**ctx.tuner_options(case, timer=TableTimer(lambda i: 1.0), **options))
+    def step():
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step()
+    return {"unexpected": "no error"}
+
+
 def case_mismatch_configs(ctx):
     """Rank 1 prunes a config that the others keep: an error naming kernel and ranks, not a hang."""
 
@@ -167,31 +180,12 @@ def case_mismatch_configs(ctx):
         return configs[:-1] if ctx.rank == 1 else configs
 
     kernel = make_kernel(blocks=(16, 32, 64), prune_configs_by={"early_config_prune": prune})
-    x = torch.randn(64, device=ctx.device)
-
-    @disttune.contextual_autotune(**ctx.tuner_options("mismatch_configs", timer=TableTimer(lambda i: 1.0)))
-    def step():
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
-
-    step()
-    return {"unexpected": "no error"}
+    return _tune_once(ctx, "mismatch_configs", kernel, torch.randn(64, device=ctx.device))
 
 
 def case_keys_differ(ctx):
     """Each rank launches with a different size (the tuning key): the error names the key."""
-    kernel = make_kernel()
-    x = torch.randn(64 + 16 * ctx.rank, device=ctx.device)
-
-    @disttune.contextual_autotune(**ctx.tuner_options("keys_differ", timer=TableTimer(lambda i: 1.0)))
-    def step():
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
-
-    step()
-    return {"unexpected": "no error"}
+    return _tune_once(ctx, "keys_differ", make_kernel(), torch.randn(64 + 16 * ctx.rank, device=ctx.device))
 
 
 def case_all_fail(ctx):
@@ -202,16 +196,7 @@ def case_all_fail(ctx):
             raise RuntimeError("injected fault on rank 0")
 
     kernel = make_kernel(blocks=(16, 32), pre_hooks={0: fault, 1: fault})
-    x = torch.randn(64, device=ctx.device)
-
-    @disttune.contextual_autotune(**ctx.tuner_options("all_fail", timer=TableTimer(lambda i: 1.0)))
-    def step():
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
-
-    step()
-    return {"unexpected": "no error"}
+    return _tune_once(ctx, "all_fail", kernel, torch.randn(64, device=ctx.device))
 
 
 def case_raise_in_run(ctx):
@@ -314,17 +299,9 @@ def case_pinned(ctx):
 
 def case_pinned_mismatch(ctx):
     """Even ranks load one pinned table, odd ranks another: an error on every rank, before any tuning."""
-    kernel = make_kernel(blocks=(16, 32, 64))
-    x = torch.randn(128, device=ctx.device)
     table = os.path.join(os.environ["DISTTUNE_TEST_TABLES"], f"table{ctx.rank % 2}.json")
-
-    @disttune.contextual_autotune(**ctx.tuner_options("pinned_mismatch", timer=TableTimer(lambda i: 1.0),
-                                                      pinned=table))
-    def step():
-        launch_add(kernel, x, torch.empty_like(x))
-
-    step()
-    return {"unexpected": "no error"}
+    return _tune_once(ctx, "pinned_mismatch", make_kernel(blocks=(16, 32, 64)), torch.randn(128, device=ctx.device),
+                      pinned=table)
 
 
 def case_function(ctx):
