@@ -58,12 +58,7 @@ def main() -> None:
         matmul(a_full, b_local, out=c, kernel=kernel)
         return c
 
-    dist.barrier()
-    started = time.perf_counter()
-    step()
-    if gpu:
-        torch.cuda.synchronize()
-    first_call_s = max_over_ranks(time.perf_counter() - started, device)
+    first_call_s = wall_time_of_one_call(step, device)
 
     step_ms = []
     for _ in range(100):
@@ -80,12 +75,7 @@ def main() -> None:
             step_ms.append((time.perf_counter() - t0) * 1e3)
     step_median = max_over_ranks(statistics.median(step_ms), device)
 
-    dist.barrier()
-    started = time.perf_counter()
-    step()
-    if gpu:
-        torch.cuda.synchronize()
-    plain_call_s = max_over_ranks(time.perf_counter() - started, device)
+    plain_call_s = wall_time_of_one_call(step, device)
 
     (result,) = step.report.results
     row = {"variant": options.variant, "world": world, "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -99,6 +89,16 @@ def main() -> None:
         print(json.dumps(row))
     dist.barrier()
     dt_dist.destroy()
+
+
+def wall_time_of_one_call(step, device: torch.device) -> float:
+    """Seconds of one call, all ranks starting together, until its GPU work is done; max over ranks."""
+    dist.barrier()
+    started = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return max_over_ranks(time.perf_counter() - started, device)
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:
