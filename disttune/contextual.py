@@ -706,7 +706,13 @@ def contextual_autotune(
     ``"mean"``, ``"min"`` or a callable over a config's timed samples),
     ``timeout_s`` (per collective; default ``$DISTTUNE_TIMEOUT`` or 300),
     ``log_dir`` (default ``$DISTTUNE_LOG_DIR`` or ``logs``), ``verbose`` (rank 0
-    prints a summary), ``always_tune`` (ignore winners already in kernels' caches).
+    prints a summary and, on a terminal, a progress bar), ``always_tune`` (ignore
+    winners already in kernels' caches), ``cache_dir`` / ``store`` / ``store_check``
+    (``"strict"`` or ``"warn"``) / ``store_writer`` (``"global"`` or ``"node"``) for the
+    persistent winner store, ``pinned`` (a winners table: never tune), and
+    ``compile_threads`` (candidates compiled up front; default up to 16 per rank on
+    GPUs, 0 under the interpreter). With a store or pinned hit the first call runs the
+    function twice (discovery + final) and compiles only the winner.
     """
 
     def decorate(fn: F) -> F:
