@@ -195,3 +195,10 @@ def test_a_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path):
     assert waiting["error_type"] == "CollectiveTimeout", waiting
     assert "consensus" in waiting["error"] and "rank 0" in waiting["error"]
     assert 2.5 < waiting["elapsed_s"] < 20
+
+
+def test_one_rank_over_torch_distributed(tmp_path):
+    results = _launch(tmp_path, ["--nproc_per_node=1"], ["agree_max", "second_call"])
+    check_agreement(results["agree_max"], "max")
+    (second,) = results["second_call"]
+    assert (second["runs_added"], second["timed_added"], second["output_ok"]) == (1, 0, True)
