@@ -191,6 +191,5 @@ def precompile(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any, dev
         import torch
 
         torch.cuda.set_device(device)  # the CUDA device is per thread; compile for the launching rank's GPU
-    meta = {k: v for k, v in kwargs.items() if k != "warmup"}
-    check_conflicts(autotuner, meta, config)
+    meta = {k: v for k, v in kwargs.items() if k != "warmup"}  # discovery already checked for conflicts
     return autotuner.fn.warmup(*args, **meta, **config.all_kwargs())
