@@ -5,7 +5,9 @@
 Variants (``--variant``):
   baseline  Triton-distributed-style: compile inside the loop, exhaustive, 3 warm-up + 5 timed runs per config
   parallel  the same, with every candidate compiled up front in a thread pool
-  warm      a second process: the winner store from a previous run is present
+  early     baseline + early stopping (screen all configs, full runs for the best quarter)
+  all       parallel compile + early stopping (writes the winner store)
+  warm      a second process: the winner store from the "all" run is present
 
 Each process times its first call of the wrapped step (the tuning call; max over
 ranks), then 100 calls with the winners (CUDA events around each whole step, median,
@@ -34,7 +36,7 @@ from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=["baseline", "parallel", "warm"], required=True)
+    parser.add_argument("--variant", choices=["baseline", "parallel", "early", "all", "warm"], required=True)
     parser.add_argument("--M", type=int, default=8192)
     parser.add_argument("--K", type=int, default=8192)
     parser.add_argument("--N", type=int, default=8192)
@@ -51,8 +53,9 @@ def main() -> None:
     kernel = make_matmul_kernel(HOPPER_GEMM_CONFIGS if gpu else CPU_GEMM_CONFIGS)
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, verbose=False,
-                                  compile_threads=0 if options.variant == "baseline" else None,
-                                  store=options.variant != "baseline")
+                                  compile_threads=0 if options.variant in ("baseline", "early") else None,
+                                  early_stop=options.variant in ("early", "all"),
+                                  store=options.variant in ("all", "warm"))
     def step():
         dist.all_gather(list(a_full.chunk(world)), a_local)
         matmul(a_full, b_local, out=c, kernel=kernel)

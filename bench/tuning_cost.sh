@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
 # Tuning cost of the AG-GEMM step: each variant in its own process with a fresh Triton cache
-# (the warm run reuses the parallel run's caches, as a second job on the same machine would).
+# (the warm run reuses the last run's caches, as a second job on the same machine would).
 # Usage: bash bench/tuning_cost.sh [NPROC] [extra args for bench/tuning_cost.py, e.g. --M 4096]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nproc="${1:-2}"; shift || true
 out="${OUT:-bench_out}"; mkdir -p "$out"
 rows="$out/tuning_cost.jsonl"; rm -f "$rows"
-store="$(mktemp -d)"; cold_baseline="$(mktemp -d)"; cold_parallel="$(mktemp -d)"
+store="$(mktemp -d)"
 run() {  # variant triton-cache [extra args]
     local variant="$1" cache="$2"; shift 2
     TRITON_CACHE_DIR="$cache" DISTTUNE_CACHE_DIR="$store" DISTTUNE_LOG_DIR="$out/logs-$variant" \
         bash scripts/launch.sh --nproc_per_node="$nproc" bench/tuning_cost.py --variant "$variant" --out "$rows" "$@"
 }
-run baseline "$cold_baseline" "$@"
-run parallel "$cold_parallel" "$@"
-run warm "$cold_parallel" "$@"
+for variant in baseline parallel early all; do
+    cache="$(mktemp -d)"  # a cold Triton cache for each cold variant
+    run "$variant" "$cache" "$@"
+done
+run warm "$cache" "$@"  # the second process on this machine: the "all" run's Triton cache and store
 python3 - "$rows" <<'PY'
 import json, sys
 rows = {r["variant"]: r for r in map(json.loads, open(sys.argv[1]))}
 base = rows["baseline"]
 print(f"\ntuning cost, AG-GEMM step, {base['world']} x {base['device']} (torch {base['torch']}, {base['date']})")
 print(f"{'variant':<10} {'first call s':>12} {'vs baseline':>11} {'runs':>5} {'source':>7} {'step ms (100)':>13}  winner")
-for name in ("baseline", "parallel", "warm"):
+for name in ("baseline", "parallel", "early", "all", "warm"):
     r = rows[name]
     print(f"{name:<10} {r['first_call_s']:12.3f} {r['first_call_s'] / base['first_call_s']:10.2f}x {r['function_runs']:5d} "
           f"{r['source']:>7} {r['step_ms_median_of_100']:13.4f}  {r['winner']}")

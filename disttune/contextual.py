@@ -42,6 +42,8 @@ from .sites import (
     agree,
     describe_config,
     resolve_statistic,
+    screening_keep,
+    survivors,
     total_function_runs,
     winner_index,
 )
@@ -208,7 +210,8 @@ class _Session:
         self._launched.add(ident)
         if site.preset is not None:
             return _hook.launch_winner(autotuner, args, kwargs, site.preset)
-        index, timed = self.schedule.slot(self.run, len(site.configs))  # type: ignore[union-attr]
+        position, timed = self.schedule.slot(self.run, len(site.active))  # type: ignore[union-attr]
+        index = None if position is None else site.active[position]
         if index is None or index in site.failures:
             return self._launch_stand_in(site, args, kwargs)
         config = site.configs[index]
@@ -273,6 +276,7 @@ class ContextualAutotuner:
         log_dir: Optional[str | os.PathLike] = None,
         verbose: bool = True,
         always_tune: bool = False,
+        early_stop: bool = False,
         cache_dir: Optional[str | os.PathLike] = None,
         store: bool = True,
         store_check: str = "strict",
@@ -311,6 +315,7 @@ class ContextualAutotuner:
         self.log_dir = log_dir
         self.verbose = verbose
         self.always_tune = always_tune
+        self.early_stop = bool(early_stop)
         self.cache_dir = cache_dir
         self.use_store = store
         self.store_check = store_check
@@ -388,17 +393,14 @@ class ContextualAutotuner:
                 self._consensus(comm, session, error, [s.local_answer for s in session.sites.values()], table)
                 tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
                 longest = max((len(s.configs) for s in tuned), default=0)
-                session.schedule = Schedule(longest, self.n_warmup, self.n_repeat)
-                progress = _progress_bar(self.verbose and comm.rank == 0, session.schedule.runs,
-                                         f"disttune {self.__qualname__}: {len(tuned)} site(s), {longest} config(s)")
-                for run in range(session.schedule.runs):
-                    _, error = self._guarded_run(session, "tune", run, args, kwargs)
-                    problems = session.finish_run() + ([error[1]] if error else [])
-                    self._check_run(comm, problems, f"tuning run {run + 1}/{session.schedule.runs}")
-                    if progress is not None:
-                        progress.update(1)
-                if progress is not None:
-                    progress.close()
+                tuning_runs = 0
+                if self.early_stop and longest > 2:
+                    tuning_runs += self._run_stage(comm, session, Schedule(longest, 1, 1), "screening run", args, kwargs)
+                    for site, (per_rank, agreed) in zip(tuned, self._gather_agreed(comm, tuned, "screening agreement")):
+                        site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
+                    longest = max(len(s.active) for s in tuned)
+                tuning_runs += self._run_stage(comm, session, Schedule(longest, self.n_warmup, self.n_repeat),
+                                               "tuning run", args, kwargs)
                 results = self._agree(comm, session, tuned, log)
                 self._commit(session, results)
                 if winners_store is not None and self._is_store_writer(comm):
@@ -408,7 +410,7 @@ class ContextualAutotuner:
                     session.start_run("final")
                     result = self.fn(*args, **kwargs)
             wall_s = time.perf_counter() - started
-            runs = 1 + session.schedule.runs + int(final_run)
+            runs = 1 + tuning_runs + int(final_run)
             self.report = TuningReport(tuple(results), runs, wall_s, comm.world_size)
             log.tuning(self.__qualname__, wall_s, runs, len(tuned), comm.world_size, self.reduce, str(self.statistic))
             self._tuned = True
@@ -424,6 +426,22 @@ class ContextualAutotuner:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             log.flush()
+
+    def _run_stage(self, comm: Communicator, session: _Session, schedule: Schedule, label: str,
+                   args: tuple, kwargs: dict) -> int:
+        """Run the function ``schedule.runs`` times, checking with the peers after each run; returns the count."""
+        session.schedule = schedule
+        progress = _progress_bar(self.verbose and comm.rank == 0, schedule.runs,
+                                 f"disttune {self.__qualname__}: {label}s")
+        for run in range(schedule.runs):
+            _, error = self._guarded_run(session, "tune", run, args, kwargs)
+            problems = session.finish_run() + ([error[1]] if error else [])
+            self._check_run(comm, problems, f"{label} {run + 1}/{schedule.runs}")
+            if progress is not None:
+                progress.update(1)
+        if progress is not None:
+            progress.close()
+        return schedule.runs
 
     def _guarded_run(self, session: _Session, mode: str, run: int, args: tuple, kwargs: dict):
         """Run the function once; an exception is kept (to be shared with the peers), not raised."""
@@ -520,17 +538,24 @@ class ContextualAutotuner:
             raise TuningError(f"disttune: {self.__qualname__}: pinned table {self.pinned} has no winner for: "
                               + "; ".join(missing) + ". Export a table that covers these sites (disttune.store.export_table after a tuning run).")
 
-    def _agree(self, comm: Communicator, session: _Session, tuned: list[Site], log: RankLog) -> list[SiteResult]:
+    def _gather_agreed(self, comm: Communicator, tuned: list[Site], step: str) -> list[tuple]:
+        """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site."""
         local: list[float] = []
         for site in tuned:
             local.extend(site.local_times(self.statistic))
-        gathered = comm.all_gather_floats(local, "agreement") if tuned else None
-        results, offset, dead = [], 0, []
+        gathered = comm.all_gather_floats(local, step) if tuned else None
+        out, offset = [], 0
         for site in tuned:
             per_rank = gathered[:, offset : offset + len(site.configs)]
             offset += len(site.configs)
-            agreed = agree(per_rank, self.reduce)
-            winner = winner_index(agreed)
+            out.append((per_rank, agree(per_rank, self.reduce)))
+        return out
+
+    def _agree(self, comm: Communicator, session: _Session, tuned: list[Site], log: RankLog) -> list[SiteResult]:
+        results, dead = [], []
+        for site, (per_rank, agreed) in zip(tuned, self._gather_agreed(comm, tuned, "agreement")):
+            per_rank, agreed = site.with_screening(per_rank, agreed)  # screened-out configs: screening times
+            winner = winner_index([agreed[c] if c in site.active else float("inf") for c in range(len(agreed))])
             for r_index, samples in enumerate(site.samples):
                 for iteration, ms in enumerate(samples):
                     log.measure(site.id.kernel, site.id.key, r_index, str(site.configs[r_index]), iteration, ms)
@@ -711,7 +736,10 @@ def contextual_autotune(
     (``"strict"`` or ``"warn"``) / ``store_writer`` (``"global"`` or ``"node"``) for the
     persistent winner store, ``pinned`` (a winners table: never tune), and
     ``compile_threads`` (candidates compiled up front; default up to 16 per rank on
-    GPUs, 0 under the interpreter). With a store or pinned hit the first call runs the
+    GPUs, 0 under the interpreter), ``early_stop`` (screen every config with one
+    warm-up and one timed run, agree, and give the full ``n_warmup + n_repeat`` runs
+    only to the fastest quarter (at least two): ``2C + K(n_warmup+n_repeat)`` tuning
+    runs instead of ``C(n_warmup+n_repeat)``). With a store or pinned hit the first call runs the
     function twice (discovery + final) and compiles only the winner.
     """
 

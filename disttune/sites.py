@@ -56,8 +56,28 @@ class Site:
     decided: Optional[int] = None  # winner agreed without tuning (store or pinned table)
     decided_by: str = ""
 
+    active: list = field(default_factory=list)  # config indices still in the running (early stopping)
+    screen: Optional[tuple] = None  # (per-rank, agreed) screening times, when early stopping screened this site
+
     def __post_init__(self) -> None:
         self.samples = [[] for _ in self.configs]
+        self.active = list(range(len(self.configs)))
+
+    def keep_only(self, survivors: list[int], per_rank: np.ndarray, agreed: np.ndarray) -> None:
+        """After an agreed screening round: only ``survivors`` are tuned further; their samples restart."""
+        self.active = sorted(survivors)
+        self.screen = (np.array(per_rank), np.array(agreed))
+        self.samples = [[] for _ in self.configs]
+
+    def with_screening(self, per_rank: np.ndarray, agreed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Final times where screened-out configs keep their (agreed) screening times."""
+        if self.screen is None:
+            return per_rank, agreed
+        dropped = [c for c in range(len(self.configs)) if c not in self.active]
+        per_rank, agreed = np.array(per_rank), np.array(agreed)
+        per_rank[:, dropped] = self.screen[0][:, dropped]
+        agreed[dropped] = self.screen[1][dropped]
+        return per_rank, agreed
 
     def digest(self) -> tuple:
         """What must be identical on every rank: identity and candidate list (plus the preset)."""
@@ -150,6 +170,17 @@ def agree(per_rank: np.ndarray, reduce: str) -> np.ndarray:
         np.where(np.isfinite(per_rank), per_rank, 0.0), axis=0
     )
     return np.where(failed, INF, combined)
+
+
+def survivors(agreed: Sequence[float], keep: int) -> list[int]:
+    """The ``keep`` fastest finite entries (ties to the lowest index): who goes on after screening."""
+    ranked = sorted((t, i) for i, t in enumerate(agreed) if t < INF and not math.isnan(t))
+    return [i for _, i in ranked[:keep]]
+
+
+def screening_keep(n_configs: int) -> int:
+    """How many configs survive screening: a quarter, at least two."""
+    return max(2, -(-n_configs // 4))
 
 
 def winner_index(agreed: Sequence[float]) -> Optional[int]:

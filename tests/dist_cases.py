@@ -122,6 +122,27 @@ def case_agree_min(ctx):
     return _agree_case(ctx, "min")
 
 
+def case_early_stop(ctx):
+    """Screening is decided on agreed times: every rank keeps the same survivors and runs equally often."""
+    blocks = [16 << i for i in range(ctx.world + 1)]
+    kernel = make_kernel(blocks=blocks)
+    timer = TableTimer(lambda info: disagreement_times(ctx.rank, ctx.world, info.config_index))
+    runs = {"n": 0}
+    x = torch.randn(200, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("early_stop", timer=timer, early_stop=True))
+    def step():
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        ctx.sum_across_ranks(1.0)
+        return y
+
+    step()
+    return {"winners": winners_of(step), "runs": runs["n"],
+            "full_configs": sorted({i.config_index for i in timer.seen[len(blocks):]})}
+
+
 def case_fail_one_rank(ctx):
     """Config 1 of the first kernel fails on rank 1 only; a user collective sits between two kernels."""
 

@@ -18,7 +18,7 @@ from helpers import describe, mpi, run_launch
 CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
 COMMON_CASES = ["agree_max", "agree_mean", "agree_min", "fail_one_rank", "mismatch_configs", "keys_differ",
-                "all_fail", "raise_in_run", "second_call"]
+                "all_fail", "raise_in_run", "second_call", "early_stop"]
 
 
 def _launch(out: Path, launcher: list[str], cases: list[str]) -> dict:
@@ -202,3 +202,12 @@ def test_one_rank_over_torch_distributed(tmp_path):
     check_agreement(results["agree_max"], "max")
     (second,) = results["second_call"]
     assert (second["runs_added"], second["timed_added"], second["output_ok"]) == (1, 0, True)
+
+
+def test_early_stopping_drops_the_same_configs_on_every_rank(gloo2):
+    per_rank = gloo2[0]["early_stop"]
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        # agreed (max) screening times [5, 5, 3]: the two fastest, configs 2 and 0, go on; 2 wins
+        assert result["full_configs"] == [0, 2] and result["winners"][0]["winner"] == 2
+        assert result["runs"] == 1 + 3 * 2 + 2 * (1 + 2) + 1

@@ -522,3 +522,29 @@ def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch):
     assert _progress_bar(False, 10, "x") is None, "only rank 0 (wanted=True) shows a bar"
     monkeypatch.setenv("DISTTUNE_PROGRESS", "0")
     assert _progress_bar(True, 10, "x") is None
+
+
+def test_early_stopping_screens_then_tunes_the_best_quarter(tmp_path):
+    blocks = tuple(16 << i for i in range(8))
+    kernel = make_kernel(blocks=blocks)
+    table = [5.0, 4.0, 1.0, 6.0, 2.0, 7.0, 8.0, 3.0]
+    timer = TableTimer(lambda i: table[i.config_index])
+    runs = {"n": 0}
+
+    @tuner(tmp_path, timer=timer, early_stop=True)
+    def step(x):
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    x = torch.randn(64, device=DEV)
+    y = step(x)
+    (result,) = step.report.results
+    assert result.winner == 2 and torch.equal(y, x + 64)
+    # 1 discovery + 8 configs x (1 warm-up + 1 timed) + 2 survivors x (1 + 2) + 1 final
+    assert runs["n"] == step.report.function_runs == 1 + 8 * 2 + 2 * 3 + 1
+    screening, full = timer.seen[:8], timer.seen[8:]
+    assert sorted(i.config_index for i in screening) == list(range(8))
+    assert sorted({i.config_index for i in full}) == [2, 4] and len(full) == 2 * 2
+    assert list(result.agreed_ms) == table, "screened-out configs keep their agreed screening time"
