@@ -11,6 +11,10 @@ winner is stored so later processes skip tuning.
 Cost of one tuning: ``len(space) * (n_warmup + n_repeat) + 1`` calls of the function
 (the last with the winner, whose result is returned), one barrier per call, and two
 all-gathers. Every collective uses ``autotune_pg`` (or ``comm=``) when given.
+
+``split=True`` is for functions with no communication inside: rank ``r`` times only
+configs ``r, r + w, r + 2w, ...`` and each config's time is its owner's, so ``w`` ranks
+tune about ``w`` times faster (every rank still sees the same winner).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import functools
 import os
 import sys
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from . import store as _store
 from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, MpiComm, TorchComm
@@ -52,6 +58,7 @@ class FunctionAutotuner:
         timeout_s: Optional[float] = None,
         cache_dir: Optional[str | os.PathLike] = None,
         store: bool = True,
+        split: bool = False,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
@@ -74,6 +81,7 @@ class FunctionAutotuner:
         self.comm = comm
         self.timeout_s = float(timeout_s or os.environ.get("DISTTUNE_TIMEOUT", DEFAULT_TIMEOUT_S))
         self.cache_dir, self.use_store = cache_dir, store
+        self.split = bool(split)
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
         self.last_timings: Optional[dict] = None
 
@@ -135,10 +143,13 @@ class FunctionAutotuner:
         timer = self.timer or default_timer()
         samples: list[list[float]] = [[] for _ in configs]
         failures: dict[int, str] = {}
-        for index, config in enumerate(configs):
+        world = comm.world_size if self.split else 1
+        for slot in range(-(-len(configs) // world)):  # the same number of slots on every rank
+            index = slot * world + (comm.rank if self.split else 0)
+            config = configs[index] if index < len(configs) else None
             for run in range(self.n_warmup + self.n_repeat):
-                comm.barrier(f"function autotune config {index} run {run}")
-                if index in failures:
+                comm.barrier(f"function autotune config slot {slot} run {run}")
+                if config is None or index in failures:
                     continue
                 try:
                     if run < self.n_warmup:
@@ -149,9 +160,12 @@ class FunctionAutotuner:
                 except Exception as err:  # scored inf on every rank through the agreement
                     failures[index] = f"{type(err).__name__}: {err}"
         reduce_stat = resolve_statistic(self.statistic)
-        local = [float("inf") if i in failures else float(reduce_stat(s)) for i, s in enumerate(samples)]
+        local = [float("inf") if i in failures or not s else float(reduce_stat(s)) for i, s in enumerate(samples)]
         per_rank = comm.all_gather_floats(local, "function autotune agreement")
-        agreed = agree(per_rank, self.reduce)
+        if self.split:  # each config's time is its owner's: rank (index % world) timed it
+            agreed = np.array([per_rank[i % comm.world_size, i] for i in range(len(configs))])
+        else:
+            agreed = agree(per_rank, self.reduce)
         winner = winner_index(agreed)
         self.last_timings = {"configs": configs, "per_rank_ms": per_rank.tolist(), "agreed_ms": agreed.tolist(),
                              "winner": winner}
@@ -183,7 +197,8 @@ def autotune(
     of the pruned space, ``autotune_verbose=True`` prints the agreed times on rank 0,
     ``autotune_pg=group`` agrees over a process subgroup. Keyword-only options:
     ``n_warmup``, ``n_repeat``, ``timer``, ``reduce``, ``statistic``, ``comm`` (mpi4py),
-    ``timeout_s``, ``cache_dir``, ``store``.
+    ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
+    space: only for functions with no collectives inside).
     """
 
     def decorate(fn: Callable[..., Any]) -> FunctionAutotuner:

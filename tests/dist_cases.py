@@ -344,6 +344,25 @@ def case_function(ctx):
             "calls": len(calls), "out": out.tolist(), "first": scaled(x, autotune=False).tolist()}
 
 
+def case_function_split(ctx):
+    """split=True: rank r times configs r, r+w, ...; each config's time is its owner's."""
+    space = [{"variant": v} for v in range(2 * ctx.world + 1)]
+    table = [5.0, 4.0, 6.0, 1.5, 3.0, 2.0, 7.0, 8.0, 9.0][: len(space)]
+    timer = TableTimer(lambda info: table[info.config_index] + 0.01 * ctx.rank)
+    calls = []
+
+    @disttune.autotune(space, key_fn=lambda x: x.numel(), n_warmup=1, n_repeat=2, timer=timer, split=True,
+                       comm=ctx.mpi if ctx.use_mpi else None,
+                       cache_dir=os.path.join(ctx.out_dir, "store", "function_split"))
+    def pick(x, *, variant):
+        calls.append(variant)
+        return variant
+
+    winner = pick(torch.ones(5))
+    return {"winner": winner, "timed": sorted({i.config_index for i in timer.seen}),
+            "agreed_ms": pick.last_timings["agreed_ms"], "calls": len(calls), "table": table}
+
+
 def case_function_subgroup(ctx):
     """disttune.autotune agreeing over pairs of ranks (autotune_pg)."""
     import torch.distributed as dist

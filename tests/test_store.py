@@ -383,3 +383,16 @@ def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
                                expect_errors=True, DISTTUNE_TEST_TABLES=str(tables)).values()
     assert [r.get("error_type") for r in per_rank] == ["TuningError"] * 2
     assert len({r["error"] for r in per_rank}) == 1 and "different pinned winner tables" in per_rank[0]["error"]
+
+
+def test_split_function_tuning_times_disjoint_shares(tmp_path):
+    (per_rank,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["function_split"], tmp_path / "s").values()
+    table = per_rank[0]["table"]
+    owners_time = [table[i] + 0.01 * (i % 2) for i in range(len(table))]
+    expected = min(range(len(table)), key=lambda i: (owners_time[i], i))
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, result.get("traceback")
+        assert result["timed"] == list(range(rank, len(table), 2)), "each rank times only its own share"
+        assert result["agreed_ms"] == pytest.approx(owners_time)
+        assert result["winner"] == expected
+        assert result["calls"] == len(result["timed"]) * 3 + 1
