@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from . import store as _store
-from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, MpiComm, TorchComm
+from .comm import DEFAULT_TIMEOUT_S, Communicator, make_communicator
 from .contextual import TuningError, _check_count, _local_world_size
 from .sites import AllConfigsFailed, REDUCTIONS, Statistic, agree, resolve_statistic, winner_index
 from .timing import LaunchInfo, Timer, default_timer
@@ -107,15 +107,13 @@ class FunctionAutotuner:
         return configs
 
     def _communicator(self, group: Any) -> Communicator:
-        if self.comm is not None:
-            return self.comm if isinstance(self.comm, (LocalComm, TorchComm, MpiComm)) else MpiComm(self.comm, self.timeout_s)
+        """``comm=`` if given, else torch.distributed when it is initialised, else a world of one."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return TorchComm(group, self.timeout_s)
-        if group is not None:
+        initialised = dist.is_available() and dist.is_initialized()
+        if group is not None and not initialised and self.comm is None:
             raise RuntimeError("disttune.autotune: autotune_pg was given but torch.distributed is not initialised")
-        return LocalComm()
+        return make_communicator(initialised, group, self.comm, self.timeout_s)
 
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
               verbose: bool) -> dict:
