@@ -34,6 +34,20 @@ def host_bench(kernel_call, quantiles):
     return [1.0, 1.0, 1.0]
 
 
+def counting_step(tmp_path, kernel, **options):
+    """A wrapped step launching ``add_block`` on its argument, and the counter of its runs."""
+    runs = {"n": 0}
+
+    @tuner(tmp_path, **options)
+    def step(x):
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    return step, runs
+
+
 def key_of(x):
     return (x.numel(), str(x.dtype), str(x.dtype))
 
@@ -366,16 +380,8 @@ def test_all_configs_failing_is_an_error_not_a_default(tmp_path):
 def test_single_process_needs_no_torch_distributed(tmp_path):
     assert not torch.distributed.is_initialized()
     kernel = make_kernel()
-    runs = {"n": 0}
-
     timer = TableTimer(lambda i: {0: 2.0, 1: 3.0, 2: 1.0}[i.config_index])
-
-    @tuner(tmp_path, timer=timer)
-    def step(x):
-        runs["n"] += 1
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
+    step, runs = counting_step(tmp_path, kernel, timer=timer)
 
     x = torch.randn(64, device=DEV)
     y = step(x)
@@ -529,14 +535,7 @@ def test_early_stopping_screens_then_tunes_the_best_quarter(tmp_path):
     kernel = make_kernel(blocks=blocks)
     table = [5.0, 4.0, 1.0, 6.0, 2.0, 7.0, 8.0, 3.0]
     timer = TableTimer(lambda i: table[i.config_index])
-    runs = {"n": 0}
-
-    @tuner(tmp_path, timer=timer, early_stop=True)
-    def step(x):
-        runs["n"] += 1
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
+    step, runs = counting_step(tmp_path, kernel, timer=timer, early_stop=True)
 
     x = torch.randn(64, device=DEV)
     y = step(x)
