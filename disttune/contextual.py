@@ -25,8 +25,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 from . import intercept as _hook
 from . import store as _store
@@ -51,6 +51,9 @@ from .timing import LaunchInfo, Timer, default_timer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: What ``split=`` accepts: True/False, kernel names or autotuned kernels, or a predicate over a site.
+SplitSpec = Union[bool, str, Any, Iterable[Any], Callable[[SiteId], bool]]
+
 TIMEOUT_ENV = "DISTTUNE_TIMEOUT"
 
 
@@ -60,14 +63,21 @@ class TuningError(RuntimeError):
 
 @dataclass(frozen=True)
 class SiteResult:
-    """The outcome of one site: candidates, agreed times (ms, inf = failed), the winner."""
+    """The outcome of one site: candidates, agreed times (ms, inf = failed), the winner.
+
+    ``per_rank_ms[r][c]`` is what rank ``r`` measured for config ``c`` (its statistic over the
+    timed runs; ``inf``: failed or pruned there). For a *split* site each config is timed by one
+    rank only, ``c % world`` of its position in the running: the other ranks hold ``nan`` there
+    ("not timed here"), and ``agreed_ms[c]`` is the owner's time (``inf`` if it failed on any rank).
+    """
 
     site: SiteId
     configs: tuple
     per_rank_ms: tuple  # [rank][config]
     agreed_ms: tuple
     winner: int
-    source: str  # "tuned" or "cached"
+    source: str  # "tuned", "cached", "store" or "pinned"
+    split: bool = False  # configs were divided among the ranks (see above)
 
     @property
     def config(self) -> Any:
@@ -106,6 +116,7 @@ class _Session:
         self._problems: list[str] = []
         self._readers: list = []
         self._reset_done: set = set()
+        self.final_failures: dict[SiteId, tuple] = {}  # split sites: winner that failed here in the final run
 
     # -- run bookkeeping -------------------------------------------------------------------
     def start_run(self, mode: str, run: int = -1) -> None:
@@ -210,7 +221,7 @@ class _Session:
         self._launched.add(ident)
         if site.preset is not None:
             return _hook.launch_winner(autotuner, args, kwargs, site.preset)
-        position, timed = self.schedule.slot(self.run, len(site.active))  # type: ignore[union-attr]
+        position, timed = self.schedule.slot(self.run, len(site.active), site.share)  # type: ignore[union-attr]
         index = None if position is None else site.active[position]
         if index is None or index in site.failures:
             return self._launch_stand_in(site, args, kwargs)
@@ -244,10 +255,22 @@ class _Session:
         config = self.winners.get(ident)
         if config is None:
             return self._launch_fast(ident, autotuner, key, args, kwargs)
-        if ident not in self._reset_done:
-            self._reset_done.add(ident)
-            _hook.reset_before_real_launch(autotuner, args, kwargs, config)
-        return _hook.launch_winner(autotuner, args, kwargs, config)
+        site = self.sites.get(ident)
+        if site is None or not site.split:
+            if ident not in self._reset_done:
+                self._reset_done.add(ident)
+                _hook.reset_before_real_launch(autotuner, args, kwargs, config)
+            return _hook.launch_winner(autotuner, args, kwargs, config)
+        # A split winner was timed by one rank only: its first launch here may fail (a compile fault on
+        # this rank). Record it for the final-run check and let the run go on with the stand-in.
+        try:
+            if ident not in self._reset_done:
+                self._reset_done.add(ident)
+                _hook.reset_before_real_launch(autotuner, args, kwargs, config)
+            return _hook.launch_winner(autotuner, args, kwargs, config)
+        except Exception as err:
+            self.final_failures.setdefault(ident, (site.configs.index(config), f"{type(err).__name__}: {err}"))
+            return self._launch_stand_in(site, args, kwargs)
 
     def _launch_fast(self, ident, autotuner, key, args, kwargs) -> Any:
         config = self.winners.get(ident) or autotuner.cache.get(key)
@@ -283,6 +306,7 @@ class ContextualAutotuner:
         store_writer: str = "global",
         pinned: Optional[str | os.PathLike] = None,
         compile_threads: Optional[int] = None,
+        split: SplitSpec = False,
     ) -> None:
         _check_count("n_repeat", n_repeat, minimum=1)
         _check_count("n_warmup", n_warmup, minimum=0)
@@ -324,6 +348,8 @@ class ContextualAutotuner:
         if compile_threads is not None:
             _check_count("compile_threads", compile_threads, minimum=0)
         self.compile_threads = compile_threads
+        self.split = split
+        self._splits = _split_predicate(split)
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
         self._tuned = False
@@ -392,25 +418,32 @@ class ContextualAutotuner:
                 session.finish_run()
                 self._consensus(comm, session, error, [s.local_answer for s in session.sites.values()], table)
                 tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
-                longest = max((len(s.configs) for s in tuned), default=0)
+                if comm.world_size > 1:
+                    for site in tuned:
+                        if self._splits(site):
+                            site.share = (comm.rank, comm.world_size)
                 tuning_runs = 0
-                if self.early_stop and longest > 2:
-                    tuning_runs += self._run_stage(comm, session, Schedule(longest, 1, 1), "screening run", args, kwargs)
+                if self.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
+                    screening = Schedule(max(s.slots() for s in tuned), 1, 1)
+                    tuning_runs += self._run_stage(comm, session, screening, "screening run", args, kwargs)
                     for site, (per_rank, agreed) in zip(tuned, self._gather_agreed(comm, tuned, "screening agreement")):
                         site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
-                    longest = max(len(s.active) for s in tuned)
+                longest = max((s.slots() for s in tuned), default=0)
                 tuning_runs += self._run_stage(comm, session, Schedule(longest, self.n_warmup, self.n_repeat),
                                                "tuning run", args, kwargs)
                 results = self._agree(comm, session, tuned, log)
                 self._commit(session, results)
+                final_run = any(s.preset is None for s in session.sites.values())
+                final_runs = int(final_run)
+                if any(s.split for s in tuned):
+                    result, results, final_runs = self._checked_final_run(comm, session, results, log, args, kwargs)
                 if winners_store is not None and self._is_store_writer(comm):
                     self._save(winners_store, session, results)
-                final_run = any(s.preset is None for s in session.sites.values())
-                if final_run:
+                if final_run and not any(s.split for s in tuned):
                     session.start_run("final")
                     result = self.fn(*args, **kwargs)
             wall_s = time.perf_counter() - started
-            runs = 1 + tuning_runs + int(final_run)
+            runs = 1 + tuning_runs + final_runs
             self.report = TuningReport(tuple(results), runs, wall_s, comm.world_size)
             log.tuning(self.__qualname__, wall_s, runs, len(tuned), comm.world_size, self.reduce, str(self.statistic))
             self._tuned = True
@@ -503,6 +536,7 @@ class ContextualAutotuner:
             "presets": [s.digest()[4] for s in session.sites.values()],
             "lookups": lookups,
             "table": None if table is None else _store.table_digest(table),
+            "split": [bool(self._splits(s)) for s in session.sites.values()],
         }
         everyone = comm.all_gather_objects(mine, "consensus (site digest)")
         failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
@@ -518,6 +552,12 @@ class ContextualAutotuner:
         mismatch = describe_mismatch([d["sites"] for d in everyone])
         if mismatch:
             raise TuningError(f"disttune: {self.__qualname__}: ranks disagree on what to tune: {mismatch}")
+        split_views = [d["split"] for d in everyone]
+        if any(view != split_views[0] for view in split_views):
+            differing = [site.id.describe() for i, site in enumerate(session.sites.values())
+                         if len({view[i] for view in split_views}) > 1]
+            raise TuningError(f"disttune: {self.__qualname__}: ranks disagree on which sites are split (split= "
+                              f"must choose the same sites on every rank): {'; '.join(differing)}")
         tables = {d["table"] for d in everyone}
         if len(tables) != 1:
             raise TuningError(f"disttune: {self.__qualname__}: ranks loaded different pinned winner tables "
@@ -548,7 +588,7 @@ class ContextualAutotuner:
         for site in tuned:
             per_rank = gathered[:, offset : offset + len(site.configs)]
             offset += len(site.configs)
-            out.append((per_rank, agree(per_rank, self.reduce)))
+            out.append((per_rank, agree(per_rank, self.reduce, split=site.split)))
         return out
 
     def _agree(self, comm: Communicator, session: _Session, tuned: list[Site], log: RankLog) -> list[SiteResult]:
@@ -568,7 +608,7 @@ class ContextualAutotuner:
             log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, str(site.configs[winner]),
                        float(agreed[winner]), "tuned")
             results.append(SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in per_rank),
-                                      tuple(map(float, agreed)), winner, "tuned"))
+                                      tuple(map(float, agreed)), winner, "tuned", site.split))
         if dead:
             self._raise_all_failed(comm, dead)
         for site in session.sites.values():
@@ -580,6 +620,59 @@ class ContextualAutotuner:
                 index = site.configs.index(site.preset) if site.preset in site.configs else -1
                 results.append(SiteResult(site.id, tuple(site.configs), (), (), index, "cached"))
         return results
+
+    def _checked_final_run(self, comm: Communicator, session: _Session, results: list[SiteResult], log: RankLog,
+                           args: tuple, kwargs: dict) -> tuple[Any, list[SiteResult], int]:
+        """The final run when some site was split; returns (its result, the results, runs made).
+
+        A split winner was timed by one rank only, so this run is also its first launch on the
+        others. Each rank reports what failed (one all-gather); a winner that failed anywhere
+        is scored ``inf`` on every rank, the next best is committed and the run is repeated.
+        An exception in the run itself is the same TuningError on every rank.
+        """
+        runs = 0
+        while True:
+            session.final_failures = {}
+            session._reset_done.clear()
+            result, error = self._guarded_run(session, "final", -1, args, kwargs)
+            runs += 1
+            failed = [(i, *session.final_failures[r.site]) for i, r in enumerate(results)
+                      if r.site in session.final_failures]
+            everyone = comm.all_gather_objects({"error": error[1] if error else None, "failed": failed},
+                                               f"final run {runs} (split winners)")
+            errors = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
+            if errors:
+                message = (f"disttune: {self.__qualname__}: the final run (with the winners) failed on rank(s) "
+                           + ", ".join(str(r) for r, _ in errors) + ":\n  "
+                           + "\n  ".join(f"rank {r}: {msg}" for r, msg in errors))
+                if error:
+                    raise TuningError(message) from error[0]
+                raise TuningError(message)
+            failures: dict[tuple, list[str]] = {}
+            for rank, report in enumerate(everyone):
+                for i, config_index, msg in report["failed"]:
+                    failures.setdefault((i, config_index), []).append(f"rank {rank}: {msg}")
+            if not failures:
+                return result, results, runs
+            for (i, config_index), messages in sorted(failures.items()):
+                old = results[i]
+                site = session.sites[old.site]
+                site.record_failure(config_index, RuntimeError("; ".join(messages)))
+                agreed = list(old.agreed_ms)
+                agreed[config_index] = float("inf")
+                winner = winner_index([agreed[c] if c in site.active else float("inf") for c in range(len(agreed))])
+                log.config_result(old.site.kernel, old.site.key, old.site.occurrence, config_index,
+                                  str(old.configs[config_index]), [float("nan")] * comm.world_size, float("inf"),
+                                  "failed in the final run: " + "; ".join(messages))
+                if winner is None:
+                    raise AllConfigsFailed(
+                        f"disttune: {self.__qualname__}: no config works for:\n  {old.site.describe()}: the last "
+                        f"candidate, config[{config_index}] {{{old.configs[config_index]}}}, was timed on one rank "
+                        "(split) but failed on others in the final run: " + "; ".join(messages))
+                log.winner(old.site.kernel, old.site.key, old.site.occurrence, winner, str(old.configs[winner]),
+                           agreed[winner], "tuned")
+                results[i] = replace(old, agreed_ms=tuple(agreed), winner=winner)
+            self._commit(session, results)
 
     def _raise_all_failed(self, comm: Communicator, dead: list[Site]) -> None:
         failures = comm.all_gather_objects([dict(s.failures) for s in dead], "agreement (failures)")
@@ -647,6 +740,41 @@ def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:
                 + "\nMake the tuning key rank-independent (e.g. a bucketed global size) so all ranks tune the same sites."
             )
     return "site lists differ"  # unreachable: unequal lists differ at some position
+
+
+def _split_predicate(spec: SplitSpec) -> Callable[[Site], bool]:
+    """``split=`` as a test on a site: True/False, a kernel name, autotuned kernels, or a predicate.
+
+    Names match the kernel's ``module.qualname`` (as in logs and reports) or its bare function
+    name; a ``triton.autotune`` kernel object matches itself; a callable gets the ``SiteId``.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    if spec is None or spec is False:
+        return lambda site: False
+    if spec is True:
+        return lambda site: True
+    if isinstance(spec, (str, Autotuner)):
+        spec = [spec]
+    elif callable(spec):
+        predicate = spec
+        return lambda site: bool(predicate(site.id))
+    try:
+        items = list(spec)
+    except TypeError:
+        raise TypeError(f"disttune: split must be a bool, kernel names or kernels, or a predicate over a SiteId; "
+                        f"got {type(spec).__name__}") from None
+    names = {item for item in items if isinstance(item, str)}
+    kernels = {id(item) for item in items if isinstance(item, Autotuner)}
+    other = [item for item in items if not isinstance(item, (str, Autotuner))]
+    if other:
+        raise TypeError(f"disttune: split= entries must be kernel names or triton.autotune kernels, got {other!r}")
+
+    def chosen(site: Site) -> bool:
+        return (id(site.autotuner) in kernels or site.id.kernel in names
+                or getattr(site.autotuner.base_fn, "__name__", None) in names)
+
+    return chosen
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
@@ -741,6 +869,15 @@ def contextual_autotune(
     only to the fastest quarter (at least two): ``2C + K(n_warmup+n_repeat)`` tuning
     runs instead of ``C(n_warmup+n_repeat)``). With a store or pinned hit the first call runs the
     function twice (discovery + final) and compiles only the winner.
+
+    ``split`` (``True``, a kernel name, a collection of names or ``triton.autotune`` kernels, or a
+    predicate over a :class:`~disttune.sites.SiteId`) divides a site's configs among the ``w`` ranks:
+    in each tuning slot rank ``r`` runs position ``j*w + r`` of the candidate list, each config's
+    time is its owner's (``nan`` in the other ranks' ``per_rank_ms``), and a site of ``C`` configs
+    needs ``ceil(C / w)`` slots instead of ``C``. Use it only for kernels whose time does not depend
+    on what the other ranks launch at the same moment (no communication inside or beside them).
+    The final run then checks that each split winner also runs on the ranks that did not time it
+    (a winner that fails there is dropped for the next best, on every rank, and the run repeated).
     """
 
     def decorate(fn: F) -> F:

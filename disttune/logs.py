@@ -27,7 +27,10 @@ def resolve_log_dir(log_dir: Optional[str | os.PathLike]) -> Path:
     return Path(log_dir or os.environ.get(LOG_DIR_ENV) or "logs")
 
 
-def _json_number(value: float) -> Optional[float]:
+def _json_number(value: float) -> Optional[float | str]:
+    """A time for JSON: the number, ``null`` for inf (failed), ``"nan"`` for not measured (a split site)."""
+    if math.isnan(value):
+        return "nan"
     return value if math.isfinite(value) else None
 
 

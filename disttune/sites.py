@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import statistics as _stats
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 INF = float("inf")
+NAN = float("nan")
 
 Statistic = Union[str, Callable[[Sequence[float]], float]]
 STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
@@ -58,6 +60,17 @@ class Site:
 
     active: list = field(default_factory=list)  # config indices still in the running (early stopping)
     screen: Optional[tuple] = None  # (per-rank, agreed) screening times, when early stopping screened this site
+    share: Optional[tuple] = None  # (rank, world) when split: rank r times only positions r, r + w, ... of active
+
+    @property
+    def split(self) -> bool:
+        return self.share is not None
+
+    def slots(self) -> int:
+        """Config slots this site needs in a stage: its active configs, divided among the ranks when split."""
+        if self.share is None:
+            return len(self.active)
+        return -(-len(self.active) // self.share[1])
 
     def __post_init__(self) -> None:
         self.samples = [[] for _ in self.configs]
@@ -93,10 +106,14 @@ class Site:
         self.failures.setdefault(index, f"{type(err).__name__}: {err}")
 
     def local_times(self, statistic: Statistic) -> list[float]:
-        """One value per config: the statistic of its samples, ``inf`` where it failed here."""
+        """One value per config: the statistic of its samples, ``inf`` where it failed here.
+
+        A config this rank did not time (a split site's config owned by another rank) is ``nan``.
+        """
         reduce = resolve_statistic(statistic)
+        unmeasured = NAN if self.share is not None else INF
         return [
-            INF if i in self.failures or not samples else float(reduce(samples))
+            INF if i in self.failures else float(reduce(samples)) if samples else unmeasured
             for i, samples in enumerate(self.samples)
         ]
 
@@ -130,6 +147,10 @@ class Schedule:
     Config ``c`` of every site gets runs ``c*(w+r) .. c*(w+r)+w+r-1``: ``w`` warm-up
     runs, then ``r`` timed ones. A site with fewer configs than the longest list
     launches its stand-in (untimed) once its own configs are done.
+
+    A *split* site (``share=(rank, world)``) hands slot ``j`` to position ``j*world + rank``:
+    in each slot every rank runs a different config, so it needs ``ceil(n / world)`` slots.
+    ``longest`` counts slots, not configs.
     """
 
     longest: int
@@ -140,10 +161,13 @@ class Schedule:
     def runs(self) -> int:
         return self.longest * (self.n_warmup + self.n_repeat)
 
-    def slot(self, run: int, n_configs: int) -> tuple[Optional[int], bool]:
-        """(config index or None for a stand-in launch, whether this launch is timed)."""
+    def slot(self, run: int, n_configs: int, share: Optional[tuple] = None) -> tuple[Optional[int], bool]:
+        """(config position or None for a stand-in launch, whether this launch is timed)."""
         per_config = self.n_warmup + self.n_repeat
         index, phase = divmod(run, per_config)
+        if share is not None:
+            rank, world = share
+            index = index * world + rank
         if index >= n_configs:
             return None, False
         return index, phase >= self.n_warmup
@@ -156,15 +180,27 @@ def total_function_runs(longest: int, n_warmup: int, n_repeat: int) -> int:
     return 2 + longest * (n_warmup + n_repeat)
 
 
-def agree(per_rank: np.ndarray, reduce: str) -> np.ndarray:
+def agree(per_rank: np.ndarray, reduce: str, split: bool = False) -> np.ndarray:
     """Combine ``[world, n]`` per-rank times into one agreed vector.
 
     A config that is ``inf`` on any rank is ``inf`` in the result (a config that
     fails anywhere fails everywhere); otherwise max, mean or min over ranks.
+    With ``split=True`` a ``nan`` entry means "not timed by this rank": the reduction
+    runs over the ranks that timed the config (in a split site, its one owner), and a
+    config no rank timed is ``inf``.
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {REDUCTIONS}")
     per_rank = np.asarray(per_rank, dtype=np.float64)
+    if split:
+        finite = np.isfinite(per_rank)
+        failed = np.isinf(per_rank).any(axis=0) | ~finite.any(axis=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-nan columns: replaced by inf below
+            combined = {"max": np.nanmax, "mean": np.nanmean, "min": np.nanmin}[reduce](
+                np.where(finite, per_rank, np.nan), axis=0
+            )
+        return np.where(failed, INF, combined)
     failed = ~np.isfinite(per_rank).all(axis=0)
     combined = {"max": np.max, "mean": np.mean, "min": np.min}[reduce](
         np.where(np.isfinite(per_rank), per_rank, 0.0), axis=0

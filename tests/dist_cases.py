@@ -325,6 +325,88 @@ def case_pinned_mismatch(ctx):
                       pinned=table)
 
 
+SPLIT_TABLE = [5.0, 4.0, 6.0, 1.5, 3.0, 2.0, 7.0, 2.5, 9.0]  # ms per config of the split cases (9 configs)
+
+
+def split_kernel():
+    """9 distinct configs (3 block sizes x 3 warp counts) of add_block: not a multiple of 2, 4 or 8 ranks."""
+    import triton
+    from tiny_kernels import add_block
+
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (16, 32, 64) for w in (1, 2, 4)]
+    return triton.autotune(configs, key=["n"])(add_block)
+
+
+def _split_case(ctx, name: str, kernel=None, **options) -> dict:
+    """A split site beside a user collective; each rank's time is the table's plus 0.01 ms * rank."""
+    kernel = kernel or split_kernel()
+    timer = TableTimer(lambda info: SPLIT_TABLE[info.config_index] + 0.01 * ctx.rank)
+    runs = {"n": 0}
+    x = torch.randn(100, device=ctx.device)
+
+    @disttune.contextual_autotune(**ctx.tuner_options(name, timer=timer, split=True, **options))
+    def step():
+        runs["n"] += 1
+        y = torch.full_like(x, float("nan"))
+        launch_add(kernel, x, y)
+        ctx.sum_across_ranks(1.0)  # a user collective: every rank must run step equally often
+        return y
+
+    y = step()
+    (result,) = step.report.results
+    return {"runs": runs["n"], "function_runs": step.report.function_runs, "winner": result.winner,
+            "source": result.source, "split": result.split, "agreed_ms": list(result.agreed_ms),
+            "per_rank_ms": [["nan" if t != t else t for t in row] for row in result.per_rank_ms],
+            "timed": [i.config_index for i in timer.seen],
+            "output_ok": bool(torch.equal(y, x + result.config.kwargs["BLOCK"]))}
+
+
+def case_split(ctx):
+    """split=True: in each slot rank r runs config j*w + r; every rank computes the owner-time winner."""
+    return _split_case(ctx, "split")
+
+
+def case_split_early(ctx):
+    """split with early stopping: screening and the full stage are both divided among the ranks."""
+    return _split_case(ctx, "split_early", early_stop=True)
+
+
+def case_split_store(ctx):
+    """A split tuning writes the store; a fresh kernel over the same configs then loads it, tuning nothing."""
+    first = _split_case(ctx, "split_store")
+    second = _split_case(ctx, "split_store")
+    return {"first": first, "second": second}
+
+
+def case_split_compile_fault(ctx):
+    """BLOCK >= 64 fails to compile on rank 1 only; rank 1 times none of them, so the final run must catch it."""
+    import triton
+    from tiny_kernels import add_block_limited, grid
+
+    configs = [triton.Config({"BLOCK": b}, num_warps=1) for b in (16, 32, 64, 128)]
+    kernel = triton.autotune(configs, key=["n"])(add_block_limited)
+    table = [3.0, 2.0, 1.0, 0.5]
+    timer = TableTimer(lambda info: table[info.config_index])
+    runs = {"n": 0}
+    x = torch.randn(128, device=ctx.device)
+    limit = 64 if ctx.rank == 1 else 1024
+
+    @disttune.contextual_autotune(**ctx.tuner_options("split_compile_fault", timer=timer, split=["add_block_limited"],
+                                                      store=False))
+    def step():
+        runs["n"] += 1
+        y = torch.full_like(x, float("nan"))
+        kernel[grid(128)](x, y, 128, LIMIT=limit)
+        ctx.sum_across_ranks(1.0)
+        return y
+
+    y = step()
+    (result,) = step.report.results
+    return {"runs": runs["n"], "function_runs": step.report.function_runs, "winner": result.winner,
+            "agreed_ms": list(result.agreed_ms), "timed": sorted({i.config_index for i in timer.seen}),
+            "output_ok": bool(torch.equal(y, x + result.config.kwargs["BLOCK"]))}
+
+
 def case_function(ctx):
     """disttune.autotune over gloo/MPI: each rank alone prefers its own config, max picks the last."""
     space = [{"chunks": c} for c in range(ctx.world + 1)]

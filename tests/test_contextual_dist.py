@@ -1,4 +1,4 @@
-"""Multi-rank behaviour of contextual_autotune: 2 and 4 ranks over torch.distributed, 2 under mpiexec.
+"""Multi-rank behaviour of contextual_autotune: 1, 2, 4 and 8 ranks over torch.distributed, 2 under mpiexec.
 
 Each fixture launches ``tests/dist_cases.py`` once for a set of cases (bounded in
 wall time: a hang fails the test) and the tests assert on what every rank wrote.
@@ -8,6 +8,7 @@ Expected winners are computed here from the same fake-timer tables the ranks use
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
 COMMON_CASES = ["agree_max", "agree_mean", "agree_min", "fail_one_rank", "mismatch_configs", "keys_differ",
                 "all_fail", "raise_in_run", "second_call", "early_stop"]
+SPLIT_CASES = ["split", "split_early", "split_compile_fault", "split_store"]
 
 
 def _launch(out: Path, launcher: list[str], cases: list[str]) -> dict:
@@ -42,14 +44,14 @@ def _launch(out: Path, launcher: list[str], cases: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo2")
-    return _launch(out, ["--nproc_per_node=2"], COMMON_CASES), out
+    return _launch(out, ["--nproc_per_node=2"], COMMON_CASES + SPLIT_CASES), out
 
 
 @pytest.fixture(scope="module")
 def gloo4(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo4")
     return _launch(out, ["--nproc_per_node=4"], ["agree_max", "agree_mean", "fail_one_rank", "subgroup",
-                                                   "mismatch_configs"]), out
+                                                   "mismatch_configs", *SPLIT_CASES]), out
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +213,115 @@ def test_early_stopping_drops_the_same_configs_on_every_rank(gloo2):
         # agreed (max) screening times [5, 5, 3]: the two fastest, configs 2 and 0, go on; 2 wins
         assert result["full_configs"] == [0, 2] and result["winners"][0]["winner"] == 2
         assert result["runs"] == 1 + 3 * 2 + 2 * (1 + 2) + 1
+
+
+# -- split sites: ranks time disjoint shares of the configs ----------------------------------------
+
+SPLIT_TABLE = [5.0, 4.0, 6.0, 1.5, 3.0, 2.0, 7.0, 2.5, 9.0]  # dist_cases.SPLIT_TABLE; rank r adds 0.01 ms * r
+RUNS_PER_CONFIG = 1 + 2  # dist_cases: n_warmup=1, n_repeat=2
+
+
+def expected_split(world: int, early: bool) -> dict:
+    """The split schedule by hand: position p of the running list is timed by rank p % world only."""
+    n = len(SPLIT_TABLE)
+
+    def owned(active):
+        return {c: (p % world, SPLIT_TABLE[c] + 0.01 * (p % world)) for p, c in enumerate(active)}
+
+    screen = owned(list(range(n)))
+    if not early:
+        final, runs = screen, 1 + math.ceil(n / world) * RUNS_PER_CONFIG + 1
+    else:
+        keep = sorted(sorted(range(n), key=lambda c: (screen[c][1], c))[: max(2, math.ceil(n / 4))])
+        final = {**screen, **owned(keep)}
+        runs = 1 + math.ceil(n / world) * 2 + math.ceil(len(keep) / world) * RUNS_PER_CONFIG + 1
+    agreed = [final[c][1] for c in range(n)]
+    return {"agreed": agreed, "winner": int(np.argmin(agreed)), "runs": runs,
+            "owner": {c: final[c][0] for c in range(n)}}
+
+
+def check_split(per_rank: list[dict]) -> None:
+    world = len(per_rank)
+    expected = expected_split(world, early=False)
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        rank = result["rank"]
+        assert result["split"] and result["winner"] == expected["winner"] == 3
+        assert result["agreed_ms"] == pytest.approx(expected["agreed"])
+        # every rank ran the function the same, reduced number of times (the user collective stayed paired)
+        assert result["runs"] == result["function_runs"] == expected["runs"]
+        assert result["runs"] - 2 == math.ceil(len(SPLIT_TABLE) / world) * RUNS_PER_CONFIG < len(SPLIT_TABLE) * 3
+        mine = [c for c in range(len(SPLIT_TABLE)) if c % world == rank]
+        assert result["timed"] == [c for c in mine for _ in range(2)], "rank r times configs r, r + w, ... only"
+        for r, row in enumerate(result["per_rank_ms"]):
+            for c, t in enumerate(row):
+                if c % world == r:
+                    assert t == pytest.approx(SPLIT_TABLE[c] + 0.01 * r)
+                else:
+                    assert t == "nan", "a config another rank timed is nan in this rank's row"
+        assert result["output_ok"], "the final run did not launch the agreed winner"
+
+
+def check_split_early(per_rank: list[dict]) -> None:
+    expected = expected_split(len(per_rank), early=True)
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        assert result["winner"] == expected["winner"]
+        assert result["agreed_ms"] == pytest.approx(expected["agreed"])
+        assert result["runs"] == expected["runs"]
+        assert result["output_ok"]
+
+
+def check_split_compile_fault(per_rank: list[dict]) -> None:
+    """Configs 2 and 3 (BLOCK 64, 128) fail to compile on rank 1; whoever owns them elsewhere times them fine."""
+    world = len(per_rank)
+    hidden = [c for c in (2, 3) if c % world != 1]  # faster than the winner, timed by a rank where they work
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        assert result["winner"] == 1, result
+        assert result["agreed_ms"][:2] == [3.0, 2.0] and math.isinf(result["agreed_ms"][2]) and math.isinf(result["agreed_ms"][3])
+        # one final run, plus one more for each hidden failure the final-run check caught
+        assert result["runs"] == result["function_runs"] == 1 + math.ceil(4 / world) * RUNS_PER_CONFIG + 1 + len(hidden)
+        assert result["output_ok"]
+
+
+def check_split_store(per_rank: list[dict]) -> None:
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        first, second = result["first"], result["second"]
+        assert first["source"] == "tuned" and first["winner"] == 3
+        assert (second["source"], second["winner"], second["runs"], second["timed"]) == ("store", 3, 2, [])
+        assert second["output_ok"]
+
+
+def check_all_split_cases(results: dict) -> None:
+    check_split(results["split"])
+    check_split_early(results["split_early"])
+    check_split_compile_fault(results["split_compile_fault"])
+    check_split_store(results["split_store"])
+
+
+def test_split_sites_on_two_ranks(gloo2):
+    check_all_split_cases(gloo2[0])
+
+
+def test_split_sites_on_four_ranks(gloo4):
+    check_all_split_cases(gloo4[0])
+
+
+def test_split_log_marks_configs_a_rank_did_not_time(gloo2):
+    _, out = gloo2
+    for rank in range(2):
+        records = [json.loads(line) for line in (out / "logs" / "split" / f"rank-{rank}.log").read_text().splitlines()
+                   if line.startswith("{")]
+        configs = [r for r in records if r["event"] == "config"]
+        assert [c["per_rank_ms"][1 - c["config_index"] % 2] for c in configs] == ["nan"] * 9
+        (winner,) = [r for r in records if r["event"] == "winner"]
+        assert winner["config_index"] == 3
+
+
+def test_eight_ranks_tune_agree_split_and_store(tmp_path):
+    """Issue 9: the core multi-rank paths with 8 ranks on gloo, in one launch (8 processes importing torch)."""
+    results = _launch(tmp_path, ["--nproc_per_node=8"], ["agree_max", *SPLIT_CASES])
+    check_agreement(results["agree_max"], "max")
+    check_all_split_cases(results)

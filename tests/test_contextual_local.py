@@ -547,3 +547,58 @@ def test_early_stopping_screens_then_tunes_the_best_quarter(tmp_path):
     assert sorted(i.config_index for i in screening) == list(range(8))
     assert sorted({i.config_index for i in full}) == [2, 4] and len(full) == 2 * 2
     assert list(result.agreed_ms) == table, "screened-out configs keep their agreed screening time"
+
+
+# -- split sites ----------------------------------------------------------------------------------------
+
+def test_split_schedule_gives_each_rank_a_disjoint_share():
+    from disttune.sites import Schedule
+
+    world, n = 3, 7
+    schedule = Schedule(longest=-(-n // world), n_warmup=1, n_repeat=2)
+    assert schedule.runs == 3 * 3
+    seen = {}
+    for rank in range(world):
+        for run in range(schedule.runs):
+            index, timed = schedule.slot(run, n, (rank, world))
+            if timed:
+                seen.setdefault(index, []).append(rank)
+    assert seen == {c: [c % world] * 2 for c in range(n)}, "each config timed twice, by one rank only"
+    assert schedule.slot(2 * 3, n, (2, world)) == (None, False), "position 8 is past the list: a stand-in"
+
+
+def test_split_agreement_takes_the_owner_time_and_keeps_failures():
+    from disttune.sites import agree
+
+    nan, inf = float("nan"), float("inf")
+    per_rank = [[1.0, nan, 3.0, nan], [nan, 2.0, inf, nan]]
+    assert list(agree(per_rank, "max", split=True)) == [1.0, 2.0, inf, inf]  # 2: failed on rank 1; 3: nobody timed it
+    assert list(agree(per_rank, "min", split=True)) == [1.0, 2.0, inf, inf]
+
+
+def test_split_on_one_rank_is_plain_tuning(tmp_path):
+    kernel = make_kernel()
+    timer = TableTimer(lambda i: {0: 2.0, 1: 3.0, 2: 1.0}[i.config_index])
+    step, runs = counting_step(tmp_path, kernel, timer=timer, split=True)
+    x = torch.randn(64, device=DEV)
+    assert torch.equal(step(x), x + 64)
+    (result,) = step.report.results
+    assert runs["n"] == 11 and not result.split and result.per_rank_ms == ((2.0, 3.0, 1.0),)
+
+
+def test_split_accepts_names_kernels_and_predicates():
+    from disttune.contextual import _split_predicate
+    from disttune.sites import Site, SiteId
+
+    kernel, other = make_kernel(), make_kernel(accumulate)
+    site = Site(SiteId("tiny_kernels.add_block", (64,), 0), kernel, [])
+    elsewhere = Site(SiteId("tiny_kernels.accumulate", (64,), 0), other, [])
+    for spec in (True, "add_block", "tiny_kernels.add_block", ["add_block"], {kernel}, (kernel,),
+                 lambda ident: ident.kernel.endswith("add_block")):
+        chosen = _split_predicate(spec)
+        assert chosen(site) and (spec is True or not chosen(elsewhere)), spec
+    assert not _split_predicate(False)(site)
+    with pytest.raises(TypeError, match="split= entries must be kernel names"):
+        _split_predicate([3])
+    with pytest.raises(TypeError, match="split must be a bool"):
+        _split_predicate(3.5)
