@@ -1,0 +1,852 @@
+"""Mixture-of-experts kernels tuned in context: routing, a fused grouped GEMM, the MLP,
+AllGather-MoE and MoE-ReduceScatter.
+
+Pieces:
+
+* routing -- :func:`moe_align` sorts the ``T * top_k`` (token, choice) rows by expert
+  (stable, so every rank that sorts the same ids gets the same order) and returns a
+  :class:`MoeRouting`: ``sorted_ids`` (flat index ``t * top_k + j`` of each sorted row),
+  ``expert_offs`` (``int32 [E + 1]``, row where each expert starts; ``offs[1:]`` is
+  ``torch._grouped_mm``'s ``offs``) and ``counts``. No padding and no host sync: the
+  GEMM maps its M-tiles to experts itself, so BLOCK_M is freely tunable.
+  :func:`moe_align_block_size` is vLLM's padded form (sentinel-padded ``sorted_token_ids``,
+  ``expert_ids`` per M-block, ``num_tokens_post_padded``) for one fixed block size, for
+  kernels written against that layout (it syncs with the host).
+* ``moe_gemm_jit`` / ``moe_gemm_kernel`` / :func:`make_moe_kernel` -- one Triton kernel for
+  all experts' GEMMs: ``C[row] = A[a_row(row)] @ W[expert(row)]`` (optionally times the
+  routing weight), fp32 accumulate. Layouts:
+
+  - ``W``: ``[E, K, N]`` (``[E, H, I]`` for the up projection, ``[E, I, H]`` for down),
+    any strides; a transposed view of ``[E, N, K]`` works too (same as ``torch._grouped_mm``'s
+    ``mat_b``).
+  - ``A`` (``a_order``): ``"token"`` -- ``[T, K]``, rows gathered through the routing
+    (``sorted_ids // top_k``, vLLM's indirect load: no permuted copy of A); ``"flat"`` --
+    ``[T * top_k, K]`` in (token, choice) order, gathered through ``sorted_ids``;
+    ``"sorted"`` -- ``[R, K]`` already in the routing's sorted order (contiguous loads).
+  - ``C`` (``out_order``): ``"sorted"`` (contiguous, ``[R, N]`` in sorted order) or ``"flat"``
+    (row ``t * top_k + j``: scattered stores, ready for the top-k sum).
+
+  Each program computes one ``BLOCK_M x BLOCK_N`` tile; the tile's expert is found in the
+  kernel from ``expert_offs`` (an ``E``-wide cumulative sum per program, negligible next to
+  the K loop). The grid is the host-side upper bound ``cdiv(R, BLOCK_M) + min(E, R)`` M-tiles
+  times the N-tiles; programs past the real tile count exit at once, experts without tokens
+  own no tiles.
+* :func:`moe_mlp` -- gate-up GEMM (token-gathered A, sorted C), SiLU-gated product in torch,
+  down GEMM (sorted A, flat C, routing weight in the epilogue), top-k sum back to ``[T, H]``.
+* :func:`ag_moe`, :func:`moe_rs`, :func:`tp_moe_layer` -- tensor-parallel MoE over ranks
+  (each rank holds a slice of every expert's intermediate dimension and its own tokens,
+  possibly uneven): all-gather tokens + routing, grouped GEMM per source rank (the local
+  chunk first, overlapping the gather); grouped GEMM per destination rank, each chunk
+  reduced to its owner while the next one computes.
+* references: :func:`moe_gemm_reference`, :func:`moe_mlp_reference` (per-expert torch loops).
+
+Tuning key: ``N, K, E, TOP_K, ROWS_BUCKET`` and the A/C/weight modes (plus dtypes, as Triton
+adds them). ``ROWS_BUCKET`` is the total number of routed rows rounded up to a power of two
+(``bucket=`` changes that); per-expert counts are never in the key, so ranks with different
+routings tune the same sites and agree on one winner. Every host function here is what a
+user wraps with ``disttune.contextual_autotune``.
+
+Interpreter notes: as kernels/matmul.py (``TRITON_INTERPRET=1`` before importing triton;
+host-clock ``do_bench`` under the interpreter; bf16 refused there, see
+``BF16_INTERPRETER_NOTE``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .matmul import (
+    BF16_INTERPRETER_NOTE,
+    SUPPORTED_DTYPES,
+    config_is_valid,
+    host_clock_bench,
+    interpreting,
+    max_shared_memory,
+    prune_configs,
+    shared_memory_bytes,
+)
+
+__all__ = [
+    "HOPPER_MOE_CONFIGS",
+    "CPU_MOE_CONFIGS",
+    "A_ORDERS",
+    "OUT_ORDERS",
+    "MoeRouting",
+    "next_power_of_2",
+    "default_moe_configs",
+    "moe_config_is_valid",
+    "prune_moe_configs",
+    "moe_align",
+    "moe_align_block_size",
+    "make_moe_kernel",
+    "moe_gemm_jit",
+    "moe_gemm_kernel",
+    "moe_gemm",
+    "moe_gemm_with_config",
+    "silu_and_mul",
+    "moe_mlp",
+    "ag_moe",
+    "AgMoeResult",
+    "moe_rs",
+    "tp_moe_layer",
+    "moe_gemm_reference",
+    "moe_mlp_reference",
+]
+
+
+def _cfg(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm},
+                         num_stages=stages, num_warps=warps)
+
+
+#: Hopper (H100/H200) space, bf16/fp16: large tiles for the 8-expert shape, 64-row tiles for
+#: many small experts (64 experts x ~400 rows), deeper pipelines for the narrower tiles.
+HOPPER_MOE_CONFIGS = [
+    _cfg(128, 256, 64, 8, 3, 8),
+    _cfg(128, 256, 64, 8, 4, 8),
+    _cfg(256, 128, 64, 8, 3, 8),
+    _cfg(128, 128, 64, 8, 4, 4),
+    _cfg(128, 128, 64, 8, 3, 8),
+    _cfg(128, 128, 128, 8, 3, 8),
+    _cfg(64, 256, 64, 8, 4, 4),
+    _cfg(64, 128, 64, 8, 4, 4),
+    _cfg(128, 64, 64, 8, 4, 4),
+    _cfg(64, 64, 64, 8, 4, 4),
+    _cfg(128, 128, 32, 8, 4, 4),
+    _cfg(64, 128, 128, 8, 3, 4),
+]
+
+#: Small configs for CPU runs under the interpreter, whose cost is mostly per program:
+#: few, wide tiles keep the tests fast.
+CPU_MOE_CONFIGS = [
+    _cfg(32, 32, 32, 4, 1, 1),
+    _cfg(16, 32, 32, 1, 1, 1),
+    _cfg(32, 32, 16, 4, 1, 1),
+]
+
+A_ORDERS = ("token", "flat", "sorted")
+OUT_ORDERS = ("sorted", "flat")
+_A_MODE = {name: i for i, name in enumerate(A_ORDERS)}
+_INT32_MAX = 2**31 - 1
+
+#: Set to 1 to fill every buffer these functions allocate with NaN (tests: an unwritten
+#: tile or row then shows up in the result instead of passing as stale memory).
+POISON_ENV = "DISTTUNE_MOE_POISON"
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    if os.environ.get(POISON_ENV) == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def default_moe_configs() -> list:
+    """Hopper space on a real GPU, small CPU configs under the interpreter / without CUDA."""
+    if torch.cuda.is_available() and not interpreting():
+        return list(HOPPER_MOE_CONFIGS)
+    return list(CPU_MOE_CONFIGS)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): the default row bucket of the tuning key."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+def moe_config_is_valid(config: triton.Config, dtype: torch.dtype) -> tuple[bool, str]:
+    """Declared constraints: those of kernels/matmul.py's ``config_is_valid`` (powers of two
+    >= 16 for BLOCK_M/N/K, GROUP_M >= 1, power-of-two warps, stages >= 1, supported dtype).
+    No divisibility constraint ties BLOCK_M to the routing: tiles are mapped to experts in
+    the kernel. Returns (ok, reason)."""
+    return config_is_valid(config, dtype)
+
+
+def prune_moe_configs(configs, named_args: dict, **kwargs) -> list:
+    """``early_config_prune`` hook: declared constraints + shared memory of the device.
+
+    Shared memory is ``num_stages * (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * element size``,
+    the widest of A's and W's element sizes. Raises ValueError listing each config's reason
+    if nothing survives.
+    """
+    args = {**(named_args or {}), **kwargs}
+    tensors = [args[n] for n in ("a_ptr", "b_ptr") if isinstance(args.get(n), torch.Tensor)]
+    if not tensors:
+        raise ValueError("prune_moe_configs: a_ptr/b_ptr tensors not found in the kernel arguments")
+    dtype = max((t.dtype for t in tensors), key=lambda d: torch.empty((), dtype=d).element_size())
+    return prune_configs(configs, dtype, max_shared_memory(tensors[0].device))
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """Rows sorted by expert. ``R = num_tokens * top_k`` rows, no padding.
+
+    * ``sorted_ids`` int32 [R]: flat index ``t * top_k + j`` of sorted row i (stable by expert);
+    * ``expert_offs`` int32 [E + 1]: expert e owns sorted rows ``offs[e]:offs[e+1]``;
+    * ``counts`` int32 [E]: rows per expert.
+    """
+
+    sorted_ids: torch.Tensor
+    expert_offs: torch.Tensor
+    counts: torch.Tensor
+    num_tokens: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens * self.top_k
+
+    def token_rows(self) -> torch.Tensor:
+        """int64 [R]: token (row of the un-expanded input) of each sorted row."""
+        return self.sorted_ids.long() // self.top_k
+
+    def permute(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[R, H]`` in sorted order (the pre-permuted A; one gather, R*H elements)."""
+        return x.index_select(0, self.token_rows())
+
+    def unsort(self, y: torch.Tensor) -> torch.Tensor:
+        """Sorted rows ``[R, N]`` -> flat (token, choice) order ``[R, N]``."""
+        out = torch.empty_like(y)
+        out[self.sorted_ids.long()] = y
+        return out
+
+
+def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_range: bool) -> None:
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"{where}: topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"{where}: topk_ids must be 2-D [tokens, top_k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"{where}: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"{where}: num_experts must be an int >= 1, got {num_experts!r}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"{where}: top_k (topk_ids.shape[1]) must be >= 1")
+    if check_range and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())  # one host sync on a GPU
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{where}: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]; "
+                             "check the router's output and num_experts")
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> MoeRouting:
+    """Sort the (token, choice) rows by expert: a stable argsort and a histogram, on topk_ids' device.
+
+    Cost: O(R log R) torch ops, no host sync unless ``check_range`` (one ``min``/``max``
+    read back to reject ids outside ``[0, num_experts)``).
+    """
+    _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    sorted_ids = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offs[1:] = torch.cumsum(counts, 0)
+    return MoeRouting(sorted_ids, offs, counts, int(T), int(k), int(num_experts))
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``moe_align_block_size`` layout, for kernels that need a fixed block size.
+
+    Returns ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``: each expert's rows
+    (flat indices ``t * top_k + j``, stable order) padded to a multiple of ``block_m`` with the
+    sentinel ``R = T * top_k``; ``expert_ids[b]`` is the expert of M-block b; the padded
+    total as a 1-element int32 tensor. Experts without tokens get no block. Syncs with the
+    host once (the padded length). The grouped GEMM here does not need it (see module doc).
+    """
+    if not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"moe_align_block_size: block_m must be an int >= 1, got {block_m!r}")
+    routing = moe_align(topk_ids, num_experts)
+    dev = routing.sorted_ids.device
+    counts = routing.counts.long()
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_offs = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    padded_offs[1:] = torch.cumsum(padded, 0)
+    total = int(padded_offs[-1])
+    R = routing.num_rows
+    out = torch.full((total,), R, dtype=torch.int32, device=dev)
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=dev), counts, output_size=R)
+    pos = torch.arange(R, device=dev) - routing.expert_offs.long()[expert_of_row] + padded_offs[expert_of_row]
+    out[pos] = routing.sorted_ids
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=dev, dtype=torch.int32),
+                                         padded // block_m, output_size=total // block_m)
+    return out, expert_ids, torch.tensor([total], dtype=torch.int32, device=dev)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def _moe_gemm_body(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_offs_ptr,
+    R, N, K, E, TOP_K, ROWS_BUCKET,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    E_POW2: tl.constexpr,
+    A_MODE: tl.constexpr,       # 0: A [T, K] gathered by sorted_ids // TOP_K; 1: A [R, K] by sorted_ids; 2: sorted
+    C_FLAT: tl.constexpr,       # store row sorted_ids[row] (True) or row (False)
+    MUL_WEIGHT: tl.constexpr,   # multiply row by weights[sorted_ids[row]]
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(axis=0)
+    # Map M-tiles to experts: expert e owns cdiv(count_e, BLOCK_M) consecutive tiles.
+    e_idx = tl.arange(0, E_POW2)
+    e_mask = e_idx < E
+    starts = tl.load(expert_offs_ptr + e_idx, mask=e_mask, other=0)
+    ends = tl.load(expert_offs_ptr + e_idx + 1, mask=e_mask, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    num_pid_m = tl.sum(tiles, axis=0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if pid >= num_pid_m * num_pid_n:
+        return  # beyond the real tile count (the grid is a host-side upper bound)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+    sel = e_idx == expert
+    first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), axis=0)
+    row_start = tl.sum(tl.where(sel, starts, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(sel, ends, 0), axis=0)
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_end
+    ids = tl.load(sorted_ids_ptr + offs_m, mask=mask_m, other=0)
+    if A_MODE == 0:
+        a_rows = ids // TOP_K
+    elif A_MODE == 1:
+        a_rows = ids
+    else:
+        a_rows = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_left = K - k
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + ids, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    if C_FLAT:
+        c_rows = ids
+    else:
+        c_rows = offs_m
+    c = acc.to(c_ptr.dtype.element_ty)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
+
+
+#: The jitted kernel without a tuner (an InterpretedFunction under TRITON_INTERPRET=1).
+moe_gemm_jit = triton.jit(_moe_gemm_body)
+
+#: Tuning key: shapes, expert count, top-k, bucketed total rows and the load/store modes.
+MOE_KEY = ["N", "K", "E", "TOP_K", "ROWS_BUCKET", "A_MODE", "C_FLAT", "MUL_WEIGHT"]
+
+
+def make_moe_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench: Optional[Callable] = None,
+                    **autotune_kwargs):
+    """A NEW Autotuner over ``moe_gemm_jit`` (own cache), key :data:`MOE_KEY`, prune
+    :func:`prune_moe_configs`. ``configs`` defaults to :func:`default_moe_configs`;
+    ``do_bench`` to the driver's on a GPU and :func:`host_clock_bench` under the interpreter."""
+    configs = list(default_moe_configs() if configs is None else configs)
+    if not configs:
+        raise ValueError("make_moe_kernel: empty config list")
+    if do_bench is None and interpreting():
+        do_bench = host_clock_bench
+    return triton.autotune(configs=configs, key=MOE_KEY,
+                           prune_configs_by={"early_config_prune": prune_moe_configs},
+                           do_bench=do_bench, **autotune_kwargs)(moe_gemm_jit)
+
+
+#: The default autotuned grouped GEMM (default_moe_configs(), key MOE_KEY).
+moe_gemm_kernel = make_moe_kernel()
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _span(t: torch.Tensor) -> int:
+    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def _check_float(where: str, name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{where}: {name} dtype {t.dtype} not supported (need one of {SUPPORTED_DTYPES})")
+
+
+def _check_device(where: str, ref: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but the input is on {ref.device}; "
+                             "move every tensor to one device")
+    if ref.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{where}: tensors are on {ref.device}; Triton needs CUDA tensors unless "
+                         "TRITON_INTERPRET=1 was set before triton was imported")
+
+
+def _check_routing(where: str, routing: MoeRouting, device: torch.device) -> None:
+    if not isinstance(routing, MoeRouting):
+        raise TypeError(f"{where}: routing must be a MoeRouting (from moe_align), got {type(routing).__name__}")
+    if routing.sorted_ids.device != device:
+        raise ValueError(f"{where}: routing is on {routing.sorted_ids.device} but the input is on {device}")
+
+
+def _prepare(a, w, routing, a_order, out, out_order, weights, where):
+    """Validate a grouped-GEMM call; returns (out, kernel args tuple, constexpr kwargs)."""
+    if a_order not in A_ORDERS:
+        raise ValueError(f"{where}: a_order must be one of {A_ORDERS}, got {a_order!r}")
+    if out_order not in OUT_ORDERS:
+        raise ValueError(f"{where}: out_order must be one of {OUT_ORDERS}, got {out_order!r}")
+    _check_float(where, "a", a)
+    _check_float(where, "w", w)
+    if a.dim() != 2:
+        raise ValueError(f"{where}: a must be 2-D, got shape {tuple(a.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"{where}: w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
+    if a.dtype != w.dtype:
+        raise TypeError(f"{where}: a and w must have the same dtype, got {a.dtype} and {w.dtype}")
+    if a.dtype == torch.bfloat16 and interpreting():
+        raise TypeError(f"{where}: bf16 is not supported under TRITON_INTERPRET=1. " + BF16_INTERPRETER_NOTE)
+    _check_routing(where, routing, a.device)
+    _check_device(where, a, w=w, out=out, weights=weights)
+    E, K, N = w.shape
+    if E != routing.num_experts:
+        raise ValueError(f"{where}: w has {E} experts but the routing was built for {routing.num_experts}")
+    if a.shape[1] != K:
+        raise ValueError(f"{where}: a has {a.shape[1]} columns but w is [E, K={K}, N={N}]")
+    R, T = routing.num_rows, routing.num_tokens
+    want_rows = {"token": T, "flat": R, "sorted": R}[a_order]
+    if a.shape[0] != want_rows:
+        raise ValueError(f"{where}: a_order={a_order!r} needs a with {want_rows} rows "
+                         f"({'tokens' if a_order == 'token' else 'tokens * top_k'}), got {a.shape[0]}")
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+            raise TypeError(f"{where}: weights must be a floating-point tensor [tokens, top_k]")
+        if tuple(weights.shape) != (T, routing.top_k):
+            raise ValueError(f"{where}: weights must have shape {(T, routing.top_k)}, got {tuple(weights.shape)}")
+        weights = weights.contiguous()
+    if out is None:
+        out = _empty((R, N), a.dtype, a.device)
+    else:
+        _check_float(where, "out", out)
+        if tuple(out.shape) != (R, N):
+            raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(R, N)}")
+        if out.numel() and a.numel() and out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+            raise ValueError(f"{where}: out shares storage with a; in-place grouped GEMM is not supported")
+    for name, t in (("a", a), ("w", w), ("out", out)):
+        if _span(t) > _INT32_MAX:
+            raise ValueError(f"{where}: {name} spans more than 2**31-1 elements; the kernel uses 32-bit offsets")
+    args = (a, w, out, weights if weights is not None else a, routing.sorted_ids, routing.expert_offs,
+            R, N, K, E, routing.top_k)
+    strides = (a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
+    meta = dict(E_POW2=max(2, next_power_of_2(E)), A_MODE=_A_MODE[a_order], C_FLAT=out_order == "flat",
+                MUL_WEIGHT=weights is not None)
+    return out, args, strides, meta
+
+
+def _grid(R: int, N: int, routing: MoeRouting):
+    """Programs: M-tiles x N-tiles. On a GPU the M-tiles are the upper bound
+    ``cdiv(R, BLOCK_M) + min(E, R)`` (no host sync; surplus programs exit at once). Under
+    the interpreter, where reading the counts costs nothing and every program costs
+    milliseconds, the exact tile count plus one spare row of tiles (so the early exit
+    still runs in CPU tests)."""
+    E = routing.num_experts
+    counts = routing.counts.tolist() if routing.counts.device.type == "cpu" else None
+
+    def grid(META):
+        bm, n_tiles = META["BLOCK_M"], triton.cdiv(N, META["BLOCK_N"])
+        if counts is not None:
+            return ((sum(triton.cdiv(c, bm) for c in counts) + 1) * n_tiles,)
+        return ((triton.cdiv(R, bm) + min(E, R)) * n_tiles,)
+
+    return grid
+
+
+def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: str = "token",
+             out: Optional[torch.Tensor] = None, out_order: str = "sorted",
+             weights: Optional[torch.Tensor] = None, kernel=None,
+             rows_bucket: Optional[int] = None,
+             bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """Grouped GEMM over all experts with the autotuned kernel (``kernel`` or ``moe_gemm_kernel``).
+
+    ``out[row] = A[a_row(row)] @ w[expert(row)]`` (``* weights[t, j]`` if given), for the
+    ``R = T * top_k`` rows of ``routing``; see the module doc for ``a_order``/``out_order``.
+    ``out`` is ``[R, N]``, fp32-accumulated, in ``out``'s dtype (default a's). Cost:
+    ``2 * R * K * N`` flops plus one tile's padding per non-empty expert.
+
+    Tuning key row count: ``rows_bucket`` if given (use the *global* total in multi-rank code
+    so every rank keys the same), else ``bucket(R)`` (next power of two).
+    """
+    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm")
+    R, N = out.shape
+    if R == 0 or N == 0:
+        return out
+    if a.shape[1] == 0:
+        return out.zero_()
+    rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
+    kern = kernel if kernel is not None else moe_gemm_kernel
+    kern[_grid(R, N, routing)](*args, rb, *strides, **meta)
+    return out
+
+
+def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, config: triton.Config, *,
+                         a_order: str = "token", out: Optional[torch.Tensor] = None, out_order: str = "sorted",
+                         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`moe_gemm` launching ``moe_gemm_jit`` directly with one config (no tuner)."""
+    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm_with_config")
+    ok, why = moe_config_is_valid(config, a.dtype)
+    if not ok:
+        raise ValueError(f"moe_gemm_with_config: invalid config [{config}]: {why}")
+    R, N = out.shape
+    if R == 0 or N == 0:
+        return out
+    if a.shape[1] == 0:
+        return out.zero_()
+    kw = config.kwargs
+    grid = _grid(R, N, routing)(kw)
+    moe_gemm_jit[grid](*args, next_power_of_2(R), *strides, **meta, **kw,
+                       num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """``silu(h[:, :I]) * h[:, I:]`` for ``h [R, 2I]`` (gate first, then up), computed in fp32."""
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"silu_and_mul: h must be [rows, 2 * I], got shape {tuple(h.shape)}")
+    gate, up = h.float().chunk(2, dim=1)
+    return (F.silu(gate) * up).to(h.dtype)
+
+
+def _topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return y_flat.view(T, k, -1).sum(dim=1, dtype=torch.float32).to(dtype)
+
+
+def _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, where):
+    _check_float(where, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{where}: x must be 2-D [tokens, H], got shape {tuple(x.shape)}")
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        _check_float(where, name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{where}: {name} must be 3-D, got shape {tuple(t.shape)}")
+    E, H, I2 = w_gate_up.shape
+    if I2 % 2:
+        raise ValueError(f"{where}: w_gate_up must be [E, H, 2 * I] (gate then up), got last dim {I2}")
+    if tuple(w_down.shape) != (E, I2 // 2, H):
+        raise ValueError(f"{where}: w_down must be [E, I, H] = {(E, I2 // 2, H)} to match w_gate_up "
+                         f"{tuple(w_gate_up.shape)}, got {tuple(w_down.shape)}")
+    if x.shape[1] != H:
+        raise ValueError(f"{where}: x has H={x.shape[1]} but w_gate_up is [E, H={H}, 2I]")
+    _check_topk_ids(topk_ids, E, where, check_range=False)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{where}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+    _check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate_up=w_gate_up, w_down=w_down)
+    return E
+
+
+def moe_mlp(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+            w_gate_up: torch.Tensor, w_down: torch.Tensor, *, kernel=None,
+            routing: Optional[MoeRouting] = None,
+            bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """The MoE MLP: ``sum_j w[t,j] * (silu(x[t] @ Wg[e]) * (x[t] @ Wu[e])) @ Wd[e]``, ``e = topk_ids[t, j]``.
+
+    ``w_gate_up [E, H, 2I]`` (gate columns first), ``w_down [E, I, H]``; ``topk_weights``
+    ``[T, top_k]`` or None (all ones). Two grouped GEMM launches (gate-up: token-gathered A,
+    sorted C; down: sorted A, flat C, weight in the epilogue) plus torch for routing,
+    SiLU-gating and the top-k sum. Returns ``[T, H]`` in x's dtype.
+    """
+    E = _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "moe_mlp")
+    routing = routing if routing is not None else moe_align(topk_ids, E)
+    T, k = topk_ids.shape
+    h = moe_gemm(x, w_gate_up, routing, a_order="token", out_order="sorted", kernel=kernel, bucket=bucket)
+    g = silu_and_mul(h)
+    y = moe_gemm(g, w_down, routing, a_order="sorted", out_order="flat", weights=topk_weights,
+                 kernel=kernel, bucket=bucket)
+    return _topk_sum(y, T, k, x.dtype)
+
+
+# --------------------------------------------------------------------------- multi-rank
+
+
+def _group_info(group):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call disttune.dist.init() first")
+    return dist, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _tokens_per_rank(dist, group, world, local: int, device, given) -> tuple[int, ...]:
+    if given is not None:
+        given = tuple(int(t) for t in given)
+        if len(given) != world:
+            raise ValueError(f"tokens_per_rank has {len(given)} entries but the group has {world} ranks")
+        return given
+    counts = torch.tensor([local], dtype=torch.int64, device=device)
+    out = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(out, counts, group=group)
+    return tuple(int(c) for c in torch.cat(out).tolist())  # one host sync
+
+
+@dataclass
+class AgMoeResult:
+    """What :func:`ag_moe` returns.
+
+    ``out`` ``[sum_r T_r * top_k, N]``: rank r's chunk at rows ``row_offsets[r]:row_offsets[r+1]``,
+    each chunk in the sorted order of ``routings[r]`` (``routings[r].unsort(chunk)`` gives flat
+    (token, choice) order). ``topk_ids`` / ``topk_weights`` are the gathered routing
+    ``[sum_r T_r, top_k]`` in rank order.
+    """
+
+    out: torch.Tensor
+    routings: tuple
+    tokens_per_rank: tuple
+    row_offsets: tuple
+    topk_ids: torch.Tensor
+    topk_weights: Optional[torch.Tensor]
+
+    def chunk(self, r: int) -> torch.Tensor:
+        return self.out[self.row_offsets[r]:self.row_offsets[r + 1]]
+
+
+def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
+           topk_weights: Optional[torch.Tensor] = None, group=None,
+           tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
+           out: Optional[torch.Tensor] = None,
+           bucket: Callable[[int], int] = next_power_of_2) -> AgMoeResult:
+    """AllGather-MoE: gather every rank's tokens ``x [T_r, H]`` and routing, then the grouped GEMM
+    ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
+
+    ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed (``tokens_per_rank`` skips one small all-gather + host sync).
+    Order: routing ids/weights are all-gathered first (small, one collective: ids bit-cast
+    into a float32 row next to the weights), then the token all-gather is started
+    asynchronously and the local chunk's GEMM runs while it is in flight (with NCCL the
+    collective runs on its own stream, so this overlaps on GPUs); then each other rank's
+    chunk. One GEMM launch per source rank, all with the same tuning key (bucket of the
+    *global* row count). On gloo the same code runs with the gather's background thread.
+    """
+    dist, rank, world = _group_info(group)
+    where = "ag_moe"
+    _check_float(where, "x", x)
+    _check_float(where, "w", w)
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    E, H, N = w.shape
+    if x.shape[1] != H:
+        raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={H}, N]")
+    _check_topk_ids(topk_ids, E, where, check_range=True)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{where}: topk_weights must have shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    _check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
+    dev, k = x.device, topk_ids.shape[1]
+    tpr = _tokens_per_rank(dist, group, world, x.shape[0], dev, tokens_per_rank)
+    if tpr[rank] != x.shape[0]:
+        raise ValueError(f"{where}: tokens_per_rank[{rank}] = {tpr[rank]} but this rank has {x.shape[0]} tokens")
+    max_t = max(tpr)
+
+    # 1. routing of every rank: [max_t, 2k] float32 rows (ids bit-cast, then weights)
+    meta = torch.zeros(max_t, 2 * k, dtype=torch.float32, device=dev)
+    meta[: x.shape[0], :k] = topk_ids.to(torch.int32).view(torch.float32)
+    if topk_weights is not None:
+        meta[: x.shape[0], k:] = topk_weights.float()
+    metas = torch.empty(world * max_t, 2 * k, dtype=torch.float32, device=dev)
+    _all_gather(dist, metas, meta, group)
+    metas = metas.view(world, max_t, 2 * k)
+    ids_all = torch.cat([metas[r, : tpr[r], :k].contiguous().view(torch.int32) for r in range(world)])
+    weights_all = (torch.cat([metas[r, : tpr[r], k:] for r in range(world)]).to(topk_weights.dtype)
+                   if topk_weights is not None else None)
+
+    # 2. token all-gather, asynchronous
+    x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
+    x_all = _empty((world * max_t, H), x.dtype, dev)
+    work = _all_gather(dist, x_all, x_pad.contiguous(), group, async_op=True)
+
+    # 3. routings (no host sync) and the local chunk while the gather is in flight
+    row_offsets = [0]
+    for t in tpr:
+        row_offsets.append(row_offsets[-1] + t * k)
+    rows_bucket = int(bucket(row_offsets[-1]))
+    id_offsets = [0]
+    for t in tpr:
+        id_offsets.append(id_offsets[-1] + t)
+    routings = tuple(moe_align(ids_all[id_offsets[r]:id_offsets[r + 1]], E, check_range=False)
+                     for r in range(world))
+    if out is None:
+        out = _empty((row_offsets[-1], N), x.dtype, dev)
+    else:
+        _check_float(where, "out", out)
+        if tuple(out.shape) != (row_offsets[-1], N):
+            raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(row_offsets[-1], N)} "
+                             "(sum of tokens over ranks * top_k, w's N)")
+    order = [(rank + i) % world for i in range(world)]
+    for i, r in enumerate(order):
+        if i == 1:
+            work.wait()
+        if tpr[r] == 0:
+            continue
+        a = x if r == rank else x_all[r * max_t: r * max_t + tpr[r]]
+        moe_gemm(a, w, routings[r], a_order="token", out=out[row_offsets[r]:row_offsets[r + 1]],
+                 out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
+    if world == 1:
+        work.wait()
+    return AgMoeResult(out, routings, tpr, tuple(row_offsets), ids_all, weights_all)
+
+
+def _all_gather(dist, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """all_gather_into_tensor on NCCL; the list form elsewhere (gloo has no all_gather_into_tensor)."""
+    if out.is_cuda and dist.get_backend(group) == "nccl":
+        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    world = out.shape[0] // inp.shape[0] if inp.shape[0] else dist.get_world_size(group)
+    return dist.all_gather(list(out.chunk(world)), inp, group=group, async_op=async_op)
+
+
+def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Optional[torch.Tensor],
+           w: torch.Tensor, *, group=None, kernel=None,
+           bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """MoE-ReduceScatter: down-projection grouped GEMM, top-k weighted sum and reduction to the
+    ranks that own the tokens. Returns this rank's ``[T_rank, H]`` (the sum over ranks).
+
+    ``h [sum_r T_r * top_k, K]``: rank r's rows (at ``sum_{q<r} T_q * top_k``) in the sorted
+    order of ``routings[r]`` (what :func:`ag_moe` gives, after the activation); ``w [E, K, H]``
+    (this rank's slice of K); ``topk_weights [sum_r T_r, top_k]`` or None (all ones), in rank
+    order. Destination by destination (same order on every rank): GEMM with the weight in
+    the epilogue and flat output, top-k sum in fp32, cast to h's dtype, then an asynchronous
+    ``dist.reduce`` to the owner, which runs while the next destination's chunk computes.
+    Uneven token counts need no padding. One GEMM key (bucket of the global rows) for all.
+    """
+    dist, rank, world = _group_info(group)
+    where = "moe_rs"
+    _check_float(where, "h", h)
+    _check_float(where, "w", w)
+    if h.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{where}: h must be [rows, K] and w [E, K, H], got {tuple(h.shape)} and {tuple(w.shape)}")
+    if len(routings) != world:
+        raise ValueError(f"{where}: {len(routings)} routings given for a group of {world} ranks (one per rank)")
+    E, K, H = w.shape
+    if h.shape[1] != K:
+        raise ValueError(f"{where}: h has {h.shape[1]} columns but w is [E, K={K}, H]")
+    for r, rt in enumerate(routings):
+        _check_routing(where, rt, h.device)
+        if rt.num_experts != E:
+            raise ValueError(f"{where}: routings[{r}] has {rt.num_experts} experts, w has {E}")
+    rows = [rt.num_rows for rt in routings]
+    if h.shape[0] != sum(rows):
+        raise ValueError(f"{where}: h has {h.shape[0]} rows but the routings cover {sum(rows)} (sum of T_r * top_k)")
+    tokens = [rt.num_tokens for rt in routings]
+    if topk_weights is not None and tuple(topk_weights.shape) != (sum(tokens), routings[0].top_k):
+        raise ValueError(f"{where}: topk_weights must be [{sum(tokens)}, {routings[0].top_k}], "
+                         f"got {tuple(topk_weights.shape)}")
+    _check_device(where, h, w=w, topk_weights=topk_weights)
+    rows_bucket = int(bucket(sum(rows)))
+    row_off, tok_off, works, mine = 0, 0, [], None
+    for r, rt in enumerate(routings):
+        T, k = rt.num_tokens, rt.top_k
+        part_h = h[row_off: row_off + rows[r]]
+        wts = topk_weights[tok_off: tok_off + T] if topk_weights is not None else None
+        partial = _empty((T, H), h.dtype, h.device)
+        if T:
+            y = moe_gemm(part_h, w, rt, a_order="sorted", out_order="flat", weights=wts, kernel=kernel,
+                         rows_bucket=rows_bucket)
+            partial = _topk_sum(y, T, k, h.dtype)
+        else:
+            partial.zero_()
+        dst = dist.get_global_rank(group, r) if group is not None else r
+        if T:
+            works.append(dist.reduce(partial, dst=dst, group=group, async_op=True))
+        if r == rank:
+            mine = partial
+        row_off += rows[r]
+        tok_off += T
+    for work in works:
+        work.wait()
+    return mine
+
+
+def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, *, group=None,
+                 tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
+                 bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """Tensor-parallel MoE MLP: :func:`ag_moe` (gate-up) -> SiLU-gating -> :func:`moe_rs` (down).
+
+    Each rank: its tokens ``x [T_r, H]`` with routing, its slice of every expert
+    ``w_gate_up [E, H, 2 * I_r]`` (its gate columns then its up columns) and
+    ``w_down [E, I_r, H]``. Returns ``[T_r, H]``: what :func:`moe_mlp` gives on the full weights.
+    """
+    _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "tp_moe_layer")
+    gathered = ag_moe(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
+                      tokens_per_rank=tokens_per_rank, kernel=kernel, bucket=bucket)
+    g = silu_and_mul(gathered.out)
+    return moe_rs(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel, bucket=bucket)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def moe_gemm_reference(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,
+                       weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-expert torch loop: ``[T * top_k, N]`` in flat (token, choice) order, fp32 accumulate,
+    result in x's dtype. ``x [T, K]``, ``w [E, K, N]``."""
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    src = torch.arange(T * k, device=x.device) // k
+    out = torch.zeros(T * k, w.shape[2], dtype=torch.float32, device=x.device)
+    for e in range(w.shape[0]):
+        rows = (flat == e).nonzero().flatten()
+        if rows.numel():
+            out[rows] = x[src[rows]].float() @ w[e].float()
+    if weights is not None:
+        out *= weights.reshape(-1, 1).float()
+    return out.to(x.dtype)
+
+
+def moe_mlp_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                      w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Per-expert torch reference of :func:`moe_mlp` (fp32 throughout, result in x's dtype)."""
+    T, k = topk_ids.shape
+    h = moe_gemm_reference(x.float(), topk_ids, w_gate_up.float())
+    gate, up = h.chunk(2, dim=1)
+    g = F.silu(gate) * up
+    flat = topk_ids.reshape(-1).long()
+    y = torch.zeros(T * k, w_down.shape[2], dtype=torch.float32, device=x.device)
+    for e in range(w_down.shape[0]):
+        rows = (flat == e).nonzero().flatten()
+        if rows.numel():
+            y[rows] = g[rows] @ w_down[e].float()
+    if topk_weights is not None:
+        y *= topk_weights.reshape(-1, 1).float()
+    return y.view(T, k, -1).sum(1).to(x.dtype)

@@ -1,0 +1,198 @@
+"""Multi-rank MoE scenarios, run under torchrun (gloo on CPU with TRITON_INTERPRET=1, NCCL on GPUs).
+
+    python tests/moe_cases.py OUT_DIR CASE [CASE ...]
+
+Each rank runs the cases in order and writes ``OUT_DIR/<case>.rank<r>.json``: what the
+case returned, or the exception it raised (type and message). ``test_moe.py`` launches
+this script and asserts on those files. Every buffer the MoE functions allocate is
+NaN-poisoned (DISTTUNE_MOE_POISON=1, set here), so an unwritten row fails the check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["DISTTUNE_MOE_POISON"] = "1"
+
+import torch.distributed as dist  # noqa: E402
+
+import disttune  # noqa: E402
+from disttune import dist as dt_dist  # noqa: E402
+from disttune.kernels import moe  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DTYPE = torch.bfloat16 if GPU else torch.float16
+TOL = 2e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+class Context:
+    def __init__(self, out_dir: str) -> None:
+        info = dt_dist.init()
+        self.out_dir, self.rank, self.world, self.device = out_dir, info.rank, info.world_size, info.device
+
+    def tuner_options(self, case: str, **extra) -> dict:
+        options = dict(is_dist=True, n_warmup=0, n_repeat=1, log_dir=os.path.join(self.out_dir, "logs", case),
+                       cache_dir=os.path.join(self.out_dir, "store", case), timeout_s=60, verbose=False)
+        options.update(extra)
+        return options
+
+
+def routing_for(T: int, E: int, k: int, seed: int, device, skip: int = 0):
+    """Random top-k routing (distinct experts per token) that leaves experts ``E-skip..E-1`` empty."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E - skip, generator=g)
+    weights, ids = scores.topk(k, dim=1)
+    weights = weights / weights.sum(1, keepdim=True)
+    return ids.to(device=device, dtype=torch.int32), weights.to(device)
+
+
+def full_problem(ctx: Context, tokens: list[int], E: int, k: int, H: int, I: int, seed: int):
+    """Every rank builds the same global tokens, routing and weights; returns its shard + the whole."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(tokens)
+    x = (torch.randn(total, H, generator=g)).to(ctx.device, DTYPE)
+    ids, weights = routing_for(total, E, k, seed + 1, ctx.device, skip=max(1, E // 8))
+    w_gate_up = (torch.randn(E, H, 2 * I, generator=g) / H ** 0.5).to(ctx.device, DTYPE)
+    w_down = (torch.randn(E, I, H, generator=g) / I ** 0.5).to(ctx.device, DTYPE)
+    start = sum(tokens[: ctx.rank])
+    mine = slice(start, start + tokens[ctx.rank])
+    # rank r holds columns [r*I/w, (r+1)*I/w) of gate and of up, and those rows of down
+    Ir = I // ctx.world
+    cols = slice(ctx.rank * Ir, (ctx.rank + 1) * Ir)
+    w_gu_local = torch.cat([w_gate_up[:, :, :I][:, :, cols], w_gate_up[:, :, I:][:, :, cols]], dim=2).contiguous()
+    w_d_local = w_down[:, cols].contiguous()
+    return dict(x=x, ids=ids, weights=weights, w_gate_up=w_gate_up, w_down=w_down, mine=mine,
+                w_gu_local=w_gu_local, w_d_local=w_d_local)
+
+
+def case_layer(ctx: Context) -> dict:
+    """ag_moe, moe_rs and the whole TP layer against per-expert torch references, uneven tokens,
+    E in (8, 64) and top-k in (2, 6), fresh routing per check."""
+    checks = []
+    for i, (E, k) in enumerate([(8, 2), (64, 6)]):
+        tokens = [6 + 5 * r + 3 * i for r in range(ctx.world)]  # uneven per rank
+        H, I = 32, 16 * ctx.world
+        p = full_problem(ctx, tokens, E, k, H, I, seed=100 + i)
+        kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
+        x, ids, wts = p["x"][p["mine"]], p["ids"][p["mine"]], p["weights"][p["mine"]]
+        # AG-MoE: gate-up rows of every rank's tokens (this rank's column slice)
+        out = torch.full((sum(tokens) * k, p["w_gu_local"].shape[2]), float("nan"), device=ctx.device, dtype=DTYPE)
+        ag = moe.ag_moe(x, ids, p["w_gu_local"], topk_weights=wts, kernel=kernel, out=out)
+        ref_h = moe.moe_gemm_reference(p["x"], p["ids"], p["w_gu_local"])
+        row = 0
+        ag_err = 0.0
+        for r in range(ctx.world):
+            got = ag.routings[r].unsort(ag.chunk(r))
+            ag_err = max(ag_err, rel_err(got, ref_h[row: row + tokens[r] * k]))
+            row += tokens[r] * k
+        gathered_ok = bool(torch.equal(ag.topk_ids, p["ids"]) and torch.allclose(ag.topk_weights, p["weights"]))
+        # MoE-RS on the activation, and the whole layer, against the full-weight reference
+        rs = moe.moe_rs(moe.silu_and_mul(ag.out), ag.routings, ag.topk_weights, p["w_d_local"], kernel=kernel)
+        ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
+        layer = moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel,
+                                 tokens_per_rank=tokens)
+        checks.append({"E": E, "k": k, "tokens": tokens, "ag_err": ag_err, "gathered_ok": gathered_ok,
+                       "rs_err": rel_err(rs, ref), "layer_err": rel_err(layer, ref),
+                       "shape_ok": tuple(layer.shape) == (tokens[ctx.rank], H)})
+    return {"checks": checks}
+
+
+def site_winners(tuner) -> list:
+    return [[r.site.kernel, repr(r.site.key), r.site.occurrence, disttune.describe_config(r.config), r.source]
+            for r in tuner.report.results]
+
+
+def case_agree_dp(ctx: Context) -> dict:
+    """Data-parallel moe_mlp: each rank its own tokens (uneven counts, same row bucket) and its own
+    routing; the key has the bucketed row total only, so all ranks tune the same sites and agree."""
+    E, k, H, I = 8, 2, 32, 32
+    T = 24 + 3 * ctx.rank  # 48..66 rows at 4 ranks: bucket 64 up to rank 2; keep to 2 ranks in the test
+    g = torch.Generator().manual_seed(700 + ctx.rank)
+    x = torch.randn(T, H, generator=g).to(ctx.device, DTYPE)
+    ids, wts = routing_for(T, E, k, 800 + ctx.rank, ctx.device, skip=ctx.rank + 1)
+    w_gu = (torch.randn(E, H, 2 * I, generator=torch.Generator().manual_seed(1)) / H ** 0.5).to(ctx.device, DTYPE)
+    w_d = (torch.randn(E, I, H, generator=torch.Generator().manual_seed(2)) / I ** 0.5).to(ctx.device, DTYPE)
+    kernel = moe.make_moe_kernel(None)
+    counts = torch.bincount(ids.flatten().long().cpu(), minlength=E).tolist()
+
+    @disttune.contextual_autotune(**ctx.tuner_options("agree_dp"))
+    def step():
+        return moe.moe_mlp(x, ids, wts, w_gu, w_d, kernel=kernel)
+
+    y = step()
+    ref = moe.moe_mlp_reference(x, ids, wts, w_gu, w_d)
+    return {"winners": site_winners(step), "err": rel_err(y, ref), "counts": counts,
+            "runs": step.report.function_runs}
+
+
+def case_agree_tp(ctx: Context) -> dict:
+    """The TP layer (AG-MoE + MoE-RS) wrapped whole: per-rank local routings differ, all agree."""
+    tokens = [10 + 4 * r for r in range(ctx.world)]
+    p = full_problem(ctx, tokens, 8, 2, 32, 16 * ctx.world, seed=900)
+    x, ids, wts = p["x"][p["mine"]], p["ids"][p["mine"]], p["weights"][p["mine"]]
+    kernel = moe.make_moe_kernel(None)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("agree_tp"))
+    def layer():
+        return moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel, tokens_per_rank=tokens)
+
+    y = layer()
+    ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
+    again = layer()  # tuned: one plain run
+    return {"winners": site_winners(layer), "err": rel_err(y, ref), "again_err": rel_err(again, ref),
+            "local_ids": ids.flatten().tolist()}
+
+
+def case_keys_differ(ctx: Context) -> dict:
+    """A user keys on per-rank data (exact local row count): the ranks' sites differ -> TuningError."""
+    E, k, H, I = 8, 2, 32, 32
+    T = 16 + 8 * ctx.rank
+    g = torch.Generator().manual_seed(40 + ctx.rank)
+    x = torch.randn(T, H, generator=g).to(ctx.device, DTYPE)
+    ids, wts = routing_for(T, E, k, 50 + ctx.rank, ctx.device)
+    w_gu = (torch.randn(E, H, 2 * I, generator=g) / H ** 0.5).to(ctx.device, DTYPE)
+    w_d = (torch.randn(E, I, H, generator=g) / I ** 0.5).to(ctx.device, DTYPE)
+    kernel = moe.make_moe_kernel(None)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("keys_differ"))
+    def step():
+        return moe.moe_mlp(x, ids, wts, w_gu, w_d, kernel=kernel, bucket=lambda rows: rows)
+
+    step()
+    return {"raised": False}
+
+
+CASES = {"layer": case_layer, "agree_dp": case_agree_dp, "agree_tp": case_agree_tp, "keys_differ": case_keys_differ}
+
+
+def main() -> int:
+    out_dir, names = sys.argv[1], sys.argv[2:]
+    ctx = Context(out_dir)
+    for name in names:
+        try:
+            result = {"ok": True, "value": CASES[name](ctx)}
+        except Exception as err:  # recorded for the test to assert on
+            result = {"ok": False, "type": type(err).__name__, "message": str(err),
+                      "traceback": traceback.format_exc()}
+        with open(os.path.join(out_dir, f"{name}.rank{ctx.rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    dt_dist.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
