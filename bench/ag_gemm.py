@@ -1,0 +1,240 @@
+"""Benchmark: AllGather-GEMM and GEMM-ReduceScatter against NCCL + cuBLAS and torch's fused ops.
+
+    torchrun --nproc_per_node=2 bench/ag_gemm.py [--shapes square,llama] [--samples 30]
+
+Per shape (totals over the ranks; bf16), one table with, all measured in this run:
+
+* AG-GEMM: NCCL ``all_gather_into_tensor`` alone, cuBLAS GEMM alone (``[M, K] @ [K, N/w]``),
+  all_gather then cuBLAS, ``torch.ops.symm_mem.fused_all_gather_matmul``, ours (fused and
+  decomposed, each tuned in context with ``contextual_autotune``), and the overlap limit
+  ``max(GEMM alone, all_gather alone)``;
+* GEMM-RS: cuBLAS alone (``[M, K/w] @ [K/w, N]``), NCCL ``reduce_scatter_tensor`` alone, matmul
+  then reduce_scatter, ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, ours, overlap limit;
+* tuning in context vs alone: the fused AG-GEMM kernel tuned by stock ``triton.autotune`` on
+  its own (flags preset, on each rank separately) and by ``contextual_autotune`` inside the
+  overlapped function; both winners timed inside the function.
+
+Time: CUDA events around one call, each sample started after a device sync and a barrier,
+median of ``--samples``, then the max over ranks. Rows are printed by rank 0 as markdown and
+appended as JSON lines to ``$OUT/ag_gemm.jsonl`` (or ``bench/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import disttune
+from disttune import dist as dt_dist
+from disttune.kernels.ag_gemm import AllGatherGEMM
+from disttune.kernels.gemm_persistent import make_shard_gemm_kernel, shard_gemm
+from disttune.kernels.gemm_rs import GemmReduceScatter
+
+SHAPES = {"square": (8192, 8192, 8192, 8192, 8192), "llama": (8192, 8192, 28672, 28672, 8192)}
+# name -> (M, K_ag, N_ag, K_rs, N_rs): AG-GEMM [M, K_ag] x [K_ag, N_ag]; GEMM-RS [M, K_rs] x [K_rs, N_rs]
+
+
+def time_ms(fn: Callable[[], object], samples: int, warmup: int = 5) -> float:
+    """Median CUDA-event time of one call over ``samples`` barrier-aligned calls, max over ranks."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    worst = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.float() - want.float()).norm() / want.float().norm()).item())
+
+
+def tuned_in_context(fn: Callable[[], torch.Tensor], store: str) -> tuple[Callable[[], torch.Tensor], float, list]:
+    wrapped = disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, cache_dir=store, verbose=False)(fn)
+    started = time.perf_counter()
+    wrapped()
+    seconds = time.perf_counter() - started
+    winners = [disttune.describe_config(r.config) for r in wrapped.report.results]
+    return wrapped, seconds, winners
+
+
+def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, group_name: str, store: str) -> dict:
+    dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    a_shard = torch.randn(M // world, K, generator=g).to(dev, dtype)
+    b_local = (torch.randn(K, N // world, generator=g) / K ** 0.5).to(dev, dtype)
+    a_full = torch.empty(M, K, device=dev, dtype=dtype)
+    c = torch.empty(M, N // world, device=dev, dtype=dtype)
+    row = {"bench": "ag_gemm", "shape": name, "M": M, "K": K, "N": N, "world": world}
+    row["nccl_ag_ms"] = time_ms(lambda: dist.all_gather_into_tensor(a_full, a_shard), args.samples)
+    row["cublas_ms"] = time_ms(lambda: torch.matmul(a_full, b_local, out=c), args.samples)
+
+    def sequential():
+        dist.all_gather_into_tensor(a_full, a_shard)
+        return torch.matmul(a_full, b_local, out=c)
+
+    row["ag_then_cublas_ms"] = time_ms(sequential, args.samples)
+    want = sequential().clone()
+    try:
+        fused_op = torch.ops.symm_mem.fused_all_gather_matmul
+        row["torch_fused_ms"] = time_ms(lambda: fused_op(a_shard, [b_local], gather_dim=0, group_name=group_name),
+                                        args.samples)
+    except Exception as err:  # noqa: BLE001 - report, do not stop the table
+        row["torch_fused_ms"] = None
+        row["torch_fused_error"] = f"{type(err).__name__}: {err}"[:200]
+    for design in ("fused", "decomposed"):
+        op = AllGatherGEMM(design=design)
+        out = torch.empty_like(c)
+        step, seconds, winners = tuned_in_context(lambda: op(a_shard, b_local, out), os.path.join(store, design))
+        row[f"ours_{design}_ms"] = time_ms(step, args.samples)
+        row[f"ours_{design}_tuning_s"] = round(seconds, 2)
+        row[f"ours_{design}_winners"] = winners
+        out.fill_(float("nan"))
+        step()
+        row[f"ours_{design}_rel_err"] = rel_error(out, want)
+    # The fused kernel tuned alone: stock triton.autotune, flags preset, on each rank separately.
+    alone = make_shard_gemm_kernel()
+    ready = torch.ones(world, dtype=torch.int32, device=dev)
+    shard_gemm(a_full, b_local, torch.empty_like(c), (M // world,) * world, rank, flags=ready, kernel=alone)
+    alone_winner = alone.best_config
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, disttune.describe_config(alone_winner))
+    pinned = AllGatherGEMM(design="fused", kernel=make_shard_gemm_kernel([alone_winner]))
+    out = torch.empty_like(c)
+    row["alone_winners_per_rank"] = per_rank
+    row["alone_in_function_ms"] = time_ms(lambda: pinned(a_shard, b_local, out), args.samples)
+    row["limit_ms"] = max(row["cublas_ms"], row["nccl_ag_ms"])
+    return row
+
+
+def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, group_name: str, store: str) -> dict:
+    dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cpu").manual_seed(10 + rank)
+    a_local = torch.randn(M, K // world, generator=g).to(dev, dtype)
+    b_local = (torch.randn(K // world, N, generator=g) / K ** 0.5).to(dev, dtype)
+    partial = torch.empty(M, N, device=dev, dtype=dtype)
+    out = torch.empty(M // world, N, device=dev, dtype=dtype)
+    row = {"bench": "gemm_rs", "shape": name, "M": M, "K": K, "N": N, "world": world}
+    row["cublas_ms"] = time_ms(lambda: torch.matmul(a_local, b_local, out=partial), args.samples)
+    row["nccl_rs_ms"] = time_ms(lambda: dist.reduce_scatter_tensor(out, partial), args.samples)
+
+    def sequential():
+        torch.matmul(a_local, b_local, out=partial)
+        dist.reduce_scatter_tensor(out, partial)
+        return out
+
+    row["cublas_then_rs_ms"] = time_ms(sequential, args.samples)
+    want = sequential().clone()
+    try:
+        fused_op = torch.ops.symm_mem.fused_matmul_reduce_scatter
+        row["torch_fused_ms"] = time_ms(lambda: fused_op(a_local, b_local, "sum", 0, group_name), args.samples)
+    except Exception as err:  # noqa: BLE001
+        row["torch_fused_ms"] = None
+        row["torch_fused_error"] = f"{type(err).__name__}: {err}"[:200]
+    op = GemmReduceScatter()
+    mine = torch.empty_like(out)
+    step, seconds, winners = tuned_in_context(lambda: op(a_local, b_local, mine), os.path.join(store, "rs"))
+    row["ours_ms"] = time_ms(step, args.samples)
+    row["ours_tuning_s"] = round(seconds, 2)
+    row["ours_winners"] = winners
+    mine.fill_(float("nan"))
+    step()
+    row["ours_rel_err"] = rel_error(mine, want)
+    row["limit_ms"] = max(row["cublas_ms"], row["nccl_rs_ms"])
+    return row
+
+
+def fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def print_tables(rows: list[dict], world: int, device: str) -> None:
+    print(f"\n### {world} x {device}, bf16 (ms, median of CUDA-event samples, max over ranks)\n")
+    print("| AG-GEMM shape | NCCL AG | cuBLAS | AG then cuBLAS | torch fused | ours fused | ours decomposed "
+          "| limit | ours / limit | speed-up vs sequential | vs torch fused |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if r["bench"] != "ag_gemm":
+            continue
+        best = min(r["ours_fused_ms"], r["ours_decomposed_ms"])
+        torch_ratio = "n/a" if r["torch_fused_ms"] is None else f"{r['torch_fused_ms'] / best:.2f}x"
+        print(f"| {r['M']}x{r['K']}x{r['N']} | {fmt(r['nccl_ag_ms'])} | {fmt(r['cublas_ms'])} | "
+              f"{fmt(r['ag_then_cublas_ms'])} | {fmt(r['torch_fused_ms'])} | {fmt(r['ours_fused_ms'])} | "
+              f"{fmt(r['ours_decomposed_ms'])} | {fmt(r['limit_ms'])} | {best / r['limit_ms']:.3f} | "
+              f"{r['ag_then_cublas_ms'] / best:.2f}x | {torch_ratio} |")
+    print("\n| GEMM-RS shape | cuBLAS | NCCL RS | cuBLAS then RS | torch fused | ours | limit | ours / limit "
+          "| speed-up vs sequential | vs torch fused |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if r["bench"] != "gemm_rs":
+            continue
+        torch_ratio = "n/a" if r["torch_fused_ms"] is None else f"{r['torch_fused_ms'] / r['ours_ms']:.2f}x"
+        print(f"| {r['M']}x{r['K']}x{r['N']} | {fmt(r['cublas_ms'])} | {fmt(r['nccl_rs_ms'])} | "
+              f"{fmt(r['cublas_then_rs_ms'])} | {fmt(r['torch_fused_ms'])} | {fmt(r['ours_ms'])} | "
+              f"{fmt(r['limit_ms'])} | {r['ours_ms'] / r['limit_ms']:.3f} | "
+              f"{r['cublas_then_rs_ms'] / r['ours_ms']:.2f}x | {torch_ratio} |")
+    print("\n| AG-GEMM shape | tuned in context: winner | in-function ms | tuned alone: winner per rank | "
+          "in-function ms |")
+    print("| --- | --- | ---: | --- | ---: |")
+    for r in rows:
+        if r["bench"] == "ag_gemm":
+            print(f"| {r['M']}x{r['K']}x{r['N']} | {'; '.join(r['ours_fused_winners'])} | {fmt(r['ours_fused_ms'])} | "
+                  f"{' / '.join(r['alone_winners_per_rank'])} | {fmt(r['alone_in_function_ms'])} |")
+    for r in rows:
+        errs = {k: f"{v:.1e}" for k, v in r.items() if k.endswith("rel_err")}
+        print(f"{r['bench']} {r['shape']}: rel. errors {errs}; tuning s "
+              f"{ {k: v for k, v in r.items() if k.endswith('tuning_s')} }")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="square,llama")
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--only", choices=["ag", "rs", "both"], default="both")
+    args = parser.parse_args()
+    info = dt_dist.init()
+    rank, world = info.rank, info.world_size
+    group = dist.group.WORLD
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    store = tempfile.mkdtemp(prefix=f"disttune-bench-r{rank}-")
+    rows = []
+    for name in args.shapes.split(","):
+        M, K_ag, N_ag, K_rs, N_rs = SHAPES[name]
+        if args.only in ("ag", "both"):
+            rows.append(bench_ag(name, M, K_ag, N_ag, args, rank, world, group.group_name, store))
+        if args.only in ("rs", "both"):
+            rows.append(bench_rs(name, M, K_rs, N_rs, args, rank, world, group.group_name, store))
+        if rank == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    if rank == 0:
+        device = torch.cuda.get_device_name()
+        print_tables(rows, world, device)
+        out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "ag_gemm.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps({**r, "device": device, "torch": torch.__version__}) + "\n")
+    dt_dist.destroy()
+
+
+if __name__ == "__main__":
+    main()

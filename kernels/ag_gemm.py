@@ -1,0 +1,218 @@
+"""AllGather-GEMM for tensor parallelism: ``C_r = all_gather(A) @ B_r``, the gather overlapped.
+
+Each rank holds ``A_r`` (``[rows_r, K]``, its row shard of A; shards may be ragged) and
+``B_r`` (``[K, N_r]``, its column shard of B) and gets ``C_r = A @ B_r`` (``[M, N_r]``).
+fp16/bf16 (fp32 too), fp32 accumulation.
+
+Designs (``design=``):
+
+* ``"fused"``: on GPUs, the shards are pulled from the peers' symmetric-memory workspaces by
+  the copy engines on a side stream, each followed by a ``cuStreamWriteValue32`` that sets the
+  shard's ready flag; one persistent Triton GEMM (``kernels.gemm_persistent``) computes the
+  local shard's tiles first and spins on a shard's flag before loading it. Needs cuda-bindings.
+* ``"decomposed"``: the same pulls, each followed by an event; one GEMM launch per shard,
+  the local shard first, each waiting on its shard's event.
+* ``"auto"``: the measured default (see README's benchmark table): ``"fused"`` when cuda-bindings
+  is present, else ``"decomposed"``.
+
+On CPUs (gloo, ``TRITON_INTERPRET=1``) both designs gather with ``dist.all_gather`` first
+and then run the same GEMM code (fused: flags preset), so CI checks tile mapping and results.
+
+Both GEMMs are ``triton.autotune`` kernels: wrap the step that calls :class:`AllGatherGEMM`
+with ``disttune.contextual_autotune`` to tune them while the copies really run.
+
+Cost per call (GPU): one copy of the local shard into the workspace, one symmetric-memory
+barrier, ``w - 1`` peer copies on the copy engines, the GEMM(s). Memory: a ``[2, M, K]``
+symmetric workspace (double-buffered so one barrier per call suffices).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .gemm_persistent import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .tp_common import check_rows, check_same_on_all_ranks, group_info
+
+__all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
+
+DESIGNS = ("auto", "fused", "decomposed")
+
+
+class AllGatherGEMM:
+    """Callable ``(a_shard, b_local, out=None, shard_rows=None) -> C_r``, holding its buffers.
+
+    Create one per process group and keep it: the first call with a new shape allocates the
+    workspace (a collective on GPUs) and checks that all ranks agree on the shapes (one small
+    all-gather); later calls with that shape do neither.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, design: str = "auto", kernel=None) -> None:
+        if design not in DESIGNS:
+            raise ValueError(f"AllGatherGEMM: design must be one of {DESIGNS}, got {design!r}")
+        self.info = group_info(group)
+        self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
+        self.requested_design = design
+        self._checked: set = set()
+        self._workspaces: dict = {}
+        self._flags: dict = {}
+        self._step = 0
+        self._side: Optional[torch.cuda.Stream] = None
+        self._events: list = []
+
+    # ------------------------------------------------------------------ public
+
+    def design_for(self, device: torch.device) -> str:
+        """The design a call on ``device`` runs (``auto`` resolved)."""
+        if self.requested_design != "auto":
+            return self.requested_design
+        if device.type == "cuda":
+            from .symm import flag_writer_available
+
+            return "fused" if flag_writer_available()[0] else "decomposed"
+        return "fused"
+
+    def __call__(self, a_shard: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 shard_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        info = self.info
+        if not isinstance(a_shard, torch.Tensor) or not isinstance(b_local, torch.Tensor):
+            raise TypeError("AllGatherGEMM: a_shard and b_local must be torch.Tensors")
+        if a_shard.dim() != 2 or b_local.dim() != 2:
+            raise ValueError(f"AllGatherGEMM: a_shard and b_local must be 2-D, got {tuple(a_shard.shape)} and "
+                             f"{tuple(b_local.shape)}")
+        rows = (check_rows(shard_rows, sum(shard_rows), info.world_size, "AllGatherGEMM")
+                if shard_rows is not None else (a_shard.shape[0],) * info.world_size)
+        if rows[info.rank] != a_shard.shape[0]:
+            raise ValueError(f"AllGatherGEMM: rank {info.rank}'s a_shard has {a_shard.shape[0]} rows but shard_rows "
+                             f"says {rows[info.rank]}")
+        M, K, N = sum(rows), a_shard.shape[1], b_local.shape[1]
+        if out is None:
+            out = torch.empty(M, N, dtype=a_shard.dtype, device=a_shard.device)
+        design = self.design_for(a_shard.device)
+        signature = (rows, K, str(a_shard.dtype), design)
+        if signature not in self._checked:
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N):
+                raise ValueError(f"AllGatherGEMM: out must be a tensor of shape {(M, N)} (all ranks' rows x "
+                                 f"b_local's columns), got {tuple(out.shape) if isinstance(out, torch.Tensor) else out}")
+            check_gemm_inputs(a_shard, b_local, out[: a_shard.shape[0]], "AllGatherGEMM")
+            check_same_on_all_ranks(info, "AllGatherGEMM", signature,
+                                    {"a_shard": tuple(a_shard.shape), "b_local": tuple(b_local.shape),
+                                     "dtype": str(a_shard.dtype), "shard_rows": list(rows), "design": design})
+            self._checked.add(signature)
+        if M == 0 or N == 0:
+            return out
+        if a_shard.device.type == "cuda" and info.backend == "nccl":
+            return self._gpu_step(a_shard, b_local, out, rows, design)
+        return self._gathered_step(a_shard, b_local, out, rows, design)
+
+    # ------------------------------------------------------------------ GPU (symmetric memory)
+
+    def _workspace(self, M: int, K: int, dtype: torch.dtype, device: torch.device):
+        key = (M, K, dtype)
+        buf = self._workspaces.get(key)
+        if buf is None:
+            from .symm import SymmetricBuffer, overlap_support
+
+            ok, why = overlap_support(self.info.group)
+            if not ok:
+                raise RuntimeError(f"AllGatherGEMM: the overlapped GPU path is unavailable: {why}")
+            buf = self._workspaces[key] = SymmetricBuffer((2, M, K), dtype, self.info.group, device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device)
+            self._events = [torch.cuda.Event() for _ in range(self.info.world_size)]
+        return buf
+
+    def _gpu_step(self, a_shard, b_local, out, rows, design):
+        from .symm import write_flag
+
+        info = self.info
+        rank, world = info.rank, info.world_size
+        M, K = sum(rows), a_shard.shape[1]
+        buf = self._workspace(M, K, a_shard.dtype, a_shard.device)
+        starts = [sum(rows[:s]) for s in range(world)]
+        parity = self._step % 2
+        self._step += 1
+        workspace = buf.local[parity]
+        current, side = torch.cuda.current_stream(), self._side
+        own = slice(starts[rank], starts[rank] + rows[rank])
+        flags = None
+        if design == "fused":
+            flags = self._flags.get(a_shard.device)
+            if flags is None:
+                flags = self._flags[a_shard.device] = torch.zeros(world, dtype=torch.int32, device=a_shard.device)
+            flags.zero_()
+        workspace[own].copy_(a_shard)
+        buf.barrier(channel=0)  # every rank's shard is in its workspace; every rank is done with parity's last use
+        side.wait_stream(current)
+        order = [(rank + i) % world for i in range(1, world)]
+        with torch.cuda.stream(side):
+            for s in order:
+                rows_s = slice(starts[s], starts[s] + rows[s])
+                workspace[rows_s].copy_(buf.peer(s)[parity][rows_s])
+                if flags is not None:
+                    write_flag(side, flags[s:s + 1])
+                else:
+                    self._events[s].record(side)
+        if flags is not None:
+            shard_gemm(workspace, b_local, out, rows, rank, flags=flags, kernel=self.kernel)
+        else:
+            shard_gemm(workspace[own], b_local, out[own], (rows[rank],), 0, kernel=self.kernel)
+            for s in order:
+                current.wait_event(self._events[s])
+                rows_s = slice(starts[s], starts[s] + rows[s])
+                shard_gemm(workspace[rows_s], b_local, out[rows_s], (rows[s],), 0, kernel=self.kernel)
+        current.wait_stream(side)
+        return out
+
+    # ------------------------------------------------------------------ CPU / gloo (gather first)
+
+    def _gathered_step(self, a_shard, b_local, out, rows, design):
+        info = self.info
+        rank, world = info.rank, info.world_size
+        most = max(rows)
+        gathered = torch.empty(world, most, a_shard.shape[1], dtype=a_shard.dtype, device=a_shard.device)
+        send = a_shard.contiguous()
+        if a_shard.shape[0] != most:
+            send = torch.zeros(most, a_shard.shape[1], dtype=a_shard.dtype, device=a_shard.device)
+            send[: a_shard.shape[0]] = a_shard
+        dist.all_gather(list(gathered.unbind(0)), send, group=info.group)
+        a_full = torch.cat([gathered[s, : rows[s]] for s in range(world)])
+        if design == "fused":
+            ready = torch.ones(world, dtype=torch.int32, device=a_shard.device)
+            return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel)
+        starts = [sum(rows[:s]) for s in range(world)]
+        for s in [(rank + i) % world for i in range(world)]:
+            rows_s = slice(starts[s], starts[s] + rows[s])
+            if rows[s]:
+                shard_gemm(a_full[rows_s], b_local, out[rows_s], (rows[s],), 0, kernel=self.kernel)
+        return out
+
+
+_instances: dict = {}
+
+
+def ag_gemm(a_shard: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+            shard_rows: Optional[Sequence[int]] = None, group: Optional[dist.ProcessGroup] = None,
+            design: str = "auto") -> torch.Tensor:
+    """``all_gather(a_shard) @ b_local`` with a cached :class:`AllGatherGEMM` per (group, design)."""
+    key = (id(group), design)
+    op = _instances.get(key)
+    if op is None:
+        op = _instances[key] = AllGatherGEMM(group, design)
+    return op(a_shard, b_local, out, shard_rows)
+
+
+def ag_gemm_reference(a_shard: torch.Tensor, b_local: torch.Tensor, shard_rows: Optional[Sequence[int]] = None,
+                      group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """torch reference: gather with ``dist.all_gather`` (padded for ragged shards), fp32 matmul, cast."""
+    world = dist.get_world_size(group)
+    rows = tuple(shard_rows) if shard_rows is not None else (a_shard.shape[0],) * world
+    most = max(rows)
+    send = torch.zeros(most, a_shard.shape[1], dtype=a_shard.dtype, device=a_shard.device)
+    send[: a_shard.shape[0]] = a_shard
+    gathered = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(gathered, send, group=group)
+    a_full = torch.cat([g[:r] for g, r in zip(gathered, rows)])
+    return (a_full.float() @ b_local.float()).to(a_shard.dtype)
