@@ -1,0 +1,328 @@
+"""Tests for disttune.kernels.moe: routing, the grouped GEMM, the MLP, AG-MoE / MoE-RS over ranks.
+
+Without a GPU kernels run in the Triton interpreter (fp16/fp32; bf16 is wrong there) and
+ranks are gloo processes under torchrun, each launch bounded in wall time. Every check
+uses a fresh random routing that leaves some experts without tokens, and NaN-poisoned
+outputs so an unwritten tile fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+from disttune.kernels import moe  # noqa: E402
+from helpers import describe, run_launch  # noqa: E402
+
+INTERPRET = moe.interpreting()
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4 if INTERPRET else 5e-3}
+CASES = Path(__file__).with_name("moe_cases.py")
+LAUNCH_TIMEOUT_S = 200
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "NaN/inf in the output: a tile or row was not written"
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _routing(T, E, k, seed, empty=2):
+    """Distinct experts per token; experts E-empty..E-1 get no token."""
+    g = torch.Generator().manual_seed(seed)
+    weights, ids = torch.rand(T, E - empty, generator=g).topk(k, dim=1)
+    return ids.to(DEVICE, torch.int32), (weights / weights.sum(1, keepdim=True)).to(DEVICE)
+
+
+def _tensors(T, H, N, E, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(E, H, N, generator=g) / H ** 0.5).to(DEVICE, dtype)
+    return x, w
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (64, 6)])
+def test_moe_align_sorts_stably_by_expert(E, k):
+    ids, _ = _routing(40, E, k, seed=E + k, empty=3)
+    rt = moe.moe_align(ids, E)
+    flat = ids.flatten().long()
+    sid = rt.sorted_ids.long()
+    assert sorted(sid.tolist()) == list(range(40 * k))  # a permutation of the rows
+    experts = flat[sid]
+    assert (experts[1:] >= experts[:-1]).all()
+    assert rt.counts.tolist() == torch.bincount(flat, minlength=E).tolist()
+    assert rt.counts[-3:].sum() == 0
+    assert rt.expert_offs.tolist() == [0] + torch.cumsum(rt.counts, 0).tolist()
+    for e in range(E):  # stable: within an expert, rows keep their (token, choice) order
+        seg = sid[rt.expert_offs[e]: rt.expert_offs[e + 1]]
+        assert (seg[1:] > seg[:-1]).all()
+    assert torch.equal(rt.token_rows(), sid // k)
+
+
+def test_moe_align_block_size_layout():
+    E, k, bm = 8, 2, 16
+    ids, _ = _routing(30, E, k, seed=5, empty=2)
+    sorted_ids, expert_ids, total = moe.moe_align_block_size(ids, E, bm)
+    R = 30 * k
+    assert int(total) == sorted_ids.numel() and sorted_ids.numel() % bm == 0
+    assert expert_ids.numel() == sorted_ids.numel() // bm
+    real = sorted_ids[sorted_ids != R].long()
+    assert sorted(real.tolist()) == list(range(R))  # every row once, the rest is the sentinel
+    flat = ids.flatten().long()
+    for b, e in enumerate(expert_ids.tolist()):
+        block = sorted_ids[b * bm:(b + 1) * bm].long()
+        block = block[block != R]
+        assert block.numel() > 0 and (flat[block] == e).all()
+    assert set(expert_ids.tolist()) == set(flat.tolist())  # experts without tokens own no block
+
+
+def test_routing_errors():
+    ids = torch.tensor([[0, 8]], device=DEVICE)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\)"):
+        moe.moe_align(ids, 8)
+    with pytest.raises(ValueError, match="2-D"):
+        moe.moe_align(ids[0], 8)
+    with pytest.raises(TypeError, match="integer"):
+        moe.moe_align(ids.float(), 8)
+    with pytest.raises(ValueError, match="num_experts"):
+        moe.moe_align(ids, 0)
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+# (E, top_k, a_order, out_order, weighted, dtype, config index): every mode, both expert
+# counts and top-ks, each CPU config.
+GEMM_CASES = [
+    (8, 2, "token", "sorted", False, torch.float16, 0),
+    (64, 6, "token", "flat", True, torch.float16, 1),
+    (8, 6, "flat", "sorted", True, torch.float32, 2),
+    (64, 2, "sorted", "flat", False, torch.float16, 0),
+    (64, 6, "sorted", "sorted", True, torch.float16, 2),
+    (8, 2, "flat", "flat", False, torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize("E,k,a_order,out_order,weighted,dtype,ci", GEMM_CASES)
+def test_moe_gemm_with_config_matches_reference(E, k, a_order, out_order, weighted, dtype, ci):
+    T, H, N = 24, 40, 48  # K, N not multiples of the blocks: masked edges
+    x, w = _tensors(T, H, N, E, dtype, seed=E * 10 + k)
+    ids, wts = _routing(T, E, k, seed=E + 7 * k, empty=E // 4)
+    rt = moe.moe_align(ids, E)
+    a = {"token": x, "flat": x.repeat_interleave(k, 0), "sorted": rt.permute(x)}[a_order]
+    out = torch.full((T * k, N), float("nan"), dtype=dtype, device=DEVICE)
+    res = moe.moe_gemm_with_config(a, w, rt, moe.CPU_MOE_CONFIGS[ci], a_order=a_order, out=out,
+                                   out_order=out_order, weights=wts if weighted else None)
+    assert res is out
+    got = out if out_order == "flat" else rt.unsort(out)
+    ref = moe.moe_gemm_reference(x, ids, w, wts if weighted else None)
+    assert _rel_err(got, ref) < TOL[dtype]
+
+
+def test_moe_gemm_writes_only_its_rows_and_strided_weights():
+    """A transposed weight view ([E, N, K] storage) and an output view inside a NaN buffer."""
+    E, k, T, H, N = 8, 2, 20, 32, 40
+    x, _ = _tensors(T, H, N, E, torch.float16, seed=3)
+    w = (torch.randn(E, N, H) / H ** 0.5).to(DEVICE, torch.float16).transpose(1, 2)  # [E, H, N], strides (NH, 1, H)
+    ids, _ = _routing(T, E, k, seed=4)
+    rt = moe.moe_align(ids, E)
+    buf = torch.full((T * k + 6, N + 5), float("nan"), dtype=torch.float16, device=DEVICE)
+    out = buf[3:3 + T * k, 2:2 + N]
+    moe.moe_gemm_with_config(x, w, rt, moe.CPU_MOE_CONFIGS[0], out=out, out_order="flat")
+    assert _rel_err(out, moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
+    mask = torch.ones_like(buf, dtype=torch.bool)
+    mask[3:3 + T * k, 2:2 + N] = False
+    assert torch.isnan(buf[mask]).all(), "kernel wrote outside the output view"
+
+
+def test_autotuned_gemm_keys_on_the_row_bucket_not_the_routing():
+    """Two routings with different per-expert counts but the same bucketed row total hit one
+    cache entry of the autotuner; a total in another bucket is a new key."""
+    E, k, H, N = 8, 2, 32, 32
+    kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[:2])
+    for i, T in enumerate((20, 26, 40)):  # rows 40, 52 -> bucket 64; 80 -> 128
+        x, w = _tensors(T, H, N, E, torch.float16, seed=20 + i)
+        ids, wts = _routing(T, E, k, seed=30 + i, empty=1 + i)
+        rt = moe.moe_align(ids, E)
+        out = torch.full((T * k, N), float("nan"), dtype=torch.float16, device=DEVICE)
+        moe.moe_gemm(x, w, rt, out=out, out_order="flat", weights=wts, kernel=kernel)
+        assert _rel_err(out, moe.moe_gemm_reference(x, ids, w, wts)) < TOL[torch.float16]
+        assert len(kernel.cache) == (1 if i < 2 else 2)
+    buckets = sorted(key[moe.MOE_KEY.index("ROWS_BUCKET")] for key in kernel.cache)
+    assert buckets == [64, 128]
+    assert kernel.keys == moe.MOE_KEY
+
+
+@pytest.mark.parametrize("E,k,dtype", [(8, 2, torch.float16), (64, 6, torch.float32)])
+def test_moe_mlp_matches_reference(E, k, dtype, monkeypatch):
+    monkeypatch.setenv(moe.POISON_ENV, "1")  # every internal buffer starts as NaN
+    T, H, I = 24, 32, 32
+    g = torch.Generator().manual_seed(E + k)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w_gu = (torch.randn(E, H, 2 * I, generator=g) / H ** 0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, I, H, generator=g) / I ** 0.5).to(DEVICE, dtype)
+    kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[:1])  # one config: no benchmarking
+    for check in range(2):  # fresh routing each time
+        ids, wts = _routing(T, E, k, seed=100 * check + E, empty=3)
+        y = moe.moe_mlp(x, ids, wts, w_gu, w_d, kernel=kernel)
+        assert y.shape == (T, H) and y.dtype == dtype
+        assert _rel_err(y, moe.moe_mlp_reference(x, ids, wts, w_gu, w_d)) < TOL[dtype]
+    y = moe.moe_mlp(x, ids, None, w_gu, w_d, kernel=kernel)  # no routing weights: plain sum
+    assert _rel_err(y, moe.moe_mlp_reference(x, ids, None, w_gu, w_d)) < TOL[dtype]
+
+
+def test_host_errors():
+    E, k, T, H, N = 8, 2, 8, 16, 16
+    x, w = _tensors(T, H, N, E, torch.float32, seed=1)
+    ids, wts = _routing(T, E, k, seed=2)
+    rt = moe.moe_align(ids, E)
+    cfg = moe.CPU_MOE_CONFIGS[0]
+    with pytest.raises(ValueError, match="w has 4 experts but the routing was built for 8"):
+        moe.moe_gemm_with_config(x, w[:4], rt, cfg)
+    with pytest.raises(ValueError, match="a has 15 columns"):
+        moe.moe_gemm_with_config(x[:, :15], w, rt, cfg)
+    with pytest.raises(ValueError, match="a_order='sorted' needs a with 16 rows"):
+        moe.moe_gemm_with_config(x, w, rt, cfg, a_order="sorted")
+    with pytest.raises(TypeError, match="same dtype"):
+        moe.moe_gemm_with_config(x.half(), w, rt, cfg)
+    with pytest.raises(ValueError, match="out has shape"):
+        moe.moe_gemm_with_config(x, w, rt, cfg, out=torch.empty(T, N, device=DEVICE))
+    with pytest.raises(ValueError, match="weights must have shape"):
+        moe.moe_gemm_with_config(x, w, rt, cfg, weights=wts[:, :1])
+    with pytest.raises(ValueError, match="a_order must be one of"):
+        moe.moe_gemm_with_config(x, w, rt, cfg, a_order="gather")
+    with pytest.raises(ValueError, match="invalid config"):
+        moe.moe_gemm_with_config(x, w, rt, triton.Config({"BLOCK_M": 24, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1}))
+    with pytest.raises(TypeError, match="routing must be a MoeRouting"):
+        moe.moe_gemm(x, w, ids)
+    I = 8
+    w_gu, w_d = torch.zeros(E, H, 2 * I, device=DEVICE), torch.zeros(E, I, H, device=DEVICE)
+    with pytest.raises(ValueError, match=r"w_down must be \[E, I, H\]"):
+        moe.moe_mlp(x, ids, wts, w_gu, torch.zeros(E, H, I, device=DEVICE))
+    with pytest.raises(ValueError, match="topk_ids has 7 rows but x has 8 tokens"):
+        moe.moe_mlp(x, ids[:7], None, w_gu, w_d)
+    with pytest.raises(ValueError, match="expert ids must lie"):
+        moe.moe_mlp(x, ids + E, None, w_gu, w_d)
+    if INTERPRET:
+        with pytest.raises(TypeError, match="bf16"):
+            moe.moe_gemm_with_config(x.bfloat16(), w.bfloat16(), rt, cfg)
+
+
+def test_default_configs_and_pruning():
+    if INTERPRET or not torch.cuda.is_available():
+        assert moe.default_moe_configs() == moe.CPU_MOE_CONFIGS
+    assert isinstance(moe.moe_gemm_kernel, triton.runtime.Autotuner)
+    x = torch.zeros(4, 4, dtype=torch.bfloat16)
+    kept = moe.prune_moe_configs(moe.HOPPER_MOE_CONFIGS, {"a_ptr": x, "b_ptr": x})
+    assert kept == moe.HOPPER_MOE_CONFIGS  # all fit H100/H200 shared memory in bf16
+    x32 = torch.zeros(4, 4, dtype=torch.float32)
+    kept32 = moe.prune_moe_configs(moe.HOPPER_MOE_CONFIGS, {"a_ptr": x32, "b_ptr": x32})
+    for cfg in moe.HOPPER_MOE_CONFIGS:
+        fits = moe.shared_memory_bytes(cfg, torch.float32) <= moe.max_shared_memory(None)
+        assert (cfg in kept32) == fits
+    assert len(kept32) < len(moe.HOPPER_MOE_CONFIGS)
+    with pytest.raises(ValueError, match="all 1 GEMM configs were pruned"):
+        moe.prune_moe_configs([triton.Config({"BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1})],
+                              {"a_ptr": x, "b_ptr": x})
+
+
+# --------------------------------------------------------------------------- multi-rank
+
+
+def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = run_launch([f"--nproc_per_node={nproc}", str(CASES), str(out), *cases], timeout=LAUNCH_TIMEOUT_S,
+                      extra_env={"DISTTUNE_TIMEOUT": "60", "DISTTUNE_CACHE_DIR": str(out / "store")})
+    assert proc.returncode == 0, describe(proc)
+    results = {}
+    for case in cases:
+        per_rank = []
+        for rank in range(nproc):
+            path = out / f"{case}.rank{rank}.json"
+            assert path.exists(), f"rank {rank} wrote no result for {case}\n" + describe(proc)
+            per_rank.append(json.loads(path.read_text()))
+        results[case] = per_rank
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo2(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ"])
+
+
+@pytest.fixture(scope="module")
+def gloo4(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("moe4"), 4, ["layer"])
+
+
+def _values(per_rank: list[dict]) -> list:
+    for rank, result in enumerate(per_rank):
+        assert result["ok"], f"rank {rank}: {result.get('type')}: {result.get('message')}\n{result.get('traceback')}"
+    return [result["value"] for result in per_rank]
+
+
+def _check_layer(per_rank):
+    for rank, value in enumerate(_values(per_rank)):
+        for check in value["checks"]:
+            assert len(set(check["tokens"])) == len(check["tokens"]), "tokens per rank should be uneven"
+            assert check["gathered_ok"], f"rank {rank}: gathered routing differs ({check})"
+            assert check["shape_ok"], f"rank {rank}: {check}"
+            for name in ("ag_err", "rs_err", "layer_err"):
+                assert check[name] < 2e-2, f"rank {rank} E={check['E']} k={check['k']}: {name}={check[name]}"
+        assert [(c["E"], c["k"]) for c in value["checks"]] == [(8, 2), (64, 6)]
+
+
+def test_ag_moe_moe_rs_layer_2_ranks(gloo2):
+    _check_layer(gloo2["layer"])
+
+
+def test_ag_moe_moe_rs_layer_4_ranks(gloo4):
+    _check_layer(gloo4["layer"])
+
+
+def test_contextual_winner_agreed_despite_different_routings(gloo2):
+    """moe_mlp on each rank's own tokens (different counts, same row bucket) and routing: every
+    site is tuned on every rank and every rank holds the same winner."""
+    values = _values(gloo2["agree_dp"])
+    assert values[0]["counts"] != values[1]["counts"], "the ranks' routings should differ"
+    winners = [v["winners"] for v in values]
+    assert len(winners[0]) == 2 and all(w[4] == "tuned" for w in winners[0])  # gate-up and down sites
+    assert winners[0] == winners[1]
+    assert all(v["err"] < 2e-2 for v in values)
+    assert all(v["runs"] == 2 + len(moe.CPU_MOE_CONFIGS) for v in values)  # n_warmup=0, n_repeat=1
+
+
+def test_contextual_tp_layer_agreed(gloo2):
+    values = _values(gloo2["agree_tp"])
+    assert values[0]["local_ids"] != values[1]["local_ids"]
+    winners = [v["winners"] for v in values]
+    # ag_moe: one launch per source rank, moe_rs: one per destination, all keyed on the global bucket
+    assert len(winners[0]) == 4 and [w[2] for w in winners[0]] == [0, 1, 0, 1]
+    assert winners[0] == winners[1]
+    assert all(v["err"] < 2e-2 and v["again_err"] < 2e-2 for v in values)
+
+
+def test_per_rank_keys_are_a_clear_error(gloo2):
+    """Keying on the exact local row count (bucket=identity) with uneven tokens: a TuningError on
+    every rank naming the kernel, both keys and the ranks, instead of a hang."""
+    for rank, result in enumerate(gloo2["keys_differ"]):
+        assert not result["ok"], f"rank {rank} did not raise"
+        assert result["type"] == "TuningError"
+        msg = result["message"]
+        assert "ranks disagree on what to tune" in msg
+        assert "_moe_gemm_body" in msg
+        assert "ranks [0]: kernel" in msg and "ranks [1]: kernel" in msg
+        assert "(64, 32, 8, 2, 32," in msg and "(64, 32, 8, 2, 48," in msg  # rows 16*2 vs 24*2
+        assert "rank-independent" in msg
