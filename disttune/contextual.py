@@ -280,6 +280,74 @@ class _Session:
         return _hook.launch_winner(autotuner, args, kwargs, config)
 
 
+class _FastPlan:
+    """The winners of a tuned wrapper, laid out for the fast path: built once per tuning, read per launch.
+
+    ``kernels`` maps each tuned autotuner to its :class:`~disttune.intercept.FastKernel`;
+    ``launches`` maps ``(kernel name, key)`` to one ``(config, its all_kwargs(), pre_hook)`` per occurrence.
+    """
+
+    __slots__ = ("kernels", "launches", "winners")
+
+    def __init__(self, sites: dict, winners: dict) -> None:
+        self.winners = winners
+        self.kernels: dict = {}
+        self.launches: dict = {}
+        by_occurrence: dict = {}
+        for ident, config in winners.items():
+            autotuner = sites[ident].autotuner
+            if autotuner not in self.kernels:
+                self.kernels[autotuner] = _hook.FastKernel(autotuner)
+            by_occurrence.setdefault((ident.kernel, ident.key), {})[ident.occurrence] = (
+                config, config.all_kwargs(), config.pre_hook)
+        for counter, planned in by_occurrence.items():
+            # occurrences 0..k-1 in order; a gap (never the case for winners of one tuning) ends the list
+            run = []
+            while len(run) in planned:
+                run.append(planned[len(run)])
+            self.launches[counter] = tuple(run)
+
+
+class _FastLaunch:
+    """The launch handler of one call after tuning: each site's winner, at close to a plain launch's cost.
+
+    Same launches as :meth:`_Session._launch_fast` (which handles what the plan does not know:
+    another autotuner, a new key, an extra occurrence), without building dicts per launch.
+    """
+
+    __slots__ = ("kernels", "launches", "winners", "occurrences", "fallback")
+
+    def __init__(self, plan: _FastPlan) -> None:
+        self.kernels, self.launches, self.winners = plan.kernels, plan.launches, plan.winners
+        self.occurrences: dict = {}
+        self.fallback: Optional[_Session] = None
+
+    def launch(self, autotuner: Any, args: tuple, kwargs: dict) -> Any:
+        kernel = self.kernels.get(autotuner)
+        if kernel is None:
+            return self._slow().launch(autotuner, args, kwargs)
+        counter = (kernel.name, kernel.key(args, kwargs))
+        occurrence = self.occurrences.get(counter, 0)
+        self.occurrences[counter] = occurrence + 1
+        planned = self.launches.get(counter, ())
+        if occurrence >= len(planned):
+            return self._slow()._launch_fast(SiteId(counter[0], counter[1], occurrence), autotuner, counter[1],
+                                             args, kwargs)
+        config, config_kwargs, pre_hook = planned[occurrence]
+        if pre_hook is not None:
+            pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config_kwargs})
+        return autotuner.fn.run(*args, **kwargs, **config_kwargs)
+
+    def _slow(self) -> "_Session":
+        """A fast-mode session sharing this call's occurrence counts (for launches the plan does not cover)."""
+        if self.fallback is None:
+            self.fallback = _Session(None, 0, False)  # type: ignore[arg-type]
+            self.fallback.winners = self.winners
+            self.fallback.mode = "fast"
+            self.fallback._occurrences = self.occurrences
+        return self.fallback
+
+
 class ContextualAutotuner:
     """The callable that ``contextual_autotune`` returns. See :func:`contextual_autotune`."""
 
@@ -352,6 +420,7 @@ class ContextualAutotuner:
         self._splits = _split_predicate(split)
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
+        self._plan: Optional[_FastPlan] = None
         self._tuned = False
         self._communicator: Optional[Communicator] = None
 
@@ -366,34 +435,38 @@ class ContextualAutotuner:
         """Forget the winners of this wrapper; the next call tunes again (the kernels' caches are kept)."""
         self._tuned = False
         self._winners = {}
+        self._plan = None
 
     def expected_runs(self, longest_config_list: int) -> int:
         """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``."""
         return total_function_runs(longest_config_list, self.n_warmup, self.n_repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _hook.active_handler() is not None:
+        if _hook._current.get() is not None:
             # Nested inside another wrapped call: its kernels are that call's sites.
             return self.fn(*args, **kwargs)
         if self._tuned:
-            return self._fast_call(args, kwargs)
+            # The fast path, inlined (it is what every call after tuning costs): one small handler,
+            # the bare scope pair, the winners' launches laid out at commit time.
+            handler = _FastLaunch(self._plan)  # type: ignore[arg-type]
+            token = _hook.open_scope(handler)
+            try:
+                result = self.fn(*args, **kwargs)
+            finally:
+                _hook.close_scope(token)
+            if handler.fallback is not None and handler.fallback.stale:
+                self._went_stale(handler.fallback.stale)
+            return result
         return self._tuning_call(args, kwargs)
 
     # -- after tuning ------------------------------------------------------------------------
-    def _fast_call(self, args: tuple, kwargs: dict) -> Any:
-        session = _Session(None, 0, False)  # type: ignore[arg-type]
-        session.winners = self._winners
-        session.mode = "fast"
-        with _hook.intercept(session):
-            result = self.fn(*args, **kwargs)
-        if session.stale:
-            self._tuned = False
-            warnings.warn(
-                f"disttune: {self.__qualname__} launched kernels it was not tuned for ("
-                + ", ".join(session.stale) + "); they ran with their first config and the next call tunes again",
-                RuntimeWarning, stacklevel=3,
-            )
-        return result
+    def _went_stale(self, stale: list[str]) -> None:
+        self._tuned = False
+        warnings.warn(
+            f"disttune: {self.__qualname__} launched kernels it was not tuned for ("
+            + ", ".join(stale) + "); they ran with their first config and the next call tunes again",
+            RuntimeWarning, stacklevel=3,
+        )
 
     # -- one tuning call ---------------------------------------------------------------------
     def _get_communicator(self) -> Communicator:
@@ -699,6 +772,7 @@ class ContextualAutotuner:
                 site.autotuner.cache[result.site.key] = config
         session.winners = winners
         self._winners = winners
+        self._plan = _FastPlan(session.sites, winners)
 
     def _print_summary(self, log: RankLog) -> None:
         report = self.report

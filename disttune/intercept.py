@@ -58,27 +58,48 @@ def triton_run(autotuner: Autotuner, *args: Any, **kwargs: Any) -> Any:
     return original(autotuner, *args, **kwargs)
 
 
-@contextlib.contextmanager
-def intercept(handler: LaunchHandler) -> Iterator[None]:
-    """Route this thread's autotuned launches to ``handler`` for the duration of the block."""
+def open_scope(handler: LaunchHandler) -> contextvars.Token:
+    """Start routing this thread's autotuned launches to ``handler``; pair with :func:`close_scope`.
+
+    The bare pair behind :func:`intercept`, for the tuned fast path (no generator, no checks):
+    the caller has made sure no scope is open on this thread and closes it in a ``finally``.
+    """
     global _open_scopes, _triton_run
-    if _current.get() is not None:
-        raise RuntimeError("disttune: an interception scope is already open on this thread")
-    with _install_lock:
+    _install_lock.acquire()  # acquire/release rather than ``with``: this runs on every tuned call
+    try:
         if _open_scopes == 0:
             _triton_run = Autotuner.run
             Autotuner.run = _hooked_run  # type: ignore[method-assign]
         _open_scopes += 1
-    token = _current.set(handler)
+    finally:
+        _install_lock.release()
+    return _current.set(handler)
+
+
+def close_scope(token: contextvars.Token) -> None:
+    """End the scope :func:`open_scope` began; the last one open puts Triton's ``run`` back."""
+    global _open_scopes, _triton_run
+    _current.reset(token)
+    _install_lock.acquire()
+    try:
+        _open_scopes -= 1
+        if _open_scopes == 0:
+            Autotuner.run = _triton_run  # type: ignore[method-assign]
+            _triton_run = None
+    finally:
+        _install_lock.release()
+
+
+@contextlib.contextmanager
+def intercept(handler: LaunchHandler) -> Iterator[None]:
+    """Route this thread's autotuned launches to ``handler`` for the duration of the block."""
+    if _current.get() is not None:
+        raise RuntimeError("disttune: an interception scope is already open on this thread")
+    token = open_scope(handler)
     try:
         yield
     finally:
-        _current.reset(token)
-        with _install_lock:
-            _open_scopes -= 1
-            if _open_scopes == 0:
-                Autotuner.run = _triton_run  # type: ignore[method-assign]
-                _triton_run = None
+        close_scope(token)
 
 
 def tuning_key(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
@@ -89,6 +110,54 @@ def tuning_key(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
     key = [named[k] for k in autotuner.keys if k in named]
     key.extend(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
     return tuple(key)
+
+
+class FastKernel:
+    """What the tuned fast path needs of one autotuner, computed once: its name and how to read its key.
+
+    :meth:`key` equals :func:`tuning_key` (Triton's cache key: the ``key`` arguments, then every
+    argument's ``str(dtype)``) but reads the ``key`` arguments by position when none is passed by
+    keyword, the common launch ``kernel[grid](a, b, n)``, and skips the dict building.
+    """
+
+    __slots__ = ("autotuner", "name", "positions", "arg_names", "n_names", "needed")
+
+    def __init__(self, autotuner: Autotuner) -> None:
+        self.autotuner = autotuner
+        self.name = kernel_name(autotuner)
+        names = list(autotuner.arg_names)
+        self.positions = tuple(names.index(k) for k in autotuner.keys if k in names)
+        self.arg_names = frozenset(names)
+        self.n_names = len(names)
+        self.needed = max(self.positions, default=-1) + 1  # fewer positional arguments: the general path
+
+    def key(self, args: tuple, kwargs: dict) -> tuple:
+        count = len(args)
+        if count > self.n_names or count < self.needed or not self.arg_names.isdisjoint(kwargs):
+            return tuning_key(self.autotuner, args, kwargs)
+        key = []
+        for i in self.positions:
+            key.append(args[i])
+        for arg in args:
+            kind = type(arg)
+            if kind is _Tensor:
+                key.append(_DTYPE_NAMES[arg.dtype])
+            elif kind not in _NO_DTYPE:
+                dtype = getattr(arg, "dtype", _MISSING)
+                if dtype is not _MISSING:
+                    key.append(str(dtype))
+        return tuple(key)
+
+
+_MISSING = object()
+_NO_DTYPE = frozenset({int, float, bool, str, type(None)})
+try:
+    import torch as _torch
+
+    _Tensor: Any = _torch.Tensor
+    _DTYPE_NAMES = {d: str(d) for d in vars(_torch).values() if isinstance(d, _torch.dtype)}
+except ImportError:  # pragma: no cover - torch is a dependency
+    _Tensor, _DTYPE_NAMES = None, {}
 
 
 def candidate_configs(autotuner: Autotuner, args: tuple, kwargs: dict) -> list:

@@ -602,3 +602,51 @@ def test_split_accepts_names_kernels_and_predicates():
         _split_predicate([3])
     with pytest.raises(TypeError, match="split must be a bool"):
         _split_predicate(3.5)
+
+
+# -- the tuned fast path ------------------------------------------------------------------------------------
+
+def test_fast_key_equals_tritons_key_for_every_way_of_passing_arguments():
+    kernel = make_kernel()
+    fast = intercept.FastKernel(kernel)
+    x, h = torch.randn(8, device=DEV), torch.randn(8, device=DEV).half()
+
+    class DtypeLike:
+        dtype = "custom"
+
+    for args, kwargs in [((x, h, 8), {"grid": None, "warmup": False}),  # positional (the fast case)
+                         ((x, h), {"n": 8, "grid": None}),               # the key argument by keyword
+                         ((x,), {"y_ptr": h, "n": 8}),                    # more by keyword
+                         ((DtypeLike(), x, 8), {}),                       # a non-tensor with a dtype
+                         ((x, None, 8.0), {})]:
+        assert fast.key(args, kwargs) == intercept.tuning_key(kernel, args, kwargs), (args, kwargs)
+
+
+def test_fast_path_runs_the_winners_pre_hook_and_hands_unplanned_launches_to_the_general_path(tmp_path):
+    calls = {"hook": 0}
+    kernel = make_kernel(pre_hooks={1: lambda nargs: calls.__setitem__("hook", calls["hook"] + 1)})
+    other = make_kernel(blocks=(16, 32))
+    launches = {"count": 1, "other": False}
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: {0: 2.0, 1: 1.0, 2: 3.0}[i.config_index]))
+    def step(x):
+        ys = [torch.empty_like(x) for _ in range(launches["count"])]
+        for y in ys:
+            launch_add(kernel, x, y)
+        if launches["other"]:
+            launch_add(other, x, torch.empty_like(x))
+        return ys
+
+    x = torch.randn(64, device=DEV)
+    step(x)
+    calls["hook"] = 0
+    (y,) = step(x)
+    assert calls["hook"] == 1 and torch.equal(y, x + 32)
+    launches["other"] = True  # an autotuner the plan does not know: a warning, and the next call tunes it
+    with pytest.warns(RuntimeWarning, match="not tuned for"):
+        step(x)
+    assert not step.tuned
+    step(x)
+    launches["count"] = 2  # a second occurrence of the same key: the kernel's own cache answers, as before
+    first, second = step(x)
+    assert step.tuned and torch.equal(first, x + 32) and torch.equal(second, x + 32)
