@@ -14,7 +14,11 @@ all-gathers. Every collective uses ``autotune_pg`` (or ``comm=``) when given.
 
 ``split=True`` is for functions with no communication inside: rank ``r`` times only
 configs ``r, r + w, r + 2w, ...`` and each config's time is its owner's, so ``w`` ranks
-tune about ``w`` times faster (every rank still sees the same winner).
+tune about ``w`` times faster (every rank still sees the same winner). In ``last_timings`` a
+config another rank timed is ``nan`` in this rank's ``per_rank_ms`` row.
+
+After tuning, a call costs one ``key_fn`` call and a dict lookup over calling the function with
+the winner (``bench/fast_path.py`` measures it).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class FunctionAutotuner:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.config_space = [dict(c) for c in config_space]
+        self._tunables = frozenset(name for config in self.config_space for name in config)
         self.key_fn, self.prune_fn = key_fn, prune_fn
         self.n_warmup, self.n_repeat = n_warmup, n_repeat
         self.timer, self.reduce, self.statistic = timer, reduce, statistic
@@ -87,17 +92,19 @@ class FunctionAutotuner:
 
     def __call__(self, *args: Any, autotune: bool = True, autotune_verbose: bool = False, autotune_pg: Any = None,
                  **kwargs: Any) -> Any:
-        tunables = {name for config in self.config_space for name in config}
-        clash = tunables & kwargs.keys()
-        if clash:
-            raise TypeError(f"disttune.autotune: {self.__qualname__} got {sorted(clash)} as keyword argument(s), "
+        if kwargs and not self._tunables.isdisjoint(kwargs):
+            clash = sorted(self._tunables & kwargs.keys())
+            raise TypeError(f"disttune.autotune: {self.__qualname__} got {clash} as keyword argument(s), "
                             "but the autotuner sets them from config_space; drop them from the call")
+        if autotune:
+            winner = self.cache.get(self.key_fn(*args, **kwargs))
+            if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
+                return self.fn(*args, **kwargs, **winner)
         configs = self._pruned(args, kwargs)
         if not autotune:
             return self.fn(*args, **kwargs, **configs[0])
         key = self.key_fn(*args, **kwargs)
-        if key not in self.cache:
-            self.cache[key] = self._tune(key, configs, args, kwargs, self._communicator(autotune_pg), autotune_verbose)
+        self.cache[key] = self._tune(key, configs, args, kwargs, self._communicator(autotune_pg), autotune_verbose)
         return self.fn(*args, **kwargs, **self.cache[key])
 
     def _pruned(self, args: tuple, kwargs: dict) -> list[dict]:
@@ -158,12 +165,11 @@ class FunctionAutotuner:
                 except Exception as err:  # scored inf on every rank through the agreement
                     failures[index] = f"{type(err).__name__}: {err}"
         reduce_stat = resolve_statistic(self.statistic)
-        local = [float("inf") if i in failures or not s else float(reduce_stat(s)) for i, s in enumerate(samples)]
+        unmeasured = float("nan") if self.split else float("inf")  # split: another rank timed it
+        local = [float("inf") if i in failures else float(reduce_stat(s)) if s else unmeasured
+                 for i, s in enumerate(samples)]
         per_rank = comm.all_gather_floats(local, "function autotune agreement")
-        if self.split:  # each config's time is its owner's: rank (index % world) timed it
-            agreed = np.array([per_rank[i % comm.world_size, i] for i in range(len(configs))])
-        else:
-            agreed = agree(per_rank, self.reduce)
+        agreed = agree(per_rank, self.reduce, split=self.split)  # split: each config's time is its owner's
         winner = winner_index(agreed)
         self.last_timings = {"configs": configs, "per_rank_ms": per_rank.tolist(), "agreed_ms": agreed.tolist(),
                              "winner": winner}
