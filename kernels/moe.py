@@ -579,17 +579,18 @@ def _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, where):
 
 def moe_mlp(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
             w_gate_up: torch.Tensor, w_down: torch.Tensor, *, kernel=None,
-            routing: Optional[MoeRouting] = None,
+            routing: Optional[MoeRouting] = None, check_ids: bool = True,
             bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
     """The MoE MLP: ``sum_j w[t,j] * (silu(x[t] @ Wg[e]) * (x[t] @ Wu[e])) @ Wd[e]``, ``e = topk_ids[t, j]``.
 
     ``w_gate_up [E, H, 2I]`` (gate columns first), ``w_down [E, I, H]``; ``topk_weights``
     ``[T, top_k]`` or None (all ones). Two grouped GEMM launches (gate-up: token-gathered A,
     sorted C; down: sorted A, flat C, weight in the epilogue) plus torch for routing,
-    SiLU-gating and the top-k sum. Returns ``[T, H]`` in x's dtype.
+    SiLU-gating and the top-k sum. Returns ``[T, H]`` in x's dtype. ``check_ids=False`` skips
+    the range check of the expert ids (one host sync on a GPU).
     """
     E = _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "moe_mlp")
-    routing = routing if routing is not None else moe_align(topk_ids, E)
+    routing = routing if routing is not None else moe_align(topk_ids, E, check_range=check_ids)
     T, k = topk_ids.shape
     h = moe_gemm(x, w_gate_up, routing, a_order="token", out_order="sorted", kernel=kernel, bucket=bucket)
     g = silu_and_mul(h)
@@ -645,7 +646,7 @@ class AgMoeResult:
 def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
            topk_weights: Optional[torch.Tensor] = None, group=None,
            tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
-           out: Optional[torch.Tensor] = None,
+           out: Optional[torch.Tensor] = None, check_ids: bool = True,
            bucket: Callable[[int], int] = next_power_of_2) -> AgMoeResult:
     """AllGather-MoE: gather every rank's tokens ``x [T_r, H]`` and routing, then the grouped GEMM
     ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
@@ -657,6 +658,8 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     collective runs on its own stream, so this overlaps on GPUs); then each other rank's
     chunk. One GEMM launch per source rank, all with the same tuning key (bucket of the
     *global* row count). On gloo the same code runs with the gather's background thread.
+    Host syncs: the token counts (unless ``tokens_per_rank``) and the local id range check
+    (unless ``check_ids=False``).
     """
     dist, rank, world = _group_info(group)
     where = "ag_moe"
@@ -667,7 +670,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     E, H, N = w.shape
     if x.shape[1] != H:
         raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={H}, N]")
-    _check_topk_ids(topk_ids, E, where, check_range=True)
+    _check_topk_ids(topk_ids, E, where, check_range=check_ids)
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
     if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
@@ -799,7 +802,7 @@ def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Option
 
 def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, *, group=None,
-                 tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
+                 tokens_per_rank: Optional[Sequence[int]] = None, kernel=None, check_ids: bool = True,
                  bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
     """Tensor-parallel MoE MLP: :func:`ag_moe` (gate-up) -> SiLU-gating -> :func:`moe_rs` (down).
 
@@ -809,7 +812,7 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
     """
     _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "tp_moe_layer")
     gathered = ag_moe(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
-                      tokens_per_rank=tokens_per_rank, kernel=kernel, bucket=bucket)
+                      tokens_per_rank=tokens_per_rank, kernel=kernel, check_ids=check_ids, bucket=bucket)
     g = silu_and_mul(gathered.out)
     return moe_rs(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel, bucket=bucket)
 

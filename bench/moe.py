@@ -1,0 +1,392 @@
+"""MoE benchmark: the Triton grouped GEMM vs torch, AG-MoE / MoE-RS vs sequential, contextual vs alone.
+
+    torchrun --nproc_per_node=2 bench/moe.py          # GPUs: all three parts at world size 2
+    torchrun --nproc_per_node=1 bench/moe.py --parts a
+    python bench/moe.py --smoke                        # CPU, interpreter, tiny shapes: code paths only
+
+Parts (``--parts``, default ``abc``):
+
+a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Triton grouped
+   GEMM (stock ``triton.autotune`` over the Hopper space) vs ``torch._grouped_mm`` vs a
+   per-expert torch loop, on (T=4096, E=8, top-2, H=4096, I=7168) and (T=4096, E=64, top-6,
+   H=2048, I=1408). Same x, routing and weights for all. The routing (``moe_align``: sort +
+   histogram) is *outside* the timed region for everyone. The token permutation (``x[perm]``,
+   R x H elements) is *inside* for every contender that needs a permuted A (grouped_mm, the
+   loop, Triton "sorted"); Triton "gather" loads rows through the routing and needs none.
+   "GEMM only" rows time grouped_mm and Triton "sorted" on a pre-permuted A as well.
+b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
+   ``moe.ag_moe`` / ``moe.moe_rs`` vs the sequential forms (NCCL all_gather of tokens and
+   routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
+   weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks.
+c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down) with the
+   winners of ``disttune.contextual_autotune`` (tuned inside the layer, agreed by all ranks)
+   vs the winners of stock ``triton.autotune`` tuned alone (each GEMM by itself, outside the
+   layer, on this rank's gathered inputs), each timed inside the layer. Max over ranks.
+
+Timing: CUDA events around each call, ``--warmup`` calls then ``--iters`` samples, median;
+multi-rank samples start after a barrier and the median is reduced with MAX over ranks.
+Prints a markdown table (rank 0) and appends JSON lines to ``$OUT/moe.jsonl`` if ``$OUT`` is
+set, else ``bench/results/moe-<w>x<gpu>-<date>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.distributed as dist  # noqa: E402
+import triton  # noqa: E402
+
+import disttune  # noqa: E402
+from disttune import dist as dt_dist  # noqa: E402
+from disttune.kernels import moe  # noqa: E402
+
+FULL_SHAPES = [dict(T=4096, E=8, k=2, H=4096, I=7168), dict(T=4096, E=64, k=6, H=2048, I=1408)]
+SMOKE_SHAPES = [dict(T=32, E=8, k=2, H=32, I=64), dict(T=32, E=16, k=6, H=32, I=32)]
+REFERENCE_MS = {(8, 2): 0.761, (64, 6): 0.313}  # torch._grouped_mm, REFERENCE.md (H200)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU/interpreter, tiny shapes, 2 samples")
+    p.add_argument("--parts", default="abc", help="subset of 'abc'")
+    p.add_argument("--shapes", default="0,1", help="indices into the shape list")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--out", default=None, help="JSON lines file (default: $OUT/moe.jsonl or bench/results/)")
+    o = p.parse_args()
+    o.warmup = o.warmup if o.warmup is not None else (1 if o.smoke else 10)
+    o.iters = o.iters if o.iters is not None else (2 if o.smoke else 50)
+    return o
+
+
+class Bench:
+    def __init__(self, o: argparse.Namespace) -> None:
+        self.o = o
+        info = dt_dist.init()
+        self.rank, self.world, self.device = info.rank, info.world_size, info.device
+        self.gpu = self.device.type == "cuda" and not moe.interpreting()
+        self.dtype = torch.bfloat16 if self.gpu else torch.float16  # bf16 dot is wrong in the interpreter
+        self.configs = moe.HOPPER_MOE_CONFIGS if self.gpu else moe.CPU_MOE_CONFIGS
+        self.shapes = [(SMOKE_SHAPES if o.smoke else FULL_SHAPES)[int(i)] for i in o.shapes.split(",")]
+        self.rows: list[dict] = []
+        gpu_name = torch.cuda.get_device_name() if self.gpu else "CPU-interpreter"
+        self.meta = dict(device=gpu_name, world=self.world, torch=torch.__version__, triton=triton.__version__,
+                         cuda=torch.version.cuda, date=datetime.date.today().isoformat(), smoke=o.smoke)
+
+    # -- timing -----------------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+
+    def time_ms(self, fn: Callable[[], object], collective: bool = False) -> float:
+        """Median ms of ``iters`` calls after ``warmup``; with ``collective`` each sample starts after a
+        barrier and the result is the max over ranks."""
+        for _ in range(self.o.warmup):
+            fn()
+        self.sync()
+        samples = []
+        for _ in range(self.o.iters):
+            if collective:
+                dist.barrier()
+                self.sync()
+            if self.gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(samples)
+        if collective:
+            t = torch.tensor([ms], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ms = float(t.item())
+        return ms
+
+    def record(self, part: str, shape: dict, name: str, ms: float, **extra) -> None:
+        row = dict(self.meta, part=part, shape=shape, contender=name, ms=ms, **extra)
+        self.rows.append(row)
+
+    # -- inputs -----------------------------------------------------------------------------
+    def problem(self, s: dict, tokens: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, s["H"], generator=g).to(self.device, self.dtype)
+        scores = torch.rand(tokens, s["E"], generator=g)
+        w, ids = scores.topk(s["k"], dim=1)
+        return x, ids.to(self.device, torch.int32), (w / w.sum(1, keepdim=True)).to(self.device)
+
+    def weights(self, E: int, K: int, N: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(E, K, N, generator=g) / K ** 0.5).to(self.device, self.dtype)
+
+    # -- part a -----------------------------------------------------------------------------
+    def part_a(self) -> None:
+        for s in self.shapes:
+            T, E, k, H, I = s["T"], s["E"], s["k"], s["H"], s["I"]
+            x, ids, _ = self.problem(s, T, seed=1)
+            w = self.weights(E, H, I, seed=2)
+            rt = moe.moe_align(ids, E)
+            perm = rt.token_rows()
+            offs = rt.expert_offs[1:].contiguous()
+            bounds = rt.expert_offs.tolist()
+            x_perm = x.index_select(0, perm)
+            out = torch.empty(T * k, I, device=self.device, dtype=self.dtype)
+            kernel = moe.make_moe_kernel(self.configs)  # stock triton.autotune (do_bench on GPU)
+
+            def loop():
+                xp = x.index_select(0, perm)
+                for e in range(E):
+                    if bounds[e + 1] > bounds[e]:
+                        torch.mm(xp[bounds[e]:bounds[e + 1]], w[e], out=out[bounds[e]:bounds[e + 1]])
+
+            def grouped(xp=None):
+                xp = x.index_select(0, perm) if xp is None else xp
+                return torch._grouped_mm(xp, w, offs=offs, out_dtype=self.dtype)
+
+            contenders = [
+                ("torch per-expert loop (+perm)", loop),
+                ("torch._grouped_mm (+perm)", grouped),
+                ("torch._grouped_mm (GEMM only)", lambda: grouped(x_perm)),
+                ("triton gather A (no perm)", lambda: moe.moe_gemm(x, w, rt, a_order="token", out=out, kernel=kernel)),
+                ("triton sorted A (+perm)", lambda: moe.moe_gemm(rt.permute(x), w, rt, a_order="sorted", out=out,
+                                                                  kernel=kernel)),
+                ("triton sorted A (GEMM only)", lambda: moe.moe_gemm(x_perm, w, rt, a_order="sorted", out=out,
+                                                                      kernel=kernel)),
+            ]
+            # correctness before timing (the first Triton calls also tune)
+            ref = grouped().float()
+            errors = {}
+            for name, fn in contenders[3:]:
+                out.fill_(float("nan"))
+                fn()
+                errors[name] = ((out.float() - ref).norm() / ref.norm()).item()
+            flops = 2.0 * T * k * H * I
+            results = {}
+            for name, fn in contenders:
+                ms = self.time_ms(fn)
+                results[name] = ms
+                winner = None
+                if name.startswith("triton"):
+                    winner = next((disttune.describe_config(c) for key, c in kernel.cache.items()
+                                   if key[moe.MOE_KEY.index("A_MODE")] == (0 if "gather" in name else 2)), None)
+                self.record("a", s, name, ms, tflops=flops / ms / 1e9, rel_err=errors.get(name), winner=winner,
+                            reference_grouped_mm_ms=REFERENCE_MS.get((E, k)))
+            if self.rank == 0:
+                loop_ms = results["torch per-expert loop (+perm)"]
+                gm_ms = results["torch._grouped_mm (+perm)"]
+                print(f"\n### (a) up projection T={T} E={E} top-{k} H={H} I={I} {self.meta['device']} "
+                      f"({str(self.dtype).split('.')[-1]})\n")
+                print("| contender | ms | TFLOP/s | vs loop | vs grouped_mm (+perm) | rel. err vs grouped_mm | winner |")
+                print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+                for row in self.rows[-len(contenders):]:
+                    err = f"{row['rel_err']:.1e}" if row["rel_err"] is not None else ""
+                    print(f"| {row['contender']} | {row['ms']:.3f} | {row['tflops']:.0f} | {loop_ms / row['ms']:.2f}x "
+                          f"| {gm_ms / row['ms']:.2f}x | {err} | {row['winner'] or ''} |")
+
+    # -- part b -----------------------------------------------------------------------------
+    def tp_inputs(self, s: dict, seed: int):
+        T, E, k, H, I, w = s["T"], s["E"], s["k"], s["H"], s["I"], self.world
+        if T % w or I % w:
+            raise SystemExit(f"T={T} and I={I} must be multiples of the world size {w}")
+        x, ids, wts = self.problem(s, T // w, seed=seed + self.rank)
+        Ir = I // w
+        return dict(x=x, ids=ids, wts=wts, T=T, E=E, k=k, H=H, Ir=Ir, tpr=[T // w] * w,
+                    w_up=self.weights(E, H, Ir, seed=10 + self.rank), w_gu=self.weights(E, H, 2 * Ir, seed=20 + self.rank),
+                    w_down=self.weights(E, Ir, H, seed=30 + self.rank))
+
+    def part_b(self) -> None:
+        w = self.world
+        for s in self.shapes:
+            p = self.tp_inputs(s, seed=100)
+            T, E, k, H, Ir, tpr = p["T"], p["E"], p["k"], p["H"], p["Ir"], p["tpr"]
+            kernel = moe.make_moe_kernel(self.configs)
+            x_all = torch.empty(T, H, device=self.device, dtype=self.dtype)
+            ids_all = torch.empty(T, k, device=self.device, dtype=torch.int32)
+
+            def gather(out, inp):
+                if self.gpu:
+                    dist.all_gather_into_tensor(out, inp)
+                else:
+                    dist.all_gather(list(out.chunk(w)), inp)
+
+            def ag_fused():
+                return moe.ag_moe(p["x"], p["ids"], p["w_up"], topk_weights=p["wts"], tokens_per_rank=tpr,
+                                  kernel=kernel, check_ids=False)
+
+            def ag_seq():
+                gather(x_all, p["x"])
+                gather(ids_all, p["ids"])
+                rt = moe.moe_align(ids_all, E, check_range=False)
+                return torch._grouped_mm(rt.permute(x_all), p["w_up"], offs=rt.expert_offs[1:], out_dtype=self.dtype)
+
+            # MoE-RS inputs: the up-projection output in each contender's own layout (prepared untimed)
+            ag = ag_fused()  # (tunes the AG sites with stock autotune on first use)
+            h_chunks = ag.out
+            wts_all = ag.topk_weights
+            gather(ids_all, p["ids"])
+            rt_all = moe.moe_align(ids_all, E, check_range=False)
+            h_joint = torch.cat([ag.routings[r].unsort(ag.chunk(r)) for r in range(w)])[rt_all.sorted_ids.long()]
+            w_sorted = wts_all.reshape(-1)[rt_all.sorted_ids.long()].to(self.dtype)
+            rs_out = torch.empty(T // w, H, device=self.device, dtype=self.dtype)
+
+            def rs_fused():
+                return moe.moe_rs(h_chunks, ag.routings, wts_all, p["w_down"], kernel=kernel)
+
+            def rs_seq():
+                y = torch._grouped_mm(h_joint, p["w_down"], offs=rt_all.expert_offs[1:], out_dtype=self.dtype)
+                y = y * w_sorted[:, None]
+                y_flat = torch.empty_like(y)
+                y_flat[rt_all.sorted_ids.long()] = y
+                full = y_flat.view(T, k, H).sum(1, dtype=torch.float32).to(self.dtype)
+                if self.gpu:
+                    dist.reduce_scatter_tensor(rs_out, full)
+                else:  # gloo has no reduce_scatter: all_reduce + slice
+                    dist.all_reduce(full)
+                    rs_out.copy_(full[self.rank * (T // w):(self.rank + 1) * (T // w)])
+                return rs_out
+
+            err = ((rs_fused().float() - rs_seq().float()).norm() / rs_seq().float().norm()).item()
+            results = {}
+            for name, fn in [("AG-MoE: all_gather then grouped_mm", ag_seq), ("AG-MoE: disttune ag_moe", ag_fused),
+                             ("MoE-RS: grouped_mm then reduce_scatter", rs_seq), ("MoE-RS: disttune moe_rs", rs_fused)]:
+                ms = self.time_ms(fn, collective=True)
+                results[name] = ms
+                self.record("b", s, name, ms, rel_err=err if name.startswith("MoE-RS: disttune") else None)
+            if self.rank == 0:
+                print(f"\n### (b) world {w}: T={T} E={E} top-{k} H={H} I={Ir * w} (I/w={Ir} per rank), max over ranks\n")
+                print("| step | sequential ms | disttune ms | speed-up |")
+                print("| --- | ---: | ---: | ---: |")
+                for label, seq, fused in [("AG-MoE", "AG-MoE: all_gather then grouped_mm", "AG-MoE: disttune ag_moe"),
+                                          ("MoE-RS", "MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")]:
+                    print(f"| {label} | {results[seq]:.3f} | {results[fused]:.3f} | {results[seq] / results[fused]:.2f}x |")
+                print(f"\nMoE-RS rel. err vs sequential: {err:.1e}")
+
+    # -- part c -----------------------------------------------------------------------------
+    def part_c(self) -> None:
+        for s in self.shapes:
+            p = self.tp_inputs(s, seed=200)
+            E, k = p["E"], p["k"]
+            ctx_kernel = moe.make_moe_kernel(self.configs)
+            alone_kernel = moe.make_moe_kernel(self.configs)
+
+            def layer(kernel):
+                return moe.tp_moe_layer(p["x"], p["ids"], p["wts"], p["w_gu"], p["w_down"], kernel=kernel,
+                                        tokens_per_rank=p["tpr"], check_ids=False)
+
+            @disttune.contextual_autotune(is_dist=True, n_warmup=2, n_repeat=3, verbose=False, store=False)
+            def tuned_layer():
+                return layer(ctx_kernel)
+
+            t0 = time.perf_counter()
+            tuned_layer()
+            ctx_tuning_s = time.perf_counter() - t0
+            # alone: stock triton.autotune on each GEMM by itself, outside the layer, same keys
+            ag = moe.ag_moe(p["x"], p["ids"], p["w_gu"], topk_weights=p["wts"], tokens_per_rank=p["tpr"],
+                            kernel=moe.make_moe_kernel(self.configs[:1]))
+            g = moe.silu_and_mul(ag.out)
+            t0 = time.perf_counter()
+            rows_bucket = moe.next_power_of_2(ag.out.shape[0])
+            for r in range(self.world):
+                tok0 = sum(p["tpr"][:r])
+                x_r = self._gathered_tokens(p)[tok0: tok0 + p["tpr"][r]]
+                moe.moe_gemm(x_r, p["w_gu"], ag.routings[r], a_order="token", kernel=alone_kernel,
+                             rows_bucket=rows_bucket)
+                moe.moe_gemm(g[ag.row_offsets[r]:ag.row_offsets[r + 1]], p["w_down"], ag.routings[r],
+                             a_order="sorted", out_order="flat",
+                             weights=ag.topk_weights[tok0: tok0 + p["tpr"][r]], kernel=alone_kernel,
+                             rows_bucket=rows_bucket)
+            self.sync()
+            alone_tuning_s = time.perf_counter() - t0
+            ctx_winners = {str(key[:8]): disttune.describe_config(c) for key, c in ctx_kernel.cache.items()}
+            alone_winners = {str(key[:8]): disttune.describe_config(c) for key, c in alone_kernel.cache.items()}
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, alone_winners)
+            alone_agree = all(w_ == everyone[0] for w_ in everyone)
+            results = {}
+            for name, fn in [("layer, winners tuned alone (stock triton.autotune)", lambda: layer(alone_kernel)),
+                             ("layer, contextual winners (disttune)", lambda: layer(ctx_kernel)),
+                             ("layer, contextual (wrapped call)", tuned_layer)]:
+                ms = self.time_ms(fn, collective=True)
+                results[name] = ms
+                self.record("c", s, name, ms, ctx_winners=ctx_winners, alone_winners=alone_winners,
+                            alone_winners_agree_across_ranks=alone_agree, ctx_tuning_s=ctx_tuning_s,
+                            alone_tuning_s=alone_tuning_s, ctx_runs=tuned_layer.report.function_runs)
+            if self.rank == 0:
+                print(f"\n### (c) TP MoE layer, world {self.world}: T={p['T']} E={E} top-{k} H={p['H']} "
+                      f"I={p['Ir'] * self.world}, max over ranks\n")
+                print("| winners | layer ms | vs alone |")
+                print("| --- | ---: | ---: |")
+                base = results["layer, winners tuned alone (stock triton.autotune)"]
+                for name, ms in results.items():
+                    print(f"| {name} | {ms:.3f} | {base / ms:.2f}x |")
+                print(f"\ncontextual tuning: {ctx_tuning_s:.1f} s, {tuned_layer.report.function_runs} runs; "
+                      f"alone: {alone_tuning_s:.1f} s; ranks' alone winners identical: {alone_agree}")
+                for key in sorted(set(ctx_winners) | set(alone_winners)):
+                    print(f"- key {key}: contextual `{ctx_winners.get(key)}`, alone (rank 0) `{alone_winners.get(key)}`")
+
+    def _gathered_tokens(self, p: dict) -> torch.Tensor:
+        if "x_all" not in p:
+            x_all = torch.empty(p["T"], p["H"], device=self.device, dtype=self.dtype)
+            if self.gpu:
+                dist.all_gather_into_tensor(x_all, p["x"])
+            else:
+                dist.all_gather(list(x_all.chunk(self.world)), p["x"])
+            p["x_all"] = x_all
+        return p["x_all"]
+
+    # -- output -----------------------------------------------------------------------------
+    def write(self) -> None:
+        if self.rank != 0:
+            return
+        if self.o.out:
+            path = Path(self.o.out)
+        elif os.environ.get("OUT"):
+            path = Path(os.environ["OUT"]) / "moe.jsonl"
+        else:
+            name = self.meta["device"].replace(" ", "_").replace("/", "_")
+            path = Path(__file__).resolve().parent / "results" / f"moe-{self.world}x{name}-{self.meta['date']}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            for row in self.rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"\nrows appended to {path}")
+
+
+def main() -> int:
+    o = parse_args()
+    b = Bench(o)
+    started = time.perf_counter()
+    if "a" in o.parts:
+        b.part_a()
+    if "b" in o.parts:
+        b.part_b()
+    if "c" in o.parts:
+        b.part_c()
+    b.write()
+    if b.rank == 0:
+        print(f"total {time.perf_counter() - started:.1f} s")
+    dist.barrier()
+    dt_dist.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
