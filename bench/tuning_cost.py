@@ -7,11 +7,23 @@ Variants (``--variant``):
   parallel  the same, with every candidate compiled up front in a thread pool
   early     baseline + early stopping (screen all configs, full runs for the best quarter)
   all       parallel compile + early stopping (writes the winner store)
+  split     all + ``split=True``: in each tuning run every rank times a different config (the GEMM
+            runs after the all-gather, not beside it, so its time does not depend on the peers' configs)
+  untuned   a fresh process running the same step with the "all" run's winner fixed and no tuner at all
+            (a one-config ``triton.autotune`` kernel, which Triton launches without benchmarking)
   warm      a second process: the winner store from the "all" run is present
 
 Each process times its first call of the wrapped step (the tuning call; max over
 ranks), then 100 calls with the winners (CUDA events around each whole step, median,
 max over ranks) and writes one JSON row to ``--out``.
+
+Why "untuned": a warm start's first call pays for more than disttune's store lookup: the process's
+first NCCL collective, loading the winner's kernel from Triton's cache, CUDA lazy initialisation.
+An untuned fresh process pays the same, so "warm start adds X% of the baseline over an untuned
+run" is ``(warm.first_call_s - untuned.first_call_s) / baseline.first_call_s``, like with like
+(``bench/tuning_cost.sh`` runs "untuned" and "warm" on the "all" run's Triton cache and prints
+both this and the older within-process figure, warm first call minus warm plain call).
+The untuned variant reads the winner from the "all" row of ``--out`` (or ``--winner``).
 """
 
 from __future__ import annotations
@@ -36,7 +48,9 @@ from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=["baseline", "parallel", "early", "all", "warm"], required=True)
+    parser.add_argument("--variant", choices=["baseline", "parallel", "early", "all", "split", "untuned", "warm"], required=True)
+    parser.add_argument("--winner", default=None,
+                        help="untuned: the config to fix, as describe_config prints it (default: the 'all' row's)")
     parser.add_argument("--M", type=int, default=8192)
     parser.add_argument("--K", type=int, default=8192)
     parser.add_argument("--N", type=int, default=8192)
@@ -50,11 +64,24 @@ def main() -> None:
     b_local = torch.randn(options.K, options.N // world, device=device, dtype=dtype) / options.K ** 0.5
     a_full = torch.empty(options.M, options.K, device=device, dtype=dtype)
     c = torch.empty(options.M, options.N // world, device=device, dtype=dtype)
-    kernel = make_matmul_kernel(HOPPER_GEMM_CONFIGS if gpu else CPU_GEMM_CONFIGS)
+    configs = HOPPER_GEMM_CONFIGS if gpu else CPU_GEMM_CONFIGS
+    if options.variant == "untuned":
+        step, winner = untuned_step(options, configs, world, a_full, a_local, b_local, c)
+        first_call_s = wall_time_of_one_call(step, device)
+        step_median = median_step_ms(step, device)
+        plain_call_s = wall_time_of_one_call(step, device)
+        write_row(options, info, {"variant": "untuned", "world": world, "device": device_name(device),
+                                  "torch": torch.__version__, "first_call_s": first_call_s,
+                                  "plain_call_s": plain_call_s, "function_runs": 1, "source": "fixed",
+                                  "winner": disttune.describe_config(winner), "step_ms_median_of_100": step_median,
+                                  "date": time.strftime("%Y-%m-%d")})
+        return
+    kernel = make_matmul_kernel(configs)
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, verbose=False,
                                   compile_threads=0 if options.variant in ("baseline", "early") else None,
-                                  early_stop=options.variant in ("early", "all"),
+                                  early_stop=options.variant in ("early", "all", "split"),
+                                  split=options.variant == "split",
                                   store=options.variant in ("all", "warm"))
     def step():
         dist.all_gather(list(a_full.chunk(world)), a_local)
@@ -62,10 +89,47 @@ def main() -> None:
         return c
 
     first_call_s = wall_time_of_one_call(step, device)
+    step_median = median_step_ms(step, device)
+    plain_call_s = wall_time_of_one_call(step, device)
 
+    (result,) = step.report.results
+    row = {"variant": options.variant, "world": world, "device": device_name(device),
+           "torch": torch.__version__, "first_call_s": first_call_s, "plain_call_s": plain_call_s,
+           "function_runs": step.report.function_runs, "source": result.source,
+           "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median,
+           "date": time.strftime("%Y-%m-%d")}
+    write_row(options, info, row)
+
+
+def untuned_step(options, configs, world, a_full, a_local, b_local, c):
+    """The same step with one config fixed: the "all" run's winner (or --winner), no tuner."""
+    wanted = options.winner
+    if wanted is None:
+        rows = [json.loads(line) for line in open(options.out)] if os.path.exists(options.out) else []
+        tuned = [r for r in rows if r["variant"] == "all"]
+        if not tuned:
+            raise SystemExit(f"tuning_cost.py --variant untuned: no 'all' row in {options.out}; run the 'all' "
+                             "variant first or pass --winner")
+        wanted = tuned[-1]["winner"]
+    matches = [config for config in configs if disttune.describe_config(config) == wanted]
+    if not matches:
+        raise SystemExit(f"tuning_cost.py --variant untuned: {wanted!r} is none of the configs: "
+                         + "; ".join(disttune.describe_config(config) for config in configs))
+    kernel = make_matmul_kernel(matches[:1])  # one config: Triton launches it with no benchmarking
+
+    def step():
+        dist.all_gather(list(a_full.chunk(world)), a_local)
+        matmul(a_full, b_local, out=c, kernel=kernel)
+        return c
+
+    return step, matches[0]
+
+
+def median_step_ms(step, device: torch.device) -> float:
+    """Median of 100 whole-step times (CUDA events on GPUs, the host clock otherwise), max over ranks."""
     step_ms = []
     for _ in range(100):
-        if gpu:
+        if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             step()
@@ -76,16 +140,14 @@ def main() -> None:
             t0 = time.perf_counter()
             step()
             step_ms.append((time.perf_counter() - t0) * 1e3)
-    step_median = max_over_ranks(statistics.median(step_ms), device)
+    return max_over_ranks(statistics.median(step_ms), device)
 
-    plain_call_s = wall_time_of_one_call(step, device)
 
-    (result,) = step.report.results
-    row = {"variant": options.variant, "world": world, "device": torch.cuda.get_device_name() if gpu else "cpu",
-           "torch": torch.__version__, "first_call_s": first_call_s, "plain_call_s": plain_call_s,
-           "function_runs": step.report.function_runs, "source": result.source,
-           "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median,
-           "date": time.strftime("%Y-%m-%d")}
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+
+
+def write_row(options, info, row: dict) -> None:
     if info.rank == 0:
         with open(options.out, "a") as handle:
             handle.write(json.dumps(row) + "\n")
