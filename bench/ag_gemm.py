@@ -35,7 +35,7 @@ import torch.distributed as dist
 import disttune
 from disttune import dist as dt_dist
 from disttune.kernels.ag_gemm import AllGatherGEMM
-from disttune.kernels.gemm_persistent import make_shard_gemm_kernel, shard_gemm
+from disttune.kernels.shard_gemm import make_shard_gemm_kernel, shard_gemm
 from disttune.kernels.gemm_rs import GemmReduceScatter
 
 SHAPES = {"square": (8192, 8192, 8192, 8192, 8192), "llama": (8192, 8192, 28672, 28672, 8192)}

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .gemm_persistent import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .tp_common import check_rows, check_same_on_all_ranks, group_info, split_rows
 
 __all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]

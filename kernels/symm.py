@@ -6,7 +6,7 @@
   Copies between a local view and a peer view (``dst.copy_(src)``) are ``cudaMemcpyAsync``
   over NVLink: they run on the copy engines and need no SM.
 * :func:`write_flag` -- ``cuStreamWriteValue32`` (cuda-bindings): writes an int32 in global
-  memory in stream order, after the stream's earlier copies, without an SM. A persistent
+  memory in stream order, after the stream's earlier copies, without an SM. A
   kernel that occupies every SM can therefore spin on such a flag without deadlocking.
 * :func:`overlap_support` -- whether both are usable here, and if not, why.
 
@@ -16,6 +16,7 @@ Only the GPU paths use this module; on CPUs the kernels gather with gloo instead
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Optional, Sequence
 
 import torch
@@ -65,7 +66,7 @@ def overlap_support(group: Optional[dist.ProcessGroup] = None, need_flags: bool 
     if backend != "nccl":
         return False, f"the process group uses {backend}; symmetric memory needs NCCL on CUDA devices"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as err:
         return False, f"torch has no symmetric memory ({err})"
     if need_flags:

@@ -24,7 +24,7 @@ def group_info(group: Optional[dist.ProcessGroup]) -> GroupInfo:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call disttune.dist.init() (or "
                            "torch.distributed.init_process_group) before using the tensor-parallel kernels")
-    from .gemm_persistent import MAX_WORLD
+    from .shard_gemm import MAX_WORLD
 
     world = dist.get_world_size(group)
     if world > MAX_WORLD:

@@ -28,7 +28,7 @@ def test_two_ranks_both_dtypes_and_tuned_mlp_agree():
     assert proc.returncode == 0, describe(proc)
     ranks = passed_ranks(proc.stdout)
     assert sorted(ranks) == [0, 1] and min(ranks.values()) >= 30, describe(proc)
-    assert len(re.findall(r"^winner persistent_shard_gemm", proc.stdout, flags=re.M)) == 3, describe(proc)
+    assert len(re.findall(r"^winner shard_ordered_gemm", proc.stdout, flags=re.M)) == 4, describe(proc)
 
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant")
@@ -67,14 +67,14 @@ def test_inconsistent_inputs_give_the_same_error_on_every_rank(tmp_path):
 def test_local_input_errors_name_the_problem():
     import torch.distributed as dist
 
-    from disttune.kernels.gemm_persistent import persistent_matmul
+    from disttune.kernels.shard_gemm import matmul_shards
 
     a = torch.randn(8, 12, dtype=torch.float16)  # 12 halves = 24 bytes per row: not 16-byte aligned
     b = torch.randn(12, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="rows aligned to 16 bytes"):
-        persistent_matmul(a, b)
+        matmul_shards(a, b)
     with pytest.raises(ValueError, match="shapes do not chain"):
-        persistent_matmul(torch.randn(8, 16, dtype=torch.float16), b)
+        matmul_shards(torch.randn(8, 16, dtype=torch.float16), b)
     assert not dist.is_initialized()
     from disttune.kernels.ag_gemm import AllGatherGEMM
 
@@ -90,3 +90,10 @@ def test_tp_on_two_gpus():
     assert proc.returncode == 0, describe(proc)
     assert sorted(passed_ranks(proc.stdout)) == [0, 1], describe(proc)
     print(proc.stdout[-3000:])
+
+
+def test_tp_mlp_example_runs_and_checks_itself():
+    proc = run_launch(["--nproc_per_node=2", "examples/tp_mlp.py"], timeout=240)
+    assert proc.returncode == 0, describe(proc)
+    assert "correct on every rank: True" in proc.stdout, describe(proc)
+    assert len(re.findall(r"^  shard_ordered_gemm .*\(tuned\)$", proc.stdout, flags=re.M)) == 4, describe(proc)
