@@ -23,8 +23,8 @@ Both GEMMs are ``triton.autotune`` kernels: wrap the step that calls :class:`All
 with ``disttune.contextual_autotune`` to tune them while the copies really run.
 
 Cost per call (GPU): one copy of the local shard into the workspace, one symmetric-memory
-barrier, ``w - 1`` peer copies on the copy engines, the GEMM(s). Memory: a ``[2, M, K]``
-symmetric workspace (double-buffered so one barrier per call suffices).
+barrier, ``w - 1`` peer copies on the copy engines (``kernels.symm.ShardPuller``), the
+GEMM(s). Memory: a ``[2, M, K]`` symmetric workspace (double-buffered: one barrier per call).
 """
 
 from __future__ import annotations
@@ -57,11 +57,8 @@ class AllGatherGEMM:
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.requested_design = design
         self._checked: set = set()
-        self._workspaces: dict = {}
         self._flags: dict = {}
-        self._step = 0
-        self._side: Optional[torch.cuda.Stream] = None
-        self._events: list = []
+        self._puller = None  # kernels.symm.ShardPuller, made on the first GPU call
 
     # ------------------------------------------------------------------ public
 
@@ -104,61 +101,33 @@ class AllGatherGEMM:
 
     # ------------------------------------------------------------------ GPU (symmetric memory)
 
-    def _workspace(self, M: int, K: int, dtype: torch.dtype, device: torch.device):
-        key = (M, K, dtype)
-        buf = self._workspaces.get(key)
-        if buf is None:
-            from .symm import SymmetricBuffer, overlap_support
-
-            ok, why = overlap_support(self.info.group)
-            if not ok:
-                raise RuntimeError(f"AllGatherGEMM: the overlapped GPU path is unavailable: {why}")
-            buf = self._workspaces[key] = SymmetricBuffer((2, M, K), dtype, self.info.group, device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
-            self._events = [torch.cuda.Event() for _ in range(self.info.world_size)]
-        return buf
-
     def _gpu_step(self, a_shard, b_local, out, rows, design):
-        from .symm import write_flag
+        if self._puller is None:
+            from .symm import ShardPuller, overlap_support
 
-        info = self.info
-        rank, world = info.rank, info.world_size
-        M, K = sum(rows), a_shard.shape[1]
-        buf = self._workspace(M, K, a_shard.dtype, a_shard.device)
-        starts = [sum(rows[:s]) for s in range(world)]
-        parity = self._step % 2
-        self._step += 1
-        workspace = buf.local[parity]
-        current, side = torch.cuda.current_stream(), self._side
-        own = slice(starts[rank], starts[rank] + rows[rank])
+            ok, why = overlap_support(self.info.group, need_flags=design == "fused")
+            if not ok:
+                raise RuntimeError(f"AllGatherGEMM: the {design} GPU design is unavailable here: {why}")
+            self._puller = ShardPuller(self.info.group)
+        rank, world = self.info.rank, self.info.world_size
         flags = None
         if design == "fused":
             flags = self._flags.get(a_shard.device)
             if flags is None:
                 flags = self._flags[a_shard.device] = torch.zeros(world, dtype=torch.int32, device=a_shard.device)
-            flags.zero_()
-        workspace[own].copy_(a_shard)
-        buf.barrier(channel=0)  # every rank's shard is in its workspace; every rank is done with parity's last use
-        side.wait_stream(current)
-        order = [(rank + i) % world for i in range(1, world)]
-        with torch.cuda.stream(side):
-            for s in order:
-                rows_s = slice(starts[s], starts[s] + rows[s])
-                workspace[rows_s].copy_(buf.peer(s)[parity][rows_s])
-                if flags is not None:
-                    write_flag(side, flags[s:s + 1])
-                else:
-                    self._events[s].record(side)
+        workspace = self._puller.gather(a_shard, rows, flags)
         if flags is not None:
             shard_gemm(workspace, b_local, out, rows, rank, flags=flags, kernel=self.kernel)
         else:
-            shard_gemm(workspace[own], b_local, out[own], (rows[rank],), 0, kernel=self.kernel)
-            for s in order:
-                current.wait_event(self._events[s])
-                rows_s = slice(starts[s], starts[s] + rows[s])
-                shard_gemm(workspace[rows_s], b_local, out[rows_s], (rows[s],), 0, kernel=self.kernel)
-        current.wait_stream(side)
+            starts = [sum(rows[:s]) for s in range(world)]
+            current = torch.cuda.current_stream()
+            for i, s in enumerate((rank + i) % world for i in range(world)):
+                if i:
+                    current.wait_event(self._puller.events[s])
+                block = slice(starts[s], starts[s] + rows[s])
+                if rows[s]:
+                    shard_gemm(workspace[block], b_local, out[block], (rows[s],), 0, kernel=self.kernel)
+        self._puller.finish()
         return out
 
     # ------------------------------------------------------------------ CPU / gloo (gather first)

@@ -653,10 +653,10 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed (``tokens_per_rank`` skips one small all-gather + host sync).
     Order: routing ids/weights are all-gathered first (small, one collective: ids bit-cast
-    into a float32 row next to the weights), then the token all-gather is started
-    asynchronously and the local chunk's GEMM runs while it is in flight (with NCCL the
-    collective runs on its own stream, so this overlaps on GPUs); then each other rank's
-    chunk. One GEMM launch per source rank, all with the same tuning key (bucket of the
+    into a float32 row next to the weights), then the tokens are gathered while the local
+    chunk's GEMM runs: on NCCL GPUs by copy-engine pulls from symmetric memory
+    (``kernels.symm.ShardPuller``, no SM taken from the GEMM), elsewhere by an asynchronous
+    all-gather; then each other rank's chunk as soon as it has arrived. One GEMM launch per source rank, all with the same tuning key (bucket of the
     *global* row count). On gloo the same code runs with the gather's background thread.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the local id range check
     (unless ``check_ids=False``).
@@ -694,10 +694,16 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     weights_all = (torch.cat([metas[r, : tpr[r], k:] for r in range(world)]).to(topk_weights.dtype)
                    if topk_weights is not None else None)
 
-    # 2. token all-gather, asynchronous
-    x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
-    x_all = _empty((world * max_t, H), x.dtype, dev)
-    work = _all_gather(dist, x_all, x_pad.contiguous(), group, async_op=True)
+    # 2. token all-gather: copy-engine pulls from symmetric memory on NCCL GPUs (no SM taken
+    #    from the GEMM), else an asynchronous collective
+    puller = _puller(group) if x.is_cuda and dist.get_backend(group) == "nccl" else None
+    if puller is not None:
+        x_all = puller.gather(x.contiguous(), tpr)
+        work = None
+    else:
+        x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
+        x_all = _empty((world * max_t, H), x.dtype, dev)
+        work = _all_gather(dist, x_all, x_pad.contiguous(), group, async_op=True)
 
     # 3. routings (no host sync) and the local chunk while the gather is in flight
     row_offsets = [0]
@@ -718,16 +724,38 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
                              "(sum of tokens over ranks * top_k, w's N)")
     order = [(rank + i) % world for i in range(world)]
     for i, r in enumerate(order):
-        if i == 1:
+        if i and puller is not None:
+            torch.cuda.current_stream().wait_event(puller.events[r])
+        elif i == 1:
             work.wait()
         if tpr[r] == 0:
             continue
-        a = x if r == rank else x_all[r * max_t: r * max_t + tpr[r]]
+        if r == rank:
+            a = x
+        elif puller is not None:
+            a = x_all[id_offsets[r]: id_offsets[r + 1]]
+        else:
+            a = x_all[r * max_t: r * max_t + tpr[r]]
         moe_gemm(a, w, routings[r], a_order="token", out=out[row_offsets[r]:row_offsets[r + 1]],
                  out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
-    if world == 1:
+    if puller is not None:
+        puller.finish()
+    elif world == 1:
         work.wait()
     return AgMoeResult(out, routings, tpr, tuple(row_offsets), ids_all, weights_all)
+
+
+_pullers: dict = {}
+
+
+def _puller(group):
+    """The cached ``kernels.symm.ShardPuller`` of ``group`` (symmetric-memory token gather)."""
+    from .symm import ShardPuller
+
+    key = id(group)
+    if key not in _pullers:
+        _pullers[key] = ShardPuller(group)
+    return _pullers[key]
 
 
 def _all_gather(dist, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["SymmetricBuffer", "write_flag", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPuller", "write_flag", "overlap_support", "flag_writer_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,3 +109,66 @@ class SymmetricBuffer:
     def barrier(self, channel: int = 0) -> None:
         """Every rank of the group reaches this point of its current stream before any goes on (GPU-side)."""
         self.handle.barrier(channel=channel)
+
+
+class ShardPuller:
+    """All-gather of row shards by copy-engine pulls, one event (or ready flag) per shard.
+
+    ``gather(local, rows)`` copies this rank's ``[rows[rank], H]`` shard into its slot of a
+    double-buffered symmetric workspace, meets the other ranks in one GPU-side barrier, then
+    on a side stream pulls every other shard (in the order rank+1, rank+2, ...) into the same
+    local workspace and, after each, records that shard's event (or sets its int32 flag with
+    :func:`write_flag` when ``flags`` is given). It returns the gathered ``[sum(rows), H]``
+    view at once: consume shard ``s`` after ``current_stream().wait_event(events[s])`` (or
+    from a kernel that spins on the flag), then call :meth:`finish` before the next gather.
+
+    The workspace grows to the largest ``sum(rows)`` seen (re-allocation is a collective, and
+    every rank sees the same ``rows``). Cost per gather: one local copy, one barrier, ``w - 1``
+    copies on the copy engines (no SM).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+        self._buffer: Optional[SymmetricBuffer] = None
+        self._step = 0
+        self._side: Optional[torch.cuda.Stream] = None
+        self.events: list = []
+
+    def _workspace(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
+        buf = self._buffer
+        if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
+            capacity = 1 << max(0, total - 1).bit_length()
+            buf = self._buffer = SymmetricBuffer((2, capacity, width), dtype, self.group, device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device)
+            self.events = [torch.cuda.Event() for _ in range(buf.world_size)]
+        return buf
+
+    def gather(self, local: torch.Tensor, rows: Sequence[int], flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+        total, width = sum(rows), local.shape[1]
+        buf = self._workspace(total, width, local.dtype, local.device)
+        rank, world = buf.rank, buf.world_size
+        starts = [sum(rows[:s]) for s in range(world)]
+        parity = self._step % 2
+        self._step += 1
+        workspace = buf.local[parity, :total]
+        current, side = torch.cuda.current_stream(), self._side
+        if flags is not None:
+            flags.zero_()
+        workspace[starts[rank]: starts[rank] + rows[rank]].copy_(local)
+        buf.barrier(channel=0)  # all shards are in place; all ranks are done with this parity's last use
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for s in [(rank + i) % world for i in range(1, world)]:
+                block = slice(starts[s], starts[s] + rows[s])
+                workspace[block].copy_(buf.peer(s)[parity, block])
+                if flags is not None:
+                    write_flag(side, flags[s:s + 1])
+                else:
+                    self.events[s].record(side)
+        return workspace
+
+    def finish(self) -> None:
+        """Make the current stream wait for every pull of the last gather."""
+        if self._side is not None:
+            torch.cuda.current_stream().wait_stream(self._side)
