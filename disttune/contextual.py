@@ -11,7 +11,9 @@ combined (max by default), so every rank picks the same winner. See
 2. consensus: one all-gather of the site digests and errors, so a mismatch is the
    same clear error on every rank before anything else happens;
 3. ``longest * (n_warmup + n_repeat)`` tuning runs, each ended by a one-float
-   all-gather that turns an error on any rank into an error on all;
+   all-gather that turns an error on any rank into an error on all (``longest``: the
+   longest candidate list; a ``split`` site counts ``ceil(configs / world)``, since in
+   each run every rank times a different config of it);
 4. agreement: one all-gather of a fixed-length vector (a slot per site x config);
 5. commit to each kernel's ``Autotuner.cache`` and the per-rank log;
 6. a final run with the winners, whose return value the caller gets.
@@ -438,7 +440,11 @@ class ContextualAutotuner:
         self._plan = None
 
     def expected_runs(self, longest_config_list: int) -> int:
-        """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``."""
+        """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``.
+
+        Without early stopping or split sites; with ``split``, pass ``ceil(configs / world)`` for a
+        split site (and count one more final run per split winner that failed on a rank that did not time it).
+        """
         return total_function_runs(longest_config_list, self.n_warmup, self.n_repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
