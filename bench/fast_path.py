@@ -85,11 +85,12 @@ class PreferTimer:
     """A disttune Timer under which ``winner`` is fastest: all tuners then launch the same config."""
 
     def __init__(self, winner: triton.Config) -> None:
-        self.winner = str(winner)
+        self.winner = dict(winner.kwargs)
 
     def time(self, launch: Callable[[], Any], info: LaunchInfo) -> Callable[[], float]:
         launch()
-        value = 1.0 if str(info.config) == self.winner else 2.0
+        tried = getattr(info.config, "kwargs", info.config)  # a triton.Config, or the function tuner's dict
+        value = 1.0 if dict(tried) == self.winner else 2.0
         return lambda: value
 
 

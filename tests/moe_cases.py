@@ -135,7 +135,8 @@ def case_agree_dp(ctx: Context) -> dict:
     y = step()
     ref = moe.moe_mlp_reference(x, ids, wts, w_gu, w_d)
     return {"winners": site_winners(step), "err": rel_err(y, ref), "counts": counts,
-            "runs": step.report.function_runs}
+            "runs": step.report.function_runs,
+            "candidates": max(len(r.configs) for r in step.report.results)}
 
 
 def case_agree_tp(ctx: Context) -> dict:

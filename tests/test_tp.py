@@ -69,12 +69,13 @@ def test_local_input_errors_name_the_problem():
 
     from disttune.kernels.shard_gemm import matmul_shards
 
-    a = torch.randn(8, 12, dtype=torch.float16)  # 12 halves = 24 bytes per row: not 16-byte aligned
-    b = torch.randn(12, 16, dtype=torch.float16)
+    device = "cuda" if GPUS else "cpu"
+    a = torch.randn(8, 12, dtype=torch.float16, device=device)  # 12 halves = 24 bytes per row: not 16-byte aligned
+    b = torch.randn(12, 16, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="rows aligned to 16 bytes"):
         matmul_shards(a, b)
     with pytest.raises(ValueError, match="shapes do not chain"):
-        matmul_shards(torch.randn(8, 16, dtype=torch.float16), b)
+        matmul_shards(torch.randn(8, 16, dtype=torch.float16, device=device), b)
     assert not dist.is_initialized()
     from disttune.kernels.ag_gemm import AllGatherGEMM
 

@@ -33,6 +33,12 @@ from disttune.kernels.tp_common import split_rows  # noqa: E402
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3}  # fp32 on GPU is TF32
 
 
+def say(line: str) -> None:
+    """One write per line, so lines of ranks sharing a pipe do not run into each other."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if not bool(torch.isfinite(got).all()):
         return float("inf")
@@ -125,9 +131,9 @@ def main() -> int:
     dist.all_gather_object(verdicts, failures)
     dt_dist.destroy()
     if failures:
-        print(f"rank {rank}: FAILED {len(failures)} of {checks} checks:\n  " + "\n  ".join(failures), flush=True)
+        say(f"rank {rank}: FAILED {len(failures)} of {checks} checks:\n  " + "\n  ".join(failures))
         return 1
-    print(f"rank {rank}: {checks} checks passed", flush=True)
+    say(f"rank {rank}: {checks} checks passed")
     return 0 if not any(verdicts) else 1
 
 
