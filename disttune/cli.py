@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from . import store
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMOS = {"ag_gemm": "examples/ag_gemm.py"}
+DEMOS = {"ag_gemm": "examples/ag_gemm.py", "tp_mlp": "examples/tp_mlp.py"}
 
 
 def _age(created: Optional[float]) -> str:
@@ -32,7 +32,7 @@ def _age(created: Optional[float]) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.kernel not in DEMOS:
-        print(f"disttune demo: the {args.kernel!r} demo is not built yet; available: {', '.join(DEMOS)}",
+        print(f"disttune demo: there is no {args.kernel!r} demo; available: {', '.join(DEMOS)}",
               file=sys.stderr)
         return 2
     launcher, example = REPO_ROOT / "scripts" / "launch.sh", REPO_ROOT / DEMOS[args.kernel]
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="launch the 2-rank contextual tuning demo and write its report")
     demo.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs present, else 2)")
-    demo.add_argument("--kernel", default="ag_gemm", help="which example (ag_gemm)")
+    demo.add_argument("--kernel", default="ag_gemm", help="which example: " + ", ".join(DEMOS))
     demo.add_argument("--log-dir", default=None, help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
     demo.add_argument("example_args", nargs=argparse.REMAINDER, help="passed to the example (e.g. --M 4096)")
     demo.set_defaults(run=cmd_demo)

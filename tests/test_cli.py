@@ -35,7 +35,7 @@ def test_demo_runs_two_ranks_and_writes_logs_and_report(tmp_path):
 
 def test_unknown_demo_is_a_clear_error(capsys):
     assert main(["demo", "--kernel", "nope"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert "there is no 'nope' demo; available: ag_gemm, tp_mlp" in capsys.readouterr().err
 
 
 def test_store_subcommands_round_trip(tmp_path, capsys):
