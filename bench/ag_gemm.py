@@ -14,7 +14,8 @@ Per shape (totals over the ranks; bf16), one table with, all measured in this ru
   its own (flags preset, on each rank separately) and by ``contextual_autotune`` inside the
   overlapped function; both winners timed inside the function.
 
-Time: CUDA events around one call, each sample started after a device sync and a barrier,
+B is given as the transpose of a row-major weight (``nn.Linear``'s ``[out, in]``), for every
+contender. Time: CUDA events around one call, each sample started after a device sync and a barrier,
 median of ``--samples``, then the max over ranks. Rows are printed by rank 0 as markdown and
 appended as JSON lines to ``$OUT/ag_gemm.jsonl`` (or ``bench/results/``).
 """
@@ -78,7 +79,8 @@ def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device="cpu").manual_seed(rank)
     a_shard = torch.randn(M // world, K, generator=g).to(dev, dtype)
-    b_local = (torch.randn(K, N // world, generator=g) / K ** 0.5).to(dev, dtype)
+    # B_r as the transpose of a row-major [N/w, K] weight (nn.Linear's layout): K-major for the GEMMs
+    b_local = (torch.randn(N // world, K, generator=g) / K ** 0.5).to(dev, dtype).t()
     a_full = torch.empty(M, K, device=dev, dtype=dtype)
     c = torch.empty(M, N // world, device=dev, dtype=dtype)
     row = {"bench": "ag_gemm", "shape": name, "M": M, "K": K, "N": N, "world": world}
@@ -127,7 +129,7 @@ def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device="cpu").manual_seed(10 + rank)
     a_local = torch.randn(M, K // world, generator=g).to(dev, dtype)
-    b_local = (torch.randn(K // world, N, generator=g) / K ** 0.5).to(dev, dtype)
+    b_local = (torch.randn(N, K // world, generator=g) / K ** 0.5).to(dev, dtype).t()
     partial = torch.empty(M, N, device=dev, dtype=dtype)
     out = torch.empty(M // world, N, device=dev, dtype=dtype)
     row = {"bench": "gemm_rs", "shape": name, "M": M, "K": K, "N": N, "world": world}

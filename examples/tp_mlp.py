@@ -52,8 +52,9 @@ def main() -> int:
         raise SystemExit(f"--T ({options.T}) and --F ({options.F}) must be multiples of the world size {world}")
     g = torch.Generator().manual_seed(7 + rank)
     x_shard = torch.randn(options.T // world, options.H, generator=g).to(device, dtype)
-    w_up = (torch.randn(options.H, options.F // world, generator=g) / options.H ** 0.5).to(device, dtype)
-    w_down = (torch.randn(options.F // world, options.H, generator=g) / options.F ** 0.5).to(device, dtype)
+    # nn.Linear layout ([out, in], row-major): the GEMMs read B = weight.t() K-major, the fast path
+    w_up = (torch.randn(options.F // world, options.H, generator=g) / options.H ** 0.5).to(device, dtype).t()
+    w_down = (torch.randn(options.H, options.F // world, generator=g) / options.F ** 0.5).to(device, dtype).t()
     hidden = torch.empty(options.T, options.F // world, device=device, dtype=dtype)
     y = torch.empty(options.T // world, options.H, device=device, dtype=dtype)
     up, down = AllGatherGEMM(design=options.design), GemmReduceScatter()

@@ -652,11 +652,12 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
 
     ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed (``tokens_per_rank`` skips one small all-gather + host sync).
-    Order: routing ids/weights are all-gathered first (small, one collective: ids bit-cast
-    into a float32 row next to the weights), then the tokens are gathered while the local
-    chunk's GEMM runs: on NCCL GPUs by copy-engine pulls from symmetric memory
-    (``kernels.symm.ShardPuller``, no SM taken from the GEMM), elsewhere by an asynchronous
-    all-gather; then each other rank's chunk as soon as it has arrived. One GEMM launch per source rank, all with the same tuning key (bucket of the
+    Order: the token gather starts first (on NCCL GPUs copy-engine pulls from symmetric
+    memory, ``kernels.symm.ShardPuller``, no SM taken from the GEMM; elsewhere an asynchronous
+    all-gather); the local chunk's GEMM is launched next, as it needs no collective, so the
+    GPU computes while the host prepares the rest; then the routing of every rank is
+    all-gathered (one small collective: ids bit-cast into a float32 row next to the
+    weights) and each other rank's chunk runs as soon as it has arrived. One GEMM launch per source rank, all with the same tuning key (bucket of the
     *global* row count). On gloo the same code runs with the gather's background thread.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the local id range check
     (unless ``check_ids=False``).
@@ -682,7 +683,39 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
         raise ValueError(f"{where}: tokens_per_rank[{rank}] = {tpr[rank]} but this rank has {x.shape[0]} tokens")
     max_t = max(tpr)
 
-    # 1. routing of every rank: [max_t, 2k] float32 rows (ids bit-cast, then weights)
+    row_offsets = [0]
+    id_offsets = [0]
+    for t in tpr:
+        row_offsets.append(row_offsets[-1] + t * k)
+        id_offsets.append(id_offsets[-1] + t)
+    rows_bucket = int(bucket(row_offsets[-1]))
+    if out is None:
+        out = _empty((row_offsets[-1], N), x.dtype, dev)
+    else:
+        _check_float(where, "out", out)
+        if tuple(out.shape) != (row_offsets[-1], N):
+            raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(row_offsets[-1], N)} "
+                             "(sum of tokens over ranks * top_k, w's N)")
+
+    # 1. token all-gather first: copy-engine pulls from symmetric memory on NCCL GPUs (no SM
+    #    taken from the GEMM), else an asynchronous collective
+    puller = _puller(group) if x.is_cuda and dist.get_backend(group) == "nccl" else None
+    if puller is not None:
+        x_all = puller.gather(x.contiguous(), tpr)
+        work = None
+    else:
+        x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
+        x_all = _empty((world * max_t, H), x.dtype, dev)
+        work = _all_gather(dist, x_all, x_pad.contiguous(), group, async_op=True)
+
+    # 2. the local chunk at once (it needs no collective), so the GPU is busy while the host
+    #    prepares the other ranks' routing
+    local_routing = moe_align(topk_ids, E, check_range=False)
+    if tpr[rank]:
+        moe_gemm(x, w, local_routing, a_order="token", out=out[row_offsets[rank]:row_offsets[rank + 1]],
+                 out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
+
+    # 3. routing of every rank: [max_t, 2k] float32 rows (ids bit-cast, then weights), one collective
     meta = torch.zeros(max_t, 2 * k, dtype=torch.float32, device=dev)
     meta[: x.shape[0], :k] = topk_ids.to(torch.int32).view(torch.float32)
     if topk_weights is not None:
@@ -693,49 +726,20 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     ids_all = torch.cat([metas[r, : tpr[r], :k].contiguous().view(torch.int32) for r in range(world)])
     weights_all = (torch.cat([metas[r, : tpr[r], k:] for r in range(world)]).to(topk_weights.dtype)
                    if topk_weights is not None else None)
-
-    # 2. token all-gather: copy-engine pulls from symmetric memory on NCCL GPUs (no SM taken
-    #    from the GEMM), else an asynchronous collective
-    puller = _puller(group) if x.is_cuda and dist.get_backend(group) == "nccl" else None
-    if puller is not None:
-        x_all = puller.gather(x.contiguous(), tpr)
-        work = None
-    else:
-        x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
-        x_all = _empty((world * max_t, H), x.dtype, dev)
-        work = _all_gather(dist, x_all, x_pad.contiguous(), group, async_op=True)
-
-    # 3. routings (no host sync) and the local chunk while the gather is in flight
-    row_offsets = [0]
-    for t in tpr:
-        row_offsets.append(row_offsets[-1] + t * k)
-    rows_bucket = int(bucket(row_offsets[-1]))
-    id_offsets = [0]
-    for t in tpr:
-        id_offsets.append(id_offsets[-1] + t)
-    routings = tuple(moe_align(ids_all[id_offsets[r]:id_offsets[r + 1]], E, check_range=False)
+    routings = tuple(local_routing if r == rank else
+                     moe_align(ids_all[id_offsets[r]:id_offsets[r + 1]], E, check_range=False)
                      for r in range(world))
-    if out is None:
-        out = _empty((row_offsets[-1], N), x.dtype, dev)
-    else:
-        _check_float(where, "out", out)
-        if tuple(out.shape) != (row_offsets[-1], N):
-            raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(row_offsets[-1], N)} "
-                             "(sum of tokens over ranks * top_k, w's N)")
-    order = [(rank + i) % world for i in range(world)]
-    for i, r in enumerate(order):
-        if i and puller is not None:
+
+    # 4. the other ranks' chunks, each as soon as it has arrived
+    for i in range(1, world):
+        r = (rank + i) % world
+        if puller is not None:
             torch.cuda.current_stream().wait_event(puller.events[r])
         elif i == 1:
             work.wait()
         if tpr[r] == 0:
             continue
-        if r == rank:
-            a = x
-        elif puller is not None:
-            a = x_all[id_offsets[r]: id_offsets[r + 1]]
-        else:
-            a = x_all[r * max_t: r * max_t + tpr[r]]
+        a = x_all[id_offsets[r]: id_offsets[r + 1]] if puller is not None else x_all[r * max_t: r * max_t + tpr[r]]
         moe_gemm(a, w, routings[r], a_order="token", out=out[row_offsets[r]:row_offsets[r + 1]],
                  out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
     if puller is not None:

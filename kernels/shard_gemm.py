@@ -4,26 +4,31 @@ One ``triton.autotune`` kernel serves three jobs:
 
 * a plain GEMM ``C = A @ B`` (one shard, no flags);
 * the GEMM of the *fused* AllGather-GEMM: ``A`` is the gathered ``[M, K]`` workspace whose
-  row shards arrive from other ranks while the kernel runs. Program ids walk the shards
-  starting with the launching rank's own, so the GPU schedules the local tiles first; a tile
-  of another shard spins on that shard's int32 ready flag (an acquire load) before it loads A.
-  The flag is set by the copy engine's stream (``kernels.symm.write_flag``), which needs no
-  SM, so spinning tiles cannot starve it;
+  row shards arrive from other ranks while the kernel runs. Tiles are walked shard by shard
+  starting with the launching rank's own, and a tile of another shard spins on that shard's
+  int32 ready flag (an acquire load) before it loads A. The flag is set by the copy engine's
+  stream (``kernels.symm.write_flag``), which needs no SM, so spinning tiles cannot starve it;
 * the per-shard GEMMs of the *decomposed* designs and of GEMM-ReduceScatter (one shard each).
 
-Tiles never straddle shards (shards may be ragged: any row counts), and a masked store keeps
-a tile from writing rows of another shard. Within a shard, GROUP_M row-tiles are walked
-together for L2 reuse of B. fp32 accumulation; fp16/bf16/fp32 inputs.
+Main loop (Hopper): persistent (``min(#SMs, #tiles)`` programs loop over the tiles; the loop
+nest is flattened so the next tile's loads overlap this tile's epilogue, except when tiles
+may spin), A and B loaded through device-side tensor descriptors (TMA; ``triton.set_allocator``
+is set for their scratch), B either row-major ``[K, N]`` or, faster, K-major (``w.t()`` of a
+row-major ``[N, K]`` weight, as ``nn.Linear`` stores it), C stored through a descriptor in two
+halves (epilogue subtiling) for one shard, or with a masked pointer store when a tile must
+not write another shard's rows (shards may be ragged: any row counts). Within a shard,
+GROUP_M row-tiles are walked together for L2 reuse of B. fp32 accumulation.
 
-(A persistent variant with device-side tensor descriptors was measured first on 2 x H200 and
-ran 20-25% slower than this pointer-based main loop on the AG-GEMM shapes; see the README.)
+Measured on one H200 (``bench/gemm_variants.py``, 8192 x 8192 x 4096 bf16): this loop with
+K-major B 0.782 ms, cuBLAS 0.764 ms, a non-persistent pointer-load loop 0.813 ms.
 
 Constraints declared by :func:`config_is_valid` and :func:`prune_by_shared_memory`:
-power-of-two blocks >= 16, GROUP_M >= 1, pipelined shared memory within the device limit.
-Input constraints (:func:`check_gemm_inputs`): 2-D, same dtype, contiguous last dimension,
-rows 16-byte aligned (K and N multiples of 8 for 16-bit types) for vectorized loads.
+power-of-two blocks >= 16, GROUP_M >= 1, pipelined shared memory within the device limit
+(a config whose epilogue buffer does not fit fails to compile and counts as failed).
+Input constraints (:func:`check_gemm_inputs`): 2-D, same dtype, 16-byte aligned rows and
+start, as tensor descriptors need.
 
-Cost: one launch of ``sum_s cdiv(rows_s, BLOCK_M) * cdiv(N, BLOCK_N)`` programs.
+Cost: one launch of ``min(#SMs, sum_s cdiv(rows_s, BLOCK_M) * cdiv(N, BLOCK_N))`` programs.
 """
 
 from __future__ import annotations
@@ -104,44 +109,66 @@ def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_
     return shard, row_start + pid_m * BLOCK_M, rows - pid_m * BLOCK_M, pid_n
 
 
+@triton.jit
+def _count_tiles(offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_M: tl.constexpr):
+    total = 0
+    for s in tl.static_range(WORLD):
+        total += tl.cdiv(tl.load(offsets_ptr + s + 1) - tl.load(offsets_ptr + s), BLOCK_M) * num_pid_n
+    return total
+
+
 def shard_ordered_gemm(
     a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr,
     M, N, K,
-    stride_am, stride_bk, stride_cm,
+    stride_am, stride_b, stride_cm,
     rank,
-    WORLD: tl.constexpr, WAIT: tl.constexpr,
+    WORLD: tl.constexpr, WAIT: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_KMAJOR:  # B given as the transpose of a row-major [N, K] (an nn.Linear weight): TMA-friendly
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    if WORLD == 1:  # a tile cannot reach another shard's rows: store through a descriptor, in two halves
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // 2])
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    shard, row, rows_left, pid_n = _locate_tile(tl.program_id(0), rank, offsets_ptr, num_pid_n, WORLD, BLOCK_M,
-                                                GROUP_M)
-    if WAIT:
-        if shard != rank:
-            while tl.atomic_add(flags_ptr + shard, 0, sem="acquire", scope="sys") == 0:
-                pass
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < rows_left
-    mask_n = offs_n < N
-    a_ptrs = a_ptr + (row + offs_m)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_left = K - k
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + (row + offs_m)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = _count_tiles(offsets_ptr, num_pid_n, WORLD, BLOCK_M)
+    # A spin loop inside the tile loop keeps the compiler from flattening the loop nest.
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT):
+        shard, row, rows_left, pid_n = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD, BLOCK_M, GROUP_M)
+        if WAIT:
+            if shard != rank:
+                while tl.atomic_add(flags_ptr + shard, 0, sem="acquire", scope="sys") == 0:
+                    pass
+        col = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([row, ki * BLOCK_K])
+            if B_KMAJOR:
+                b = b_desc.load([col, ki * BLOCK_K]).T
+            else:
+                b = b_desc.load([ki * BLOCK_K, col])
+            acc = tl.dot(a, b, acc)
+        if WORLD == 1:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_desc.store([row, col], left.to(c_ptr.dtype.element_ty))
+            c_desc.store([row, col + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_n = col + tl.arange(0, BLOCK_N)
+            c_ptrs = c_ptr + (row + offs_m)[:, None] * stride_cm + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+                     mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
 
 
 #: The jitted kernel without a tuner.
 shard_gemm_jit = triton.jit(shard_ordered_gemm)
 
-_AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT"]
+_AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR"]
 
 
 def make_shard_gemm_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench=None, **autotune_kwargs):
@@ -178,8 +205,13 @@ def shard_offsets_tensor(rows: Sequence[int], device: torch.device) -> torch.Ten
     return cached
 
 
+def b_is_kmajor(b: torch.Tensor) -> bool:
+    """True when ``b`` ``[K, N]`` is the transpose of a row-major ``[N, K]`` (e.g. ``linear.weight.t()``)."""
+    return b.stride(0) == 1 and b.stride(1) != 1
+
+
 def check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, who: str) -> None:
-    """Raise a clear error unless ``a @ b -> out`` fits the kernel."""
+    """Raise a clear error unless ``a @ b -> out`` fits the kernel's tensor descriptors."""
     for name, t in (("a", a), ("b", b), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -195,15 +227,40 @@ def check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, who: 
         raise ValueError(f"{who}: a, b and out must be on one device, got {a.device}, {b.device}, {out.device}")
     if a.device.type != "cuda" and not interpreting():
         raise ValueError(f"{who}: tensors are on {a.device}; Triton needs CUDA tensors unless TRITON_INTERPRET=1")
-    elem = a.element_size()
-    for name, t in (("a", a), ("b", b)):
-        if t.stride(1) != 1 or (t.stride(0) * elem) % 16:
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        elem = t.element_size()
+        inner, outer = (0, 1) if name == "b" and b_is_kmajor(t) else (1, 0)
+        if t.stride(inner) != 1 or (t.stride(outer) * elem) % 16 or t.data_ptr() % 16:
             raise ValueError(
-                f"{who}: {name} (shape {tuple(t.shape)}, strides {t.stride()}) needs a contiguous last dimension "
-                f"and rows aligned to 16 bytes (for {a.dtype}: a row stride that is a multiple of {16 // elem}); "
-                "pass .contiguous() of a tensor whose last dimension is padded to that multiple")
-    if out.stride(1) != 1:
-        raise ValueError(f"{who}: out needs a contiguous last dimension, got strides {out.stride()}")
+                f"{who}: {name} (shape {tuple(t.shape)}, strides {t.stride()}) must be row-major"
+                + (" (or, for b, the transpose of a row-major [N, K])" if name == "b" else "")
+                + f" with rows aligned to 16 bytes (for {t.dtype}: a row stride that is a multiple of {16 // elem}) "
+                "and a 16-byte aligned start, as Hopper's tensor descriptors need; pad the last dimension")
+
+
+_sms_cache: dict = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 under the interpreter: the persistent grid's size there)."""
+    if device.type != "cuda" or interpreting():
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sms_cache:
+        _sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sms_cache[index]
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need scratch memory from ``triton.set_allocator`` (set per thread)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_descriptor_scratch)
 
 
 def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequence[int], rank: int,
@@ -221,15 +278,20 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     N = b.shape[1]
     if M == 0 or N == 0:
         return out
+    if a.device.type == "cuda":
+        _ensure_allocator()
     offsets = shard_offsets_tensor(rows, a.device)
     kern = kernel if kernel is not None else shard_gemm_kernel
     wait = flags is not None
+    kmajor = b_is_kmajor(b)
+    sms = num_sms(a.device)
 
     def grid(meta):
-        return (sum(triton.cdiv(r, meta["BLOCK_M"]) for r in rows) * triton.cdiv(N, meta["BLOCK_N"]),)
+        tiles = sum(triton.cdiv(r, meta["BLOCK_M"]) for r in rows) * triton.cdiv(N, meta["BLOCK_N"])
+        return (max(1, min(sms, tiles)),)
 
-    kern[grid](a, b, out, flags if wait else offsets, offsets, M, N, K, a.stride(0), b.stride(0), out.stride(0), rank,
-               WORLD=world, WAIT=wait)
+    kern[grid](a, b, out, flags if wait else offsets, offsets, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
+               out.stride(0), rank, WORLD=world, WAIT=wait, B_KMAJOR=kmajor, NUM_SMS=sms)
     return out
 
 

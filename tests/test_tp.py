@@ -40,7 +40,7 @@ def test_four_ranks_ragged_shards():
 
 def test_inconsistent_inputs_give_the_same_error_on_every_rank(tmp_path):
     script = write_script(tmp_path, """
-        import os, torch
+        import os, sys, torch
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from disttune import dist as dt_dist
@@ -52,9 +52,10 @@ def test_inconsistent_inputs_give_the_same_error_on_every_rank(tmp_path):
         try:
             AllGatherGEMM()(a, b)
         except ValueError as err:
-            print(f"rank {info.rank} error: {str(err).splitlines()[0]}", flush=True)
+            sys.stdout.write(f"rank {info.rank} error: {str(err).splitlines()[0]}\\n")  # one write per line
         else:
-            print(f"rank {info.rank} no error", flush=True)
+            sys.stdout.write(f"rank {info.rank} no error\\n")
+        sys.stdout.flush()
         dt_dist.destroy()
     """)
     proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)

@@ -73,9 +73,11 @@ def main() -> int:
     for dtype in [getattr(torch, name) for name in options.dtypes.split(",")]:
         for rows, K, n_local in ag_shapes:
             for design, op in ag_ops.items():
-                for _ in range(2):  # twice: the second call reuses the double-buffered workspace
+                for again in range(2):  # twice: the second call reuses the double-buffered workspace
                     a_shard = rand(rows[rank], K, dtype=dtype)
                     b_local = rand(K, n_local, dtype=dtype) / K ** 0.5
+                    if again:  # B as the transpose of a row-major [N, K] weight (the K-major path)
+                        b_local = b_local.t().contiguous().t()
                     out = torch.full((sum(rows), n_local), float("nan"), dtype=dtype, device=device)
                     op(a_shard, b_local, out, shard_rows=rows)
                     err = rel_error(out, ag_gemm_reference(a_shard, b_local, rows))
@@ -83,9 +85,11 @@ def main() -> int:
                     if not err <= TOLERANCE[dtype]:
                         failures.append(f"AG-GEMM {design} rows={rows} K={K} N_r={n_local} {dtype}: rel. error {err:.2e}")
         for M, K_local, N in rs_shapes:
-            for _ in range(2):
+            for again in range(2):
                 a_local = rand(M, K_local, dtype=dtype)
                 b_local = rand(K_local, N, dtype=dtype) / (K_local * world) ** 0.5
+                if again:
+                    b_local = b_local.t().contiguous().t()
                 mine = split_rows(M, world)[rank]
                 out = torch.full((mine, N), float("nan"), dtype=dtype, device=device)
                 rs_op(a_local, b_local, out)
