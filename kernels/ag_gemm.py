@@ -7,8 +7,8 @@ fp16/bf16 (fp32 too), fp32 accumulation.
 Designs (``design=``):
 
 * ``"fused"``: on GPUs, the shards are pulled from the peers' symmetric-memory workspaces by
-  the copy engines on a side stream, each followed by a ``cuStreamWriteValue32`` that sets the
-  shard's ready flag; one Triton GEMM launch (``kernels.shard_gemm``) whose program ids start
+  the copy engines on two side streams in ``chunks`` pieces each (multiples of 256 rows), each
+  piece followed by a ``cuStreamWriteValue32`` that sets its ready flag; one Triton GEMM launch (``kernels.shard_gemm``) whose program ids start
   with the local shard's tiles, and whose tiles of other shards spin on their shard's flag
   before loading A. Needs cuda-bindings.
 * ``"decomposed"``: the same pulls, each followed by an event; one GEMM launch per shard,
@@ -50,12 +50,16 @@ class AllGatherGEMM:
     all-gather); later calls with that shape do neither.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, design: str = "auto", kernel=None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, design: str = "auto", kernel=None,
+                 chunks: int = 1) -> None:
         if design not in DESIGNS:
             raise ValueError(f"AllGatherGEMM: design must be one of {DESIGNS}, got {design!r}")
         self.info = group_info(group)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.requested_design = design
+        # Fused design: each peer shard arrives in this many flagged pieces. Above 1 it is built and
+        # CPU-tested but not yet measured on GPUs (the device budget ran out; see the README).
+        self.chunks = int(chunks)
         self._checked: set = set()
         self._flags: dict = {}
         self._puller = None  # kernels.symm.ShardPuller, made on the first GPU call
@@ -109,21 +113,24 @@ class AllGatherGEMM:
             if not ok:
                 raise RuntimeError(f"AllGatherGEMM: the {design} GPU design is unavailable here: {why}")
             self._puller = ShardPuller(self.info.group)
+        from .symm import chunk_rows
+
         rank, world = self.info.rank, self.info.world_size
         flags = None
         if design == "fused":
             flags = self._flags.get(a_shard.device)
             if flags is None:
-                flags = self._flags[a_shard.device] = torch.zeros(world, dtype=torch.int32, device=a_shard.device)
-        workspace = self._puller.gather(a_shard, rows, flags)
+                flags = self._flags[a_shard.device] = torch.zeros(world * self.chunks, dtype=torch.int32,
+                                                                  device=a_shard.device)
+        workspace = self._puller.gather(a_shard, rows, flags, self.chunks)
         if flags is not None:
-            shard_gemm(workspace, b_local, out, rows, rank, flags=flags, kernel=self.kernel)
+            shard_gemm(workspace, b_local, out, rows, rank, flags=flags, kernel=self.kernel, chunks=self.chunks,
+                       chunk_rows=chunk_rows(rows, self.chunks))
         else:
             starts = [sum(rows[:s]) for s in range(world)]
-            current = torch.cuda.current_stream()
             for i, s in enumerate((rank + i) % world for i in range(world)):
                 if i:
-                    current.wait_event(self._puller.events[s])
+                    self._puller.wait_shard(s)
                 block = slice(starts[s], starts[s] + rows[s])
                 if rows[s]:
                     shard_gemm(workspace[block], b_local, out[block], (rows[s],), 0, kernel=self.kernel)
@@ -144,8 +151,11 @@ class AllGatherGEMM:
         dist.all_gather(list(gathered.unbind(0)), send, group=info.group)
         a_full = torch.cat([gathered[s, : rows[s]] for s in range(world)])
         if design == "fused":
-            ready = torch.ones(world, dtype=torch.int32, device=a_shard.device)
-            return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel)
+            from .symm import chunk_rows
+
+            ready = torch.ones(world * self.chunks, dtype=torch.int32, device=a_shard.device)
+            return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel, chunks=self.chunks,
+                              chunk_rows=chunk_rows(rows, self.chunks))
         starts = [sum(rows[:s]) for s in range(world)]
         for s in [(rank + i) % world for i in range(world)]:
             rows_s = slice(starts[s], starts[s] + rows[s])

@@ -734,7 +734,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     for i in range(1, world):
         r = (rank + i) % world
         if puller is not None:
-            torch.cuda.current_stream().wait_event(puller.events[r])
+            puller.wait_shard(r)
         elif i == 1:
             work.wait()
         if tpr[r] == 0:

@@ -78,7 +78,8 @@ def default_configs() -> list:
 @triton.jit
 def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
                  GROUP_M: tl.constexpr):
-    """(shard, first row of the tile, rows left in the shard from there, pid_n) of program ``tile``.
+    """(shard, first row of the tile, rows left in the shard from there, pid_n, the tile's first row
+    counted from the shard's start) of persistent tile ``tile``.
 
     Shards are visited in the order rank, rank+1, ...; each shard's tiles are grouped by
     GROUP_M row-tiles for L2 reuse of B.
@@ -106,7 +107,7 @@ def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (local % num_pid_in_group) % group_size_m
     pid_n = (local % num_pid_in_group) // group_size_m
-    return shard, row_start + pid_m * BLOCK_M, rows - pid_m * BLOCK_M, pid_n
+    return shard, row_start + pid_m * BLOCK_M, rows - pid_m * BLOCK_M, pid_n, pid_m * BLOCK_M
 
 
 @triton.jit
@@ -121,8 +122,8 @@ def shard_ordered_gemm(
     a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr,
     M, N, K,
     stride_am, stride_b, stride_cm,
-    rank,
-    WORLD: tl.constexpr, WAIT: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_SMS: tl.constexpr,
+    rank, chunk_rows,
+    WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -138,10 +139,12 @@ def shard_ordered_gemm(
     num_tiles = _count_tiles(offsets_ptr, num_pid_n, WORLD, BLOCK_M)
     # A spin loop inside the tile loop keeps the compiler from flattening the loop nest.
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT):
-        shard, row, rows_left, pid_n = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD, BLOCK_M, GROUP_M)
+        shard, row, rows_left, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD,
+                                                                  BLOCK_M, GROUP_M)
         if WAIT:
-            if shard != rank:
-                while tl.atomic_add(flags_ptr + shard, 0, sem="acquire", scope="sys") == 0:
+            if shard != rank:  # shards arrive in CHUNKS pieces of chunk_rows rows, each with its own flag
+                flag = flags_ptr + shard * CHUNKS + row_in_shard // chunk_rows
+                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
                     pass
         col = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -264,12 +267,14 @@ def _ensure_allocator() -> None:
 
 
 def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequence[int], rank: int,
-               flags: Optional[torch.Tensor] = None, kernel=None) -> torch.Tensor:
+               flags: Optional[torch.Tensor] = None, kernel=None, chunks: int = 1,
+               chunk_rows: int = 1 << 30) -> torch.Tensor:
     """``out = a @ b`` tile by tile, shard by shard from ``rank``'s shard on (see module doc).
 
     ``rows``: row count of each shard (``sum(rows) == a.shape[0]``, at most MAX_WORLD shards).
-    ``flags``: int32 ``[len(rows)]``; when given, tiles of shard ``s != rank`` wait for
-    ``flags[s] != 0``. ``kernel``: an Autotuner from :func:`make_shard_gemm_kernel`
+    ``flags``: int32 ``[len(rows) * chunks]``; when given, a tile of shard ``s != rank`` whose
+    first row is ``r`` rows into the shard waits for ``flags[s * chunks + r // chunk_rows] != 0``
+    (``chunk_rows`` a multiple of 256, so no tile spans two chunks). ``kernel``: an Autotuner from :func:`make_shard_gemm_kernel`
     (default :data:`shard_gemm_kernel`). Inputs are not re-validated here: call
     :func:`check_gemm_inputs` once per shape.
     """
@@ -291,7 +296,7 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
         return (max(1, min(sms, tiles)),)
 
     kern[grid](a, b, out, flags if wait else offsets, offsets, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-               out.stride(0), rank, WORLD=world, WAIT=wait, B_KMAJOR=kmajor, NUM_SMS=sms)
+               out.stride(0), rank, chunk_rows, WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, NUM_SMS=sms)
     return out
 
 

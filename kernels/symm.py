@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["SymmetricBuffer", "ShardPuller", "write_flag", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPuller", "chunk_rows", "CHUNK_ALIGN", "write_flag", "overlap_support", "flag_writer_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,64 +111,93 @@ class SymmetricBuffer:
         self.handle.barrier(channel=channel)
 
 
+#: Chunks of a pulled shard start at multiples of this many rows (the largest BLOCK_M), so no
+#: GEMM tile spans two chunks.
+CHUNK_ALIGN = 256
+
+
+def chunk_rows(rows: Sequence[int], chunks: int) -> int:
+    """Rows per chunk when every shard of ``rows`` is pulled in at most ``chunks`` pieces."""
+    per = -(-max(max(rows), 1) // max(1, chunks))
+    return -(-per // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
 class ShardPuller:
-    """All-gather of row shards by copy-engine pulls, one event (or ready flag) per shard.
+    """All-gather of row shards by copy-engine pulls, in chunks, with events or ready flags.
 
     ``gather(local, rows)`` copies this rank's ``[rows[rank], H]`` shard into its slot of a
     double-buffered symmetric workspace, meets the other ranks in one GPU-side barrier, then
-    on a side stream pulls every other shard (in the order rank+1, rank+2, ...) into the same
-    local workspace and, after each, records that shard's event (or sets its int32 flag with
-    :func:`write_flag` when ``flags`` is given). It returns the gathered ``[sum(rows), H]``
-    view at once: consume shard ``s`` after ``current_stream().wait_event(events[s])`` (or
-    from a kernel that spins on the flag), then call :meth:`finish` before the next gather.
+    pulls every other shard (in the order rank+1, rank+2, ...) into the same local workspace
+    in chunks of :func:`chunk_rows` rows, alternating between ``streams`` side streams (two let
+    two copy engines work at once; the default one is what was measured on H200s). After each chunk it sets that chunk's int32 flag with
+    :func:`write_flag` when ``flags`` (``[w * chunks]``) is given; after each shard it records
+    the shard's events. It returns the gathered ``[sum(rows), H]`` view at once: consume shard
+    ``s`` after :meth:`wait_shard` (or from a kernel that spins on the flags), then call
+    :meth:`finish` before the next gather.
 
     The workspace grows to the largest ``sum(rows)`` seen (re-allocation is a collective, and
-    every rank sees the same ``rows``). Cost per gather: one local copy, one barrier, ``w - 1``
-    copies on the copy engines (no SM).
+    every rank sees the same ``rows``). Cost per gather: one local copy, one barrier, the
+    ``w - 1`` shards' copies on the copy engines (no SM).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1) -> None:
         self.group = group
         self._buffer: Optional[SymmetricBuffer] = None
         self._step = 0
-        self._side: Optional[torch.cuda.Stream] = None
-        self.events: list = []
+        self._n_streams = streams
+        self._sides: list = []
+        self._events: list = []
 
     def _workspace(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
         buf = self._buffer
         if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
             capacity = 1 << max(0, total - 1).bit_length()
             buf = self._buffer = SymmetricBuffer((2, capacity, width), dtype, self.group, device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
-            self.events = [torch.cuda.Event() for _ in range(buf.world_size)]
+        if not self._sides:
+            self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
+            self._events = [[torch.cuda.Event() for _ in self._sides] for _ in range(buf.world_size)]
         return buf
 
-    def gather(self, local: torch.Tensor, rows: Sequence[int], flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, rows: Sequence[int], flags: Optional[torch.Tensor] = None,
+               chunks: int = 1) -> torch.Tensor:
         total, width = sum(rows), local.shape[1]
         buf = self._workspace(total, width, local.dtype, local.device)
         rank, world = buf.rank, buf.world_size
         starts = [sum(rows[:s]) for s in range(world)]
+        step_rows = chunk_rows(rows, chunks)
         parity = self._step % 2
         self._step += 1
         workspace = buf.local[parity, :total]
-        current, side = torch.cuda.current_stream(), self._side
+        current = torch.cuda.current_stream()
         if flags is not None:
             flags.zero_()
         workspace[starts[rank]: starts[rank] + rows[rank]].copy_(local)
         buf.barrier(channel=0)  # all shards are in place; all ranks are done with this parity's last use
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for s in [(rank + i) % world for i in range(1, world)]:
-                block = slice(starts[s], starts[s] + rows[s])
-                workspace[block].copy_(buf.peer(s)[parity, block])
-                if flags is not None:
-                    write_flag(side, flags[s:s + 1])
-                else:
-                    self.events[s].record(side)
+        for side in self._sides:
+            side.wait_stream(current)
+        source = buf.peer
+        n = 0
+        for s in [(rank + i) % world for i in range(1, world)]:
+            for c, first in enumerate(range(0, rows[s], step_rows)):
+                side = self._sides[n % len(self._sides)]
+                n += 1
+                block = slice(starts[s] + first, starts[s] + min(rows[s], first + step_rows))
+                with torch.cuda.stream(side):
+                    workspace[block].copy_(source(s)[parity, block])
+                    if flags is not None:
+                        write_flag(side, flags[s * chunks + c: s * chunks + c + 1])
+            for side, event in zip(self._sides, self._events[s]):
+                event.record(side)
         return workspace
+
+    def wait_shard(self, shard: int) -> None:
+        """Make the current stream wait until shard ``shard`` of the last gather has arrived."""
+        current = torch.cuda.current_stream()
+        for event in self._events[shard]:
+            current.wait_event(event)
 
     def finish(self) -> None:
         """Make the current stream wait for every pull of the last gather."""
-        if self._side is not None:
-            torch.cuda.current_stream().wait_stream(self._side)
+        current = torch.cuda.current_stream()
+        for side in self._sides:
+            current.wait_stream(side)

@@ -99,3 +99,14 @@ def test_tp_mlp_example_runs_and_checks_itself():
     assert proc.returncode == 0, describe(proc)
     assert "correct on every rank: True" in proc.stdout, describe(proc)
     assert len(re.findall(r"^  shard_ordered_gemm .*\(tuned\)$", proc.stdout, flags=re.M)) == 4, describe(proc)
+
+
+def test_chunks_of_pulled_shards_start_on_tile_boundaries():
+    from disttune.kernels.symm import CHUNK_ALIGN, chunk_rows
+
+    assert chunk_rows([4096, 4096], 4) == 1024
+    assert chunk_rows([1000, 999], 4) == 256  # 250 rows rounded up to the alignment
+    assert chunk_rows([3001, 3000], 1) == 3072  # one chunk covers the largest shard
+    for rows, chunks in (([4096, 4096], 4), ([1000, 999], 4), ([37, 5000, 12], 3)):
+        size = chunk_rows(rows, chunks)
+        assert size % CHUNK_ALIGN == 0 and -(-max(rows) // size) <= chunks
