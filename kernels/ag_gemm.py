@@ -7,14 +7,14 @@ fp16/bf16 (fp32 too), fp32 accumulation.
 Designs (``design=``):
 
 * ``"fused"``: on GPUs, the shards are pulled from the peers' symmetric-memory workspaces by
-  the copy engines on two side streams in ``chunks`` pieces each (multiples of 256 rows), each
-  piece followed by a ``cuStreamWriteValue32`` that sets its ready flag; one Triton GEMM launch (``kernels.shard_gemm``) whose program ids start
-  with the local shard's tiles, and whose tiles of other shards spin on their shard's flag
-  before loading A. Needs cuda-bindings.
-* ``"decomposed"``: the same pulls, each followed by an event; one GEMM launch per shard,
-  the local shard first, each waiting on its shard's event.
-* ``"auto"``: the measured default, ``"decomposed"``: on 2 x H200 it was 2-9% faster than
-  ``"fused"`` on the 8192^3 shape and within 1% on the LLaMA-70B MLP shape (README's table).
+  the copy engines on ``streams`` side streams in ``chunks`` pieces each (multiples of 256
+  rows), each piece followed by a ``cuStreamWriteValue32`` that sets its ready flag; one Triton
+  GEMM launch (``kernels.shard_gemm``) walks the local shard's tiles first, and a tile of another
+  shard spins on its chunk's flag before loading A. Needs cuda-bindings.
+* ``"decomposed"``: the same pulls, then one event per shard; one GEMM launch per shard, the
+  local shard first, each waiting on its shard's events.
+* ``"auto"`` = ``"decomposed"``: in four runs on 2 x H200 neither design won every run (README's
+  table); decomposed needs no cuda-bindings and no spinning kernel.
 
 On CPUs (gloo, ``TRITON_INTERPRET=1``) both designs gather with ``dist.all_gather`` first
 and then run the same GEMM code (fused: flags preset), so CI checks tile mapping and results.
@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
-from .tp_common import check_rows, check_same_on_all_ranks, group_info
+from .symm import uses_nccl
+from .tp_common import check_inputs, check_rows, group_info
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
 
@@ -47,19 +48,21 @@ class AllGatherGEMM:
 
     Create one per process group and keep it: the first call with a new shape allocates the
     workspace (a collective on GPUs) and checks that all ranks agree on the shapes (one small
-    all-gather); later calls with that shape do neither.
+    all-gather); later calls with that shape do neither (local checks run on every call; a
+    cross-rank mismatch that first appears in a later call is not diagnosed).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, design: str = "auto", kernel=None,
-                 chunks: int = 1) -> None:
+                 chunks: int = 1, streams: int = 1) -> None:
         if design not in DESIGNS:
             raise ValueError(f"AllGatherGEMM: design must be one of {DESIGNS}, got {design!r}")
         self.info = group_info(group)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.requested_design = design
-        # Fused design: each peer shard arrives in this many flagged pieces. Above 1 it is built and
-        # CPU-tested but not yet measured on GPUs (the device budget ran out; see the README).
+        # Each peer shard arrives in ``chunks`` flagged pieces over ``streams`` copy streams. Above 1
+        # both are built and CPU-tested but not yet measured on GPUs (see the README).
         self.chunks = int(chunks)
+        self.streams = int(streams)
         self._checked: set = set()
         self._flags: dict = {}
         self._puller = None  # kernels.symm.ShardPuller, made on the first GPU call
@@ -88,18 +91,19 @@ class AllGatherGEMM:
             out = torch.empty(M, N, dtype=a_shard.dtype, device=a_shard.device)
         design = self.design_for(a_shard.device)
         signature = (rows, K, str(a_shard.dtype), design)
-        if signature not in self._checked:
+
+        def local_check() -> None:
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N):
                 raise ValueError(f"AllGatherGEMM: out must be a tensor of shape {(M, N)} (all ranks' rows x "
                                  f"b_local's columns), got {tuple(out.shape) if isinstance(out, torch.Tensor) else out}")
             check_gemm_inputs(a_shard, b_local, out[: a_shard.shape[0]], "AllGatherGEMM")
-            check_same_on_all_ranks(info, "AllGatherGEMM", signature,
-                                    {"a_shard": tuple(a_shard.shape), "b_local": tuple(b_local.shape),
-                                     "dtype": str(a_shard.dtype), "shard_rows": list(rows), "design": design})
-            self._checked.add(signature)
-        if M == 0 or N == 0:
+
+        check_inputs(info, "AllGatherGEMM", self._checked, signature,
+                     {"a_shard": tuple(a_shard.shape), "b_local": tuple(b_local.shape), "dtype": str(a_shard.dtype),
+                      "shard_rows": list(rows), "design": design}, local_check)
+        if M == 0:  # N may differ between ranks: a rank without columns still takes part in the gather
             return out
-        if a_shard.device.type == "cuda" and info.backend == "nccl":
+        if a_shard.device.type == "cuda" and uses_nccl(info.group):
             return self._gpu_step(a_shard, b_local, out, rows, design)
         return self._gathered_step(a_shard, b_local, out, rows, design)
 
@@ -112,7 +116,7 @@ class AllGatherGEMM:
             ok, why = overlap_support(self.info.group, need_flags=design == "fused")
             if not ok:
                 raise RuntimeError(f"AllGatherGEMM: the {design} GPU design is unavailable here: {why}")
-            self._puller = ShardPuller(self.info.group)
+            self._puller = ShardPuller(self.info.group, streams=self.streams)
         from .symm import chunk_rows
 
         rank, world = self.info.rank, self.info.world_size
@@ -128,8 +132,9 @@ class AllGatherGEMM:
                        chunk_rows=chunk_rows(rows, self.chunks))
         else:
             starts = [sum(rows[:s]) for s in range(world)]
-            for i, s in enumerate((rank + i) % world for i in range(world)):
-                if i:
+            for step in range(world):
+                s = (rank + step) % world
+                if step:
                     self._puller.wait_shard(s)
                 block = slice(starts[s], starts[s] + rows[s])
                 if rows[s]:

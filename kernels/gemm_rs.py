@@ -11,8 +11,9 @@ starting with the next rank's rows and ending with this rank's own. As soon as a
 done, the copy engines push it into the destination's symmetric-memory receive slot on a
 side stream while the GEMM goes on with the next destination. After the own partial, one
 symmetric-memory barrier (all pushes into this rank have landed) and one reduction kernel
-sum the ``w`` slots into ``out``. Memory: ``[2, w, max_rows, N]`` symmetric receive slots
-(double-buffered: one barrier per call) and a ``[w, max_rows, N]`` staging buffer.
+sum the ``w`` slots into ``out``. Memory: ``[2, w, R, N]`` symmetric receive slots
+(double-buffered: one barrier per call) and a ``[w, R, N]`` staging buffer (row ``rank``
+unused), ``R`` the largest rank's rows rounded up to a power of two.
 
 On CPUs (gloo, ``TRITON_INTERPRET=1``) the partials are computed with the same GEMM and
 summed with ``dist.all_reduce`` (gloo has no reduce-scatter of tensors), then sliced.
@@ -28,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
-from .tp_common import check_rows, check_same_on_all_ranks, group_info, split_rows
+from .symm import uses_nccl
+from .tp_common import check_inputs, check_rows, group_info, split_rows
 
 __all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]
 
@@ -64,36 +66,41 @@ class GemmReduceScatter:
         if out is None:
             out = torch.empty(mine, N, dtype=a_local.dtype, device=a_local.device)
         signature = (rows, a_local.shape[1], N, str(a_local.dtype))
-        if signature not in self._checked:
+
+        def local_check() -> None:
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (mine, N):
                 raise ValueError(f"GemmReduceScatter: out must be a tensor of shape {(mine, N)} (rank {info.rank}'s "
                                  f"rows x N), got {tuple(out.shape) if isinstance(out, torch.Tensor) else out}")
-            partial = torch.empty(M, N, dtype=a_local.dtype, device=a_local.device)
-            check_gemm_inputs(a_local, b_local, partial, "GemmReduceScatter")
-            check_same_on_all_ranks(info, "GemmReduceScatter", signature,
-                                    {"a_local": tuple(a_local.shape), "b_local": tuple(b_local.shape),
-                                     "dtype": str(a_local.dtype), "out_rows": list(rows)})
-            self._checked.add(signature)
+            check_gemm_inputs(a_local, b_local, None, "GemmReduceScatter")  # the partials go to our own buffers
+
+        check_inputs(info, "GemmReduceScatter", self._checked, signature,
+                     {"a_local": tuple(a_local.shape), "b_local": tuple(b_local.shape), "dtype": str(a_local.dtype),
+                      "out_rows": list(rows)}, local_check)
         if M == 0 or N == 0:
             return out
-        if a_local.device.type == "cuda" and info.backend == "nccl":
+        if a_local.device.type == "cuda" and uses_nccl(info.group):
             return self._gpu_step(a_local, b_local, out, rows)
         return self._reduced_step(a_local, b_local, out, rows)
 
     # ------------------------------------------------------------------ GPU (push into symmetric memory)
 
     def _gpu_buffers(self, rows, N, dtype, device):
-        key = (rows, N, dtype)
+        """Receive slots and staging for ``max(rows)`` rows, grown to a power of two (a collective)."""
+        key = (N, dtype)
         bufs = self._buffers.get(key)
-        if bufs is None:
+        if bufs is None or bufs[0].shape[2] < max(rows):
             from .symm import SymmetricBuffer, overlap_support
 
             ok, why = overlap_support(self.info.group)
             if not ok:
                 raise RuntimeError(f"GemmReduceScatter: the overlapped GPU path is unavailable: {why}")
-            world, most = self.info.world_size, max(rows)
-            recv = SymmetricBuffer((2, world, most, N), dtype, self.info.group, device)
-            staging = torch.empty(world, most, N, dtype=dtype, device=device)
+            if bufs is not None:  # peers may still push into the old slots: meet them before dropping them
+                torch.cuda.current_stream().synchronize()
+                bufs[0].barrier(channel=0)
+                torch.cuda.current_stream().synchronize()
+            world, capacity = self.info.world_size, 1 << max(0, max(rows) - 1).bit_length()
+            recv = SymmetricBuffer((2, world, capacity, N), dtype, self.info.group, device)
+            staging = torch.empty(world, capacity, N, dtype=dtype, device=device)
             bufs = self._buffers[key] = (recv, staging)
         if self._side is None:
             self._side = torch.cuda.Stream(device=device)

@@ -72,6 +72,7 @@ from .matmul import (
     prune_configs,
     shared_memory_bytes,
 )
+from .symm import uses_nccl
 
 __all__ = [
     "HOPPER_MOE_CONFIGS",
@@ -699,7 +700,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     # 1. token all-gather first: copy-engine pulls from symmetric memory on NCCL GPUs (no SM
     #    taken from the GEMM), else an asynchronous collective
-    puller = _puller(group) if x.is_cuda and dist.get_backend(group) == "nccl" else None
+    puller = _puller(group) if x.is_cuda and uses_nccl(group) else None
     if puller is not None:
         x_all = puller.gather(x.contiguous(), tpr)
         work = None
@@ -754,17 +755,20 @@ _pullers: dict = {}
 
 def _puller(group):
     """The cached ``kernels.symm.ShardPuller`` of ``group`` (symmetric-memory token gather)."""
-    from .symm import ShardPuller
+    from .symm import ShardPuller, overlap_support
 
     key = id(group)
     if key not in _pullers:
+        ok, why = overlap_support(group)
+        if not ok:
+            raise RuntimeError(f"ag_moe: the overlapped GPU token gather is unavailable: {why}")
         _pullers[key] = ShardPuller(group)
     return _pullers[key]
 
 
 def _all_gather(dist, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """all_gather_into_tensor on NCCL; the list form elsewhere (gloo has no all_gather_into_tensor)."""
-    if out.is_cuda and dist.get_backend(group) == "nccl":
+    if out.is_cuda and uses_nccl(group):
         return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
     world = out.shape[0] // inp.shape[0] if inp.shape[0] else dist.get_world_size(group)
     return dist.all_gather(list(out.chunk(world)), inp, group=group, async_op=async_op)

@@ -22,9 +22,10 @@ GROUP_M row-tiles are walked together for L2 reuse of B. fp32 accumulation.
 Measured on one H200 (``bench/gemm_variants.py``, 8192 x 8192 x 4096 bf16): this loop with
 K-major B 0.782 ms, cuBLAS 0.764 ms, a non-persistent pointer-load loop 0.813 ms.
 
-Constraints declared by :func:`config_is_valid` and :func:`prune_by_shared_memory`:
-power-of-two blocks >= 16, GROUP_M >= 1, pipelined shared memory within the device limit
-(a config whose epilogue buffer does not fit fails to compile and counts as failed).
+Constraints declared by :func:`config_is_valid` and :func:`prune_shard_configs`:
+power-of-two blocks >= 16, GROUP_M >= 1, BLOCK_M <= MAX_BLOCK_M (256: a tile never spans two
+pulled chunks), pipelined shared memory within the device limit (a config whose epilogue
+buffer does not fit fails to compile and counts as failed).
 Input constraints (:func:`check_gemm_inputs`): 2-D, same dtype, 16-byte aligned rows and
 start, as tensor descriptors need.
 
@@ -61,6 +62,10 @@ __all__ = [
     "check_gemm_inputs",
     "shard_offsets_tensor",
     "config_is_valid",
+    "prune_shard_configs",
+    "MAX_BLOCK_M",
+    "num_sms",
+    "b_is_kmajor",
 ]
 
 #: Largest number of shards (ranks) the kernel's unrolled shard lookup handles.
@@ -163,7 +168,7 @@ def shard_ordered_gemm(
         else:
             offs_m = tl.arange(0, BLOCK_M)
             offs_n = col + tl.arange(0, BLOCK_N)
-            c_ptrs = c_ptr + (row + offs_m)[:, None] * stride_cm + offs_n[None, :]
+            c_ptrs = c_ptr + (row.to(tl.int64) + offs_m)[:, None] * stride_cm + offs_n[None, :]
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
                      mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
 
@@ -172,6 +177,21 @@ def shard_ordered_gemm(
 shard_gemm_jit = triton.jit(shard_ordered_gemm)
 
 _AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR"]
+
+
+#: Largest BLOCK_M: pulled shards arrive in chunks starting at multiples of this many rows
+#: (``kernels.symm.CHUNK_ALIGN``), and a tile waits on the flag of its first row's chunk only.
+MAX_BLOCK_M = 256
+
+
+def prune_shard_configs(configs, named_args: dict, **kwargs) -> list:
+    """``early_config_prune``: :func:`prune_by_shared_memory`, then drop configs with BLOCK_M > MAX_BLOCK_M."""
+    kept = prune_by_shared_memory(configs, named_args, **kwargs)
+    fitting = [c for c in kept if c.kwargs["BLOCK_M"] <= MAX_BLOCK_M]
+    if not fitting:
+        raise ValueError(f"shard GEMM: every config has BLOCK_M > {MAX_BLOCK_M}; a tile must not span two pulled "
+                         f"chunks (BLOCK_M values: {sorted({c.kwargs['BLOCK_M'] for c in kept})})")
+    return fitting
 
 
 def make_shard_gemm_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench=None, **autotune_kwargs):
@@ -186,7 +206,7 @@ def make_shard_gemm_kernel(configs: Optional[Sequence[triton.Config]] = None, do
     if do_bench is None and interpreting():
         do_bench = host_clock_bench
     return triton.autotune(configs=configs, key=_AUTOTUNE_KEY,
-                           prune_configs_by={"early_config_prune": prune_by_shared_memory},
+                           prune_configs_by={"early_config_prune": prune_shard_configs},
                            do_bench=do_bench, **autotune_kwargs)(shard_gemm_jit)
 
 
@@ -213,24 +233,32 @@ def b_is_kmajor(b: torch.Tensor) -> bool:
     return b.stride(0) == 1 and b.stride(1) != 1
 
 
-def check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, who: str) -> None:
-    """Raise a clear error unless ``a @ b -> out`` fits the kernel's tensor descriptors."""
-    for name, t in (("a", a), ("b", b), ("out", out)):
+def check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], who: str) -> None:
+    """Raise a clear error unless ``a @ b -> out`` fits the kernel's tensor descriptors.
+
+    ``out=None`` checks the operands only (for callers that write into buffers of their own).
+    """
+    tensors = (("a", a), ("b", b)) + ((("out", out),) if out is not None else ())
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{who}: {name} must be 2-D, got shape {tuple(t.shape)}")
-    if a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
-        raise ValueError(f"{who}: shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)} -> out {tuple(out.shape)}")
+    if a.shape[1] != b.shape[0] or (out is not None and out.shape != (a.shape[0], b.shape[1])):
+        wanted = f" -> out {tuple(out.shape)}" if out is not None else ""
+        raise ValueError(f"{who}: shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)}{wanted}")
     if a.dtype != b.dtype or a.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{who}: a and b need one dtype among {SUPPORTED_DTYPES}, got {a.dtype} and {b.dtype}")
     if a.dtype == torch.bfloat16 and interpreting():
         raise TypeError(f"{who}: bf16 is not supported under TRITON_INTERPRET=1. " + BF16_INTERPRETER_NOTE)
-    if len({a.device, b.device, out.device}) != 1:
-        raise ValueError(f"{who}: a, b and out must be on one device, got {a.device}, {b.device}, {out.device}")
+    if len({t.device for _, t in tensors}) != 1:
+        raise ValueError(f"{who}: " + ", ".join(name for name, _ in tensors) + " must be on one device, got "
+                         + ", ".join(str(t.device) for _, t in tensors))
     if a.device.type != "cuda" and not interpreting():
         raise ValueError(f"{who}: tensors are on {a.device}; Triton needs CUDA tensors unless TRITON_INTERPRET=1")
-    for name, t in (("a", a), ("b", b), ("out", out)):
+    for name, t in tensors:
+        if t.numel() == 0:
+            continue  # nothing is loaded or stored
         elem = t.element_size()
         inner, outer = (0, 1) if name == "b" and b_is_kmajor(t) else (1, 0)
         if t.stride(inner) != 1 or (t.stride(outer) * elem) % 16 or t.data_ptr() % 16:
@@ -283,6 +311,8 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     N = b.shape[1]
     if M == 0 or N == 0:
         return out
+    if flags is not None and chunks > 1 and chunk_rows >= 1 << 30:
+        raise ValueError("shard_gemm: chunks > 1 needs chunk_rows (kernels.symm.chunk_rows(rows, chunks))")
     if a.device.type == "cuda":
         _ensure_allocator()
     offsets = shard_offsets_tensor(rows, a.device)

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["SymmetricBuffer", "ShardPuller", "chunk_rows", "CHUNK_ALIGN", "write_flag", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPuller", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +56,11 @@ def write_flag(stream: torch.cuda.Stream, flag: torch.Tensor, value: int = 1) ->
         raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {err}")
 
 
+def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``group`` runs its CUDA collectives on NCCL (also for "cpu:gloo,cuda:nccl" groups)."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def overlap_support(group: Optional[dist.ProcessGroup] = None, need_flags: bool = False) -> tuple[bool, str]:
     """Whether the overlapped GPU designs can run on ``group`` here: (ok, reason if not)."""
     if not torch.cuda.is_available():
@@ -63,7 +68,7 @@ def overlap_support(group: Optional[dist.ProcessGroup] = None, need_flags: bool 
     if not dist.is_initialized():
         return False, "torch.distributed is not initialized"
     backend = dist.get_backend(group)
-    if backend != "nccl":
+    if not uses_nccl(group):
         return False, f"the process group uses {backend}; symmetric memory needs NCCL on CUDA devices"
     try:
         importlib.import_module("torch.distributed._symmetric_memory")
@@ -111,8 +116,8 @@ class SymmetricBuffer:
         self.handle.barrier(channel=channel)
 
 
-#: Chunks of a pulled shard start at multiples of this many rows (the largest BLOCK_M), so no
-#: GEMM tile spans two chunks.
+#: Chunks of a pulled shard start at multiples of this many rows (``shard_gemm.MAX_BLOCK_M``),
+#: so no GEMM tile spans two chunks.
 CHUNK_ALIGN = 256
 
 
@@ -151,6 +156,10 @@ class ShardPuller:
     def _workspace(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
         buf = self._buffer
         if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
+            if buf is not None:  # peers may still pull from the old buffer: meet them before dropping it
+                torch.cuda.current_stream().synchronize()
+                buf.barrier(channel=0)
+                torch.cuda.current_stream().synchronize()
             capacity = 1 << max(0, total - 1).bit_length()
             buf = self._buffer = SymmetricBuffer((2, capacity, width), dtype, self.group, device)
         if not self._sides:
@@ -169,10 +178,14 @@ class ShardPuller:
         self._step += 1
         workspace = buf.local[parity, :total]
         current = torch.cuda.current_stream()
+        for side in self._sides:  # the previous gather's pulls are done before anything is rewritten
+            current.wait_stream(side)
         if flags is not None:
             flags.zero_()
         workspace[starts[rank]: starts[rank] + rows[rank]].copy_(local)
-        buf.barrier(channel=0)  # all shards are in place; all ranks are done with this parity's last use
+        # All shards are in place; and since every rank waited for its own previous pulls before the
+        # barrier of the previous call, nobody still reads this parity's last contents.
+        buf.barrier(channel=0)
         for side in self._sides:
             side.wait_stream(current)
         source = buf.peer

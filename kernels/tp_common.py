@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks"]
+__all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks", "check_inputs", "check_rows"]
 
 
 @dataclass(frozen=True)
@@ -38,20 +38,45 @@ def split_rows(total: int, world: int) -> tuple[int, ...]:
     return tuple(base + (1 if r < extra else 0) for r in range(world))
 
 
-def check_same_on_all_ranks(info: GroupInfo, who: str, signature: tuple, local: dict) -> None:
+def check_same_on_all_ranks(info: GroupInfo, who: str, signature: tuple, local: dict,
+                            local_error: Optional[str] = None) -> None:
     """All-gather ``signature`` (what must agree) and raise the same ValueError on every rank if it differs.
 
+    ``local_error``: what this rank's own input check found wrong (None if nothing), so a bad
+    input on one rank is an error on every rank instead of a hang in the next collective.
     One small collective; callers cache the result per signature, so a job pays it once per shape.
     ``local`` describes this rank's inputs for the message.
     """
     gathered: list = [None] * info.world_size
-    dist.all_gather_object(gathered, (signature, local), group=info.group)
+    dist.all_gather_object(gathered, (signature, local, local_error), group=info.group)
+    errors = [(r, err) for r, (_, _, err) in enumerate(gathered) if err]
+    if errors:
+        raise ValueError(f"{who}: invalid input on rank(s) {[r for r, _ in errors]}:\n"
+                         + "\n".join(f"  rank {r}: {err}" for r, err in errors))
     first = gathered[0][0]
-    differing = [r for r, (sig, _) in enumerate(gathered) if sig != first]
+    differing = [r for r, (sig, _, _) in enumerate(gathered) if sig != first]
     if differing:
-        lines = "\n".join(f"  rank {r}: {desc}" for r, (_, desc) in enumerate(gathered))
+        lines = "\n".join(f"  rank {r}: {desc}" for r, (_, desc, _) in enumerate(gathered))
         raise ValueError(f"{who}: ranks were called with inconsistent inputs (ranks {differing} differ from rank 0):\n"
                          f"{lines}\nEvery rank must pass the same dtype, inner sizes and shard row counts.")
+
+
+def check_inputs(info: GroupInfo, who: str, checked: set, signature: tuple, local: dict,
+                 local_check: Callable[[], None]) -> None:
+    """Run ``local_check`` (raises TypeError/ValueError on bad input) on every call; on the first call
+    with ``signature`` also :func:`check_same_on_all_ranks`, which turns one rank's bad input into the
+    same ValueError on every rank (a later call's local error is raised on that rank only)."""
+    if signature in checked:
+        local_check()
+        return
+    try:
+        local_check()
+    except (TypeError, ValueError) as err:
+        local_error: Optional[str] = f"{type(err).__name__}: {err}"
+    else:
+        local_error = None
+    check_same_on_all_ranks(info, who, signature, local, local_error)
+    checked.add(signature)
 
 
 def check_rows(rows: Sequence[int], total: int, world: int, who: str) -> tuple[int, ...]:

@@ -110,3 +110,54 @@ def test_chunks_of_pulled_shards_start_on_tile_boundaries():
     for rows, chunks in (([4096, 4096], 4), ([1000, 999], 4), ([37, 5000, 12], 3)):
         size = chunk_rows(rows, chunks)
         assert size % CHUNK_ALIGN == 0 and -(-max(rows) // size) <= chunks
+
+
+def test_one_ranks_bad_input_is_an_error_on_every_rank_and_a_rank_without_columns_still_gathers(tmp_path):
+    script = write_script(tmp_path, """
+        import os, sys, torch
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from disttune import dist as dt_dist
+        from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference
+        from disttune.kernels.gemm_rs import GemmReduceScatter
+        info = dt_dist.init()
+        dev = info.device
+        # 1. rank 1's A has 12 fp16 columns (24-byte rows): a local error, raised on both ranks
+        K = 16 if info.rank == 0 else 12
+        try:
+            GemmReduceScatter()(torch.randn(8, K, dtype=torch.float16, device=dev),
+                                torch.randn(K, 16, dtype=torch.float16, device=dev))
+        except ValueError as err:
+            sys.stdout.write(f"rank {info.rank} error: {str(err).splitlines()[0]}\\n")
+        # 2. rank 1 owns no columns of B: it still serves its rows to rank 0
+        a = torch.randn(8, 16, dtype=torch.float16, device=dev)
+        b = torch.randn(16, 16 if info.rank == 0 else 0, dtype=torch.float16, device=dev)
+        out = AllGatherGEMM()(a, b)
+        want = ag_gemm_reference(a, b)
+        ok = tuple(out.shape) == tuple(want.shape) and (out.numel() == 0 or torch.allclose(out.float(), want.float(), atol=1e-2))
+        sys.stdout.write(f"rank {info.rank} gathered {tuple(out.shape)} ok={ok}\\n")
+        sys.stdout.flush()
+        dt_dist.destroy()
+    """)
+    proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
+    assert proc.returncode == 0, describe(proc)
+    errors = re.findall(r"^rank (\d) error: (.*)$", proc.stdout, flags=re.M)
+    assert sorted(r for r, _ in errors) == ["0", "1"], describe(proc)
+    assert all("invalid input on rank(s) [1]" in msg for _, msg in errors), describe(proc)
+    assert re.search(r"^rank 0 gathered \(16, 16\) ok=True$", proc.stdout, flags=re.M), describe(proc)
+    assert re.search(r"^rank 1 gathered \(16, 0\) ok=True$", proc.stdout, flags=re.M), describe(proc)
+
+
+def test_configs_whose_tiles_could_span_two_pulled_chunks_are_pruned():
+    import triton
+
+    from disttune.kernels.shard_gemm import MAX_BLOCK_M, prune_shard_configs
+
+    def config(bm):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=1, num_warps=4)
+
+    args = {"a_ptr": torch.empty(1, 8, dtype=torch.float16), "b_ptr": torch.empty(8, 1, dtype=torch.float16)}
+    kept = prune_shard_configs([config(64), config(2 * MAX_BLOCK_M)], args)
+    assert [c.kwargs["BLOCK_M"] for c in kept] == [64]
+    with pytest.raises(ValueError, match="a tile must not span two pulled chunks"):
+        prune_shard_configs([config(2 * MAX_BLOCK_M)], args)
