@@ -52,6 +52,7 @@ __all__ = [
     "prune_configs",
     "prune_by_shared_memory",
     "host_clock_bench",
+    "make_autotuner",
     "make_matmul_kernel",
     "matmul_jit",
     "matmul_kernel",
@@ -299,26 +300,28 @@ def host_clock_bench(kernel_call: Callable[[], Any], quantiles=None, reps: int =
     return [q(p) for p in quantiles]
 
 
-def make_matmul_kernel(configs: Sequence[triton.Config], do_bench: Optional[Callable] = None, **autotune_kwargs):
-    """A NEW Autotuner over ``matmul_jit`` with ``configs`` (own cache, own best_config).
+def make_autotuner(fn, configs: Sequence[triton.Config], key: Sequence[str], prune: Callable, who: str,
+                   do_bench: Optional[Callable] = None, **autotune_kwargs):
+    """A NEW ``triton.autotune`` Autotuner over the jitted ``fn`` (own cache, own best_config).
 
-    ``do_bench``: benchmarker ``(kernel_call, quantiles) -> [ms, ...]``.  None means the
-    driver's benchmarker on a GPU, and :func:`host_clock_bench` under the interpreter
-    (triton's default one raises "0 active drivers" there).  Extra kwargs go to
-    triton.autotune.
+    ``prune`` is the ``early_config_prune`` hook. ``do_bench``: benchmarker
+    ``(kernel_call, quantiles) -> [ms, ...]``; None means the driver's benchmarker on a GPU and
+    :func:`host_clock_bench` under the interpreter (Triton's raises "0 active drivers" there).
+    Extra kwargs go to ``triton.autotune``. The kernels of this package are all made here.
     """
     configs = list(configs)
     if not configs:
-        raise ValueError("make_matmul_kernel: empty config list")
+        raise ValueError(f"{who}: empty config list")
     if do_bench is None and interpreting():
         do_bench = host_clock_bench
-    return triton.autotune(
-        configs=configs,
-        key=_AUTOTUNE_KEY,
-        prune_configs_by={"early_config_prune": prune_by_shared_memory},
-        do_bench=do_bench,
-        **autotune_kwargs,
-    )(matmul_jit)
+    return triton.autotune(configs=configs, key=list(key), prune_configs_by={"early_config_prune": prune},
+                           do_bench=do_bench, **autotune_kwargs)(fn)
+
+
+def make_matmul_kernel(configs: Sequence[triton.Config], do_bench: Optional[Callable] = None, **autotune_kwargs):
+    """A NEW Autotuner over ``matmul_jit`` with ``configs`` (see :func:`make_autotuner`)."""
+    return make_autotuner(matmul_jit, configs, _AUTOTUNE_KEY, prune_by_shared_memory, "make_matmul_kernel",
+                          do_bench, **autotune_kwargs)
 
 
 #: The default autotuned kernel: equivalent to decorating _matmul_body with

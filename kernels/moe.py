@@ -66,8 +66,8 @@ from .matmul import (
     BF16_INTERPRETER_NOTE,
     SUPPORTED_DTYPES,
     config_is_valid,
-    host_clock_bench,
     interpreting,
+    make_autotuner,
     max_shared_memory,
     prune_configs,
     shared_memory_bytes,
@@ -377,14 +377,8 @@ def make_moe_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench:
     """A NEW Autotuner over ``moe_gemm_jit`` (own cache), key :data:`MOE_KEY`, prune
     :func:`prune_moe_configs`. ``configs`` defaults to :func:`default_moe_configs`;
     ``do_bench`` to the driver's on a GPU and :func:`host_clock_bench` under the interpreter."""
-    configs = list(default_moe_configs() if configs is None else configs)
-    if not configs:
-        raise ValueError("make_moe_kernel: empty config list")
-    if do_bench is None and interpreting():
-        do_bench = host_clock_bench
-    return triton.autotune(configs=configs, key=MOE_KEY,
-                           prune_configs_by={"early_config_prune": prune_moe_configs},
-                           do_bench=do_bench, **autotune_kwargs)(moe_gemm_jit)
+    return make_autotuner(moe_gemm_jit, default_moe_configs() if configs is None else configs, MOE_KEY,
+                          prune_moe_configs, "make_moe_kernel", do_bench, **autotune_kwargs)
 
 
 #: The default autotuned grouped GEMM (default_moe_configs(), key MOE_KEY).

@@ -46,8 +46,8 @@ from .matmul import (
     HOPPER_GEMM_CONFIGS,
     SUPPORTED_DTYPES,
     config_is_valid,
-    host_clock_bench,
     interpreting,
+    make_autotuner,
     prune_by_shared_memory,
 )
 
@@ -200,14 +200,8 @@ def make_shard_gemm_kernel(configs: Optional[Sequence[triton.Config]] = None, do
     ``configs`` defaults to :func:`default_configs`; configs are pruned by shared memory.
     Under the interpreter the benchmarker defaults to a host clock (Triton's needs a GPU).
     """
-    configs = list(configs) if configs is not None else default_configs()
-    if not configs:
-        raise ValueError("make_shard_gemm_kernel: empty config list")
-    if do_bench is None and interpreting():
-        do_bench = host_clock_bench
-    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY,
-                           prune_configs_by={"early_config_prune": prune_shard_configs},
-                           do_bench=do_bench, **autotune_kwargs)(shard_gemm_jit)
+    return make_autotuner(shard_gemm_jit, default_configs() if configs is None else configs, _AUTOTUNE_KEY,
+                          prune_shard_configs, "make_shard_gemm_kernel", do_bench, **autotune_kwargs)
 
 
 #: The default autotuned kernel (what :func:`shard_gemm` launches when no ``kernel`` is given).

@@ -20,6 +20,7 @@ Typical use::
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -234,6 +235,20 @@ def run_mpiexec(
         raise RuntimeError("mpiexec is not on PATH (decorate the test with helpers.requires_mpi)")
     return run_command([exe, *mpiexec_flags(), "-n", str(nprocs), sys.executable, *args],
                        timeout=timeout, extra_env=extra_env)
+
+
+def read_rank_results(out: Path, cases: Sequence[str], world: int,
+                      proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
+    """``{case: [rank 0's JSON, rank 1's, ...]}`` from ``out/<case>.rank<r>.json``; a missing file fails."""
+    results = {}
+    for case in cases:
+        per_rank = []
+        for rank in range(world):
+            path = Path(out) / f"{case}.rank{rank}.json"
+            assert path.exists(), f"rank {rank} wrote no result for {case}\n" + describe(proc)
+            per_rank.append(json.loads(path.read_text()))
+        results[case] = per_rank
+    return results
 
 
 def write_script(tmp_path: Path, source: str, name: str = "script.py") -> Path:

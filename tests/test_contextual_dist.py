@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import describe, mpi, run_launch
+from helpers import describe, mpi, read_rank_results, run_launch
 
 CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
@@ -31,15 +31,7 @@ def _launch(out: Path, launcher: list[str], cases: list[str]) -> dict:
                       extra_env={"DISTTUNE_TIMEOUT": "30"})
     assert proc.returncode == 0, describe(proc)
     world = int(launcher[-1].split("=")[-1])
-    results = {}
-    for case in cases:
-        per_rank = []
-        for rank in range(world):
-            path = out / f"{case}.rank{rank}.json"
-            assert path.exists(), f"rank {rank} wrote no result for {case}\n" + describe(proc)
-            per_rank.append(json.loads(path.read_text()))
-        results[case] = per_rank
-    return results
+    return read_rank_results(out, cases, world, proc)
 
 
 @pytest.fixture(scope="module")

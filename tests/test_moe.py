@@ -8,7 +8,6 @@ outputs so an unwritten tile fails.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 
 from disttune.kernels import moe  # noqa: E402
-from helpers import describe, run_launch  # noqa: E402
+from helpers import describe, read_rank_results, run_launch  # noqa: E402
 
 INTERPRET = moe.interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -246,15 +245,7 @@ def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
     proc = run_launch([f"--nproc_per_node={nproc}", str(CASES), str(out), *cases], timeout=LAUNCH_TIMEOUT_S,
                       extra_env={"DISTTUNE_TIMEOUT": "60", "DISTTUNE_CACHE_DIR": str(out / "store")})
     assert proc.returncode == 0, describe(proc)
-    results = {}
-    for case in cases:
-        per_rank = []
-        for rank in range(nproc):
-            path = out / f"{case}.rank{rank}.json"
-            assert path.exists(), f"rank {rank} wrote no result for {case}\n" + describe(proc)
-            per_rank.append(json.loads(path.read_text()))
-        results[case] = per_rank
-    return results
+    return read_rank_results(out, cases, nproc, proc)
 
 
 @pytest.fixture(scope="module")
