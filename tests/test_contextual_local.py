@@ -7,6 +7,7 @@ Kernels run under TRITON_INTERPRET=1 on the CPU (see conftest.py). Fake timers f
 from __future__ import annotations
 
 import json
+import sys
 import threading
 
 import pytest
@@ -650,3 +651,64 @@ def test_fast_path_runs_the_winners_pre_hook_and_hands_unplanned_launches_to_the
     launches["count"] = 2  # a second occurrence of the same key: the kernel's own cache answers, as before
     first, second = step(x)
     assert step.tuned and torch.equal(first, x + 32) and torch.equal(second, x + 32)
+
+
+def _recorded_body(x_ptr, n, BLOCK):  # noqa: N803 - the signature the recording kernel reports
+    """What RecordingKernel stands for: its source names the kernel; it never runs."""
+
+
+class RecordingKernel(triton.runtime.KernelInterface):
+    """A launchable that records the BLOCK of every launch instead of running (Triton's interpreter
+    is not thread-safe, so concurrent calls are checked on the launch path, not on kernel output)."""
+
+    def __init__(self) -> None:
+        self.fn = _recorded_body
+        self.arg_names = ["x_ptr", "n", "BLOCK"]
+        self.blocks: list = []
+        self._lock = threading.Lock()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        with self._lock:
+            self.blocks.append(kwargs["BLOCK"])
+
+
+def test_tuned_wrapper_called_from_several_threads_at_once(tmp_path):
+    """After tuning, concurrent calls each get their own handler (or the one spare): every launch
+    uses the winner, none is mistaken for a new site, and Triton's ``run`` is back afterwards."""
+    recorder = RecordingKernel()
+    kernel = triton.autotune([triton.Config({"BLOCK": b}) for b in (16, 32, 64)], key=["n"])(recorder)
+    timer = TableTimer(lambda i: {0: 3.0, 1: 1.0, 2: 2.0}[i.config_index])  # BLOCK=32 wins
+
+    @tuner(tmp_path, timer=timer)
+    def step(x):
+        kernel[grid(x.numel())](x, x.numel())
+        kernel[grid(x.numel())](x, x.numel())  # a second occurrence of the same site key in one call
+        return x
+
+    x = torch.randn(64, device=DEV)
+    step(x)
+    recorder.blocks.clear()
+    start, errors = threading.Barrier(4), []
+
+    def hammer():
+        try:
+            start.wait(30)
+            for _ in range(200):
+                step(x)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    workers = [threading.Thread(target=hammer) for _ in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so calls really interleave
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(worker.is_alive() for worker in workers) and errors == []
+    assert recorder.blocks == [32] * (4 * 200 * 2)
+    assert step.tuned and len(step.report.results) == 2
+    assert Autotuner.run is STOCK_RUN
