@@ -423,7 +423,6 @@ class ContextualAutotuner:
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
         self._plan: Optional[_FastPlan] = None
-        self._spare: dict = {}  # one idle fast-path handler, taken with an atomic dict.pop
         self._tuned = False
         self._communicator: Optional[Communicator] = None
 
@@ -439,7 +438,6 @@ class ContextualAutotuner:
         self._tuned = False
         self._winners = {}
         self._plan = None
-        self._spare.clear()
 
     def expected_runs(self, longest_config_list: int) -> int:
         """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``.
@@ -454,20 +452,15 @@ class ContextualAutotuner:
             # Nested inside another wrapped call: its kernels are that call's sites.
             return self.fn(*args, **kwargs)
         if self._tuned:
-            # The fast path, inlined (it is what every call after tuning costs): a reused small handler
-            # (another thread or a nested call finds none spare and makes its own), the bare scope
-            # pair, the winners' launches laid out at commit time.
-            handler = self._spare.pop(0, None) or _FastLaunch(self._plan)  # type: ignore[arg-type]
+            # The fast path, inlined (it is what every call after tuning costs): one small handler,
+            # the bare scope pair, the winners' launches laid out at commit time.
+            handler = _FastLaunch(self._plan)  # type: ignore[arg-type]
             token = _hook.open_scope(handler)
             try:
                 result = self.fn(*args, **kwargs)
             finally:
                 _hook.close_scope(token)
-            if handler.fallback is None:
-                handler.occurrences.clear()
-                if handler.launches is self._plan.launches:  # type: ignore[union-attr]
-                    self._spare[0] = handler
-            elif handler.fallback.stale:
+            if handler.fallback is not None and handler.fallback.stale:
                 self._went_stale(handler.fallback.stale)
             return result
         return self._tuning_call(args, kwargs)
@@ -786,7 +779,6 @@ class ContextualAutotuner:
         session.winners = winners
         self._winners = winners
         self._plan = _FastPlan(session.sites, winners)
-        self._spare.clear()
 
     def _print_summary(self, log: RankLog) -> None:
         report = self.report
