@@ -1,6 +1,6 @@
 """Benchmark: AllGather-GEMM and GEMM-ReduceScatter against NCCL + cuBLAS and torch's fused ops.
 
-    torchrun --nproc_per_node=2 bench/ag_gemm.py [--shapes square,llama] [--samples 30]
+    torchrun --nproc_per_node=2 bench/ag_gemm.py [--shapes square,llama] [--samples 30] [--chunks 4 --streams 2]
 
 Per shape (totals over the ranks; bf16), one table with, all measured in this run:
 
@@ -62,6 +62,20 @@ def time_ms(fn: Callable[[], object], samples: int, warmup: int = 5) -> float:
     return float(worst.item())
 
 
+def print_profile(fn: Callable[[], object], title: str, rank: int, calls: int = 5) -> None:
+    """Rank 0 prints where ``calls`` calls spend GPU and host time (torch profiler; every rank runs them)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"\n#### profile: {title}, {calls} calls\n", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got.float() - want.float()).norm() / want.float().norm()).item())
 
@@ -100,8 +114,9 @@ def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     except Exception as err:  # noqa: BLE001 - report, do not stop the table
         row["torch_fused_ms"] = None
         row["torch_fused_error"] = f"{type(err).__name__}: {err}"[:200]
+    row["chunks"], row["streams"] = args.chunks, args.streams
     for design in ("fused", "decomposed"):
-        op = AllGatherGEMM(design=design)
+        op = AllGatherGEMM(design=design, chunks=args.chunks if design == "fused" else 1, streams=args.streams)
         out = torch.empty_like(c)
         step, seconds, winners = tuned_in_context(lambda: op(a_shard, b_local, out), os.path.join(store, design))
         row[f"ours_{design}_ms"] = time_ms(step, args.samples)
@@ -110,6 +125,8 @@ def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
         out.fill_(float("nan"))
         step()
         row[f"ours_{design}_rel_err"] = rel_error(out, want)
+        if args.profile:
+            print_profile(step, f"AG-GEMM {name} {design}", rank)
     # The fused kernel tuned alone: stock triton.autotune, flags preset, on each rank separately.
     alone = make_shard_gemm_kernel()
     ready = torch.ones(world, dtype=torch.int32, device=dev)
@@ -117,7 +134,8 @@ def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     alone_winner = alone.best_config
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, disttune.describe_config(alone_winner))
-    pinned = AllGatherGEMM(design="fused", kernel=make_shard_gemm_kernel([alone_winner]))
+    pinned = AllGatherGEMM(design="fused", kernel=make_shard_gemm_kernel([alone_winner]), chunks=args.chunks,
+                           streams=args.streams)
     out = torch.empty_like(c)
     row["alone_winners_per_rank"] = per_rank
     row["alone_in_function_ms"] = time_ms(lambda: pinned(a_shard, b_local, out), args.samples)
@@ -209,6 +227,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="square,llama")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--only", choices=["ag", "rs", "both"], default="both")
+    parser.add_argument("--chunks", type=int, default=1, help="fused AG-GEMM: flagged pieces per pulled shard")
+    parser.add_argument("--streams", type=int, default=1, help="AG-GEMM: copy streams pulling the shards")
+    parser.add_argument("--profile", action="store_true", help="print a torch profile of ours (5 calls per design)")
     args = parser.parse_args()
     info = dt_dist.init()
     rank, world = info.rank, info.world_size
