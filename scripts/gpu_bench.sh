@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On a lent GPU machine: every measurement behind the README's benchmark tables, in one call.
+# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|fast|tests|all ...]
+# NPROC defaults to the GPU count. Each step has its own time limit and logs to $OUT/<step>.log,
+# so one failing step does not hide the others; the last lines of each log are echoed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 DISTTUNE_LOG_DIR="$OUT/logs"
+nproc="${1:-$(nvidia-smi -L | wc -l)}"; shift || true
+steps="${*:-all}"
+python3 -m pip install --quiet --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+  || echo "editable install failed (see install.log)"
+
+run() {  # name limit_s command...
+    local name="$1" limit="$2"; shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: rc=$? ($(date +%T))"
+    grep -v '^\[rank\|Warning\|warn(' "$OUT/$name.log" | tail -n "${TAIL:-16}"
+}
+want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+
+launch=(bash scripts/launch.sh --nproc_per_node="$nproc")
+if want tests; then
+    run tp_cases 300 "${launch[@]}" tests/tp_cases.py --size large --dtypes bfloat16,float16 --tune
+fi
+if want ag; then
+    run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30
+    run ag_gemm_chunks 200 "${launch[@]}" bench/ag_gemm.py --only ag --chunks 4 --streams 2
+    TAIL=60 run ag_gemm_profile 200 "${launch[@]}" bench/ag_gemm.py --only ag --shapes square --profile
+fi
+if want moe; then
+    run moe 240 "${launch[@]}" bench/moe.py
+fi
+if want tuning; then
+    run tuning_cost 300 env OUT="$OUT" bash bench/tuning_cost.sh "$nproc"
+fi
+if want fast; then
+    run fast_path 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/fast_path.py --out "$OUT/fast_path.jsonl"
+fi
+echo "logs and rows under $OUT"
