@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import uses_nccl
-from .tp_common import check_inputs, check_rows, group_info
+from .tp_common import check_inputs, check_rows, group_info, row_starts
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
 
@@ -131,7 +131,7 @@ class AllGatherGEMM:
             shard_gemm(workspace, b_local, out, rows, rank, flags=flags, kernel=self.kernel, chunks=self.chunks,
                        chunk_rows=chunk_rows(rows, self.chunks))
         else:
-            starts = [sum(rows[:s]) for s in range(world)]
+            starts = row_starts(rows)
             for step in range(world):
                 s = (rank + step) % world
                 if step:
@@ -161,7 +161,7 @@ class AllGatherGEMM:
             ready = torch.ones(world * self.chunks, dtype=torch.int32, device=a_shard.device)
             return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel, chunks=self.chunks,
                               chunk_rows=chunk_rows(rows, self.chunks))
-        starts = [sum(rows[:s]) for s in range(world)]
+        starts = row_starts(rows)
         for s in [(rank + i) % world for i in range(world)]:
             rows_s = slice(starts[s], starts[s] + rows[s])
             if rows[s]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import uses_nccl
-from .tp_common import check_inputs, check_rows, group_info, split_rows
+from .tp_common import check_inputs, check_rows, group_info, row_starts, split_rows
 
 __all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]
 
@@ -111,7 +111,7 @@ class GemmReduceScatter:
         info = self.info
         rank, world = info.rank, info.world_size
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
-        starts = [sum(rows[:d]) for d in range(world)]
+        starts = row_starts(rows)
         parity = self._step % 2
         self._step += 1
         current, side = torch.cuda.current_stream(), self._side
@@ -135,7 +135,7 @@ class GemmReduceScatter:
     def _reduced_step(self, a_local, b_local, out, rows):
         info = self.info
         rank, world = info.rank, info.world_size
-        starts = [sum(rows[:d]) for d in range(world)]
+        starts = row_starts(rows)
         partial = torch.empty(a_local.shape[0], b_local.shape[1], dtype=a_local.dtype, device=a_local.device)
         for d in [(rank + i) % world for i in range(1, world + 1)]:
             if rows[d]:
@@ -166,5 +166,5 @@ def gemm_rs_reference(a_local: torch.Tensor, b_local: torch.Tensor, out_rows: Op
     rows = tuple(out_rows) if out_rows is not None else split_rows(a_local.shape[0], world)
     partial = (a_local.float() @ b_local.float()).to(a_local.dtype).float()
     dist.all_reduce(partial, group=group)
-    start = sum(rows[:rank])
+    start = row_starts(rows)[rank]
     return partial[start: start + rows[rank]].to(a_local.dtype)

@@ -546,6 +546,17 @@ def _topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch
     return y_flat.view(T, k, -1).sum(dim=1, dtype=torch.float32).to(dtype)
 
 
+def _check_token_routing(where: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                   num_experts: int, check_range: bool) -> None:
+    """The routing of ``x``'s tokens: valid ids, one row per token, weights shaped like the ids."""
+    _check_topk_ids(topk_ids, num_experts, where, check_range=check_range)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{where}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+
+
 def _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, where):
     _check_float(where, "x", x)
     if x.dim() != 2:
@@ -562,12 +573,7 @@ def _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, where):
                          f"{tuple(w_gate_up.shape)}, got {tuple(w_down.shape)}")
     if x.shape[1] != H:
         raise ValueError(f"{where}: x has H={x.shape[1]} but w_gate_up is [E, H={H}, 2I]")
-    _check_topk_ids(topk_ids, E, where, check_range=False)
-    if topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
-    if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"{where}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
-                         f"got {tuple(topk_weights.shape)}")
+    _check_token_routing(where, x, topk_ids, topk_weights, E, check_range=False)
     _check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate_up=w_gate_up, w_down=w_down)
     return E
 
@@ -666,11 +672,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     E, H, N = w.shape
     if x.shape[1] != H:
         raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={H}, N]")
-    _check_topk_ids(topk_ids, E, where, check_range=check_ids)
-    if topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
-    if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"{where}: topk_weights must have shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    _check_token_routing(where, x, topk_ids, topk_weights, E, check_range=check_ids)
     _check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
     dev, k = x.device, topk_ids.shape[1]
     tpr = _tokens_per_rank(dist, group, world, x.shape[0], dev, tokens_per_rank)

@@ -34,6 +34,7 @@ Cost: one launch of ``min(#SMs, sum_s cdiv(rows_s, BLOCK_M) * cdiv(N, BLOCK_N))`
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import torch
@@ -215,9 +216,7 @@ def shard_offsets_tensor(rows: Sequence[int], device: torch.device) -> torch.Ten
     key = (tuple(int(r) for r in rows), str(device))
     cached = _offsets_cache.get(key)
     if cached is None:
-        offsets = [0]
-        for r in key[0]:
-            offsets.append(offsets[-1] + r)
+        offsets = list(itertools.accumulate(key[0], initial=0))
         cached = _offsets_cache[key] = torch.tensor(offsets, dtype=torch.int32, device=device)
     return cached
 

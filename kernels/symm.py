@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .tp_common import row_starts
+
 __all__ = ["SymmetricBuffer", "ShardPuller", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
 
 
@@ -172,7 +174,7 @@ class ShardPuller:
         total, width = sum(rows), local.shape[1]
         buf = self._workspace(total, width, local.dtype, local.device)
         rank, world = buf.rank, buf.world_size
-        starts = [sum(rows[:s]) for s in range(world)]
+        starts = row_starts(rows)
         step_rows = chunk_rows(rows, chunks)
         parity = self._step % 2
         self._step += 1

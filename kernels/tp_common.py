@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks", "check_inputs", "check_rows"]
+__all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks", "check_inputs", "check_rows", "row_starts"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ def group_info(group: Optional[dist.ProcessGroup]) -> GroupInfo:
     if world > MAX_WORLD:
         raise ValueError(f"the tensor-parallel kernels handle at most {MAX_WORLD} ranks per group, got {world}")
     return GroupInfo(group, dist.get_rank(group), world, dist.get_backend(group))
+
+
+def row_starts(rows: Sequence[int]) -> list[int]:
+    """First row of each shard: the prefix sums ``[0, rows0, rows0 + rows1, ...]`` (one per shard)."""
+    return list(itertools.accumulate(rows, initial=0))[:-1]
 
 
 def split_rows(total: int, world: int) -> tuple[int, ...]:

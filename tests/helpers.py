@@ -169,21 +169,20 @@ def _terminate_tree(proc: subprocess.Popen[str], grace_s: float = 5.0) -> None:
     killing our process group alone would leave workers holding ports and pipes.
     """
     pids = _descendants(proc.pid)
-    _kill_group(proc.pid, signal.SIGTERM)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+    _signal_all(proc.pid, pids, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    pids = sorted(set(pids) | set(_descendants(proc.pid)))
-    _kill_group(proc.pid, signal.SIGKILL)
+    _signal_all(proc.pid, sorted(set(pids) | set(_descendants(proc.pid))), signal.SIGKILL)
+
+
+def _signal_all(pgid: int, pids: Sequence[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to process group ``pgid`` and to each of ``pids`` (gone ones are skipped)."""
+    _kill_group(pgid, sig)
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
