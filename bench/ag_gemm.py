@@ -6,17 +6,20 @@ Per shape (totals over the ranks; bf16), one table with, all measured in this ru
 
 * AG-GEMM: NCCL ``all_gather_into_tensor`` alone, cuBLAS GEMM alone (``[M, K] @ [K, N/w]``),
   all_gather then cuBLAS, ``torch.ops.symm_mem.fused_all_gather_matmul``, ours (fused and
-  decomposed, each tuned in context with ``contextual_autotune``), and the overlap limit
+  decomposed, each tuned in context with ``contextual_autotune``; and decomposed with cuBLAS
+  per shard, to separate the transport from the GEMM), and the overlap limit
   ``max(GEMM alone, all_gather alone)``;
 * GEMM-RS: cuBLAS alone (``[M, K/w] @ [K/w, N]``), NCCL ``reduce_scatter_tensor`` alone, matmul
   then reduce_scatter, ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, ours, overlap limit;
-* tuning in context vs alone: the fused AG-GEMM kernel tuned by stock ``triton.autotune`` on
-  its own (flags preset, on each rank separately) and by ``contextual_autotune`` inside the
-  overlapped function; both winners timed inside the function.
+* tuning in context vs alone: the default (decomposed) AG-GEMM kernel tuned by stock
+  ``triton.autotune`` on the local shard's GEMM alone (on each rank separately) and by
+  ``contextual_autotune`` inside the overlapped function; both winners timed inside the function.
 
 B is given as the transpose of a row-major weight (``nn.Linear``'s ``[out, in]``), for every
-contender. Time: CUDA events around one call, each sample started after a device sync and a barrier,
-median of ``--samples``, then the max over ranks. Rows are printed by rank 0 as markdown and
+contender. Two times per contender, each the max over ranks of a median: *steady state*, 10 calls
+back to back between two CUDA events (the host runs ahead, as in a model), per call; and *one
+call from an idle GPU*, each sample started after a device sync and a barrier (host launch
+latency included). Rows are printed by rank 0 as markdown and
 appended as JSON lines to ``$OUT/ag_gemm.jsonl`` (or ``bench/results/``).
 """
 
@@ -44,7 +47,8 @@ SHAPES = {"square": (8192, 8192, 8192, 8192, 8192), "llama": (8192, 8192, 28672,
 
 
 def time_ms(fn: Callable[[], object], samples: int, warmup: int = 5) -> float:
-    """Median CUDA-event time of one call over ``samples`` barrier-aligned calls, max over ranks."""
+    """One call from an idle GPU: median CUDA-event time of ``samples`` calls, each started after a
+    device sync and a barrier (host launch latency included), then the max over ranks."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -57,9 +61,38 @@ def time_ms(fn: Callable[[], object], samples: int, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    worst = torch.tensor([statistics.median(times)], device="cuda")
+    return _max_over_ranks(statistics.median(times))
+
+
+def steady_ms(fn: Callable[[], object], samples: int, calls: int = 10) -> float:
+    """Steady state: ``calls`` back-to-back calls between two events (the host runs ahead, as in a
+    model's forward pass), per call; median of ``samples // 3`` such runs, then the max over ranks."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(max(3, samples // 3)):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return _max_over_ranks(statistics.median(times))
+
+
+def _max_over_ranks(ms: float) -> float:
+    worst = torch.tensor([ms], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
+
+
+def measure(row: dict, name: str, fn: Callable[[], object], samples: int) -> None:
+    """``row[name + "_ms"]`` (one call from idle) and ``row[name + "_steady_ms"]`` (back to back)."""
+    row[f"{name}_ms"] = time_ms(fn, samples)
+    row[f"{name}_steady_ms"] = steady_ms(fn, samples)
 
 
 def print_profile(fn: Callable[[], object], title: str, rank: int, calls: int = 5) -> None:
@@ -98,28 +131,28 @@ def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     a_full = torch.empty(M, K, device=dev, dtype=dtype)
     c = torch.empty(M, N // world, device=dev, dtype=dtype)
     row = {"bench": "ag_gemm", "shape": name, "M": M, "K": K, "N": N, "world": world}
-    row["nccl_ag_ms"] = time_ms(lambda: dist.all_gather_into_tensor(a_full, a_shard), args.samples)
-    row["cublas_ms"] = time_ms(lambda: torch.matmul(a_full, b_local, out=c), args.samples)
+    measure(row, "nccl_ag", lambda: dist.all_gather_into_tensor(a_full, a_shard), args.samples)
+    measure(row, "cublas", lambda: torch.matmul(a_full, b_local, out=c), args.samples)
 
     def sequential():
         dist.all_gather_into_tensor(a_full, a_shard)
         return torch.matmul(a_full, b_local, out=c)
 
-    row["ag_then_cublas_ms"] = time_ms(sequential, args.samples)
+    measure(row, "sequential", sequential, args.samples)
     want = sequential().clone()
     try:
         fused_op = torch.ops.symm_mem.fused_all_gather_matmul
-        row["torch_fused_ms"] = time_ms(lambda: fused_op(a_shard, [b_local], gather_dim=0, group_name=group_name),
-                                        args.samples)
+        measure(row, "torch_fused", lambda: fused_op(a_shard, [b_local], gather_dim=0, group_name=group_name),
+                args.samples)
     except Exception as err:  # noqa: BLE001 - report, do not stop the table
-        row["torch_fused_ms"] = None
+        row["torch_fused_ms"] = row["torch_fused_steady_ms"] = None
         row["torch_fused_error"] = f"{type(err).__name__}: {err}"[:200]
     row["chunks"], row["streams"] = args.chunks, args.streams
     for design in ("fused", "decomposed"):
         op = AllGatherGEMM(design=design, chunks=args.chunks if design == "fused" else 1, streams=args.streams)
         out = torch.empty_like(c)
         step, seconds, winners = tuned_in_context(lambda: op(a_shard, b_local, out), os.path.join(store, design))
-        row[f"ours_{design}_ms"] = time_ms(step, args.samples)
+        measure(row, f"ours_{design}", step, args.samples)
         row[f"ours_{design}_tuning_s"] = round(seconds, 2)
         row[f"ours_{design}_winners"] = winners
         out.fill_(float("nan"))
@@ -127,19 +160,27 @@ def bench_ag(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
         row[f"ours_{design}_rel_err"] = rel_error(out, want)
         if args.profile:
             print_profile(step, f"AG-GEMM {name} {design}", rank)
-    # The fused kernel tuned alone: stock triton.autotune, flags preset, on each rank separately.
+    # The same schedule and transport with cuBLAS per shard: what the transport gives a perfect GEMM.
+    cublas_op = AllGatherGEMM(design="decomposed", gemm="cublas", streams=args.streams)
+    out = torch.empty_like(c)
+    measure(row, "ours_cublas", lambda: cublas_op(a_shard, b_local, out), args.samples)
+    out.fill_(float("nan"))
+    cublas_op(a_shard, b_local, out)
+    row["ours_cublas_rel_err"] = rel_error(out, want)
+    # The default (decomposed) kernel tuned alone: stock triton.autotune on the local shard's GEMM,
+    # on each rank separately, then pinned and timed inside the function.
     alone = make_shard_gemm_kernel()
-    ready = torch.ones(world, dtype=torch.int32, device=dev)
-    shard_gemm(a_full, b_local, torch.empty_like(c), (M // world,) * world, rank, flags=ready, kernel=alone)
+    shard_gemm(a_shard, b_local, torch.empty(M // world, N // world, device=dev, dtype=dtype), (M // world,), 0,
+               kernel=alone)
     alone_winner = alone.best_config
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, disttune.describe_config(alone_winner))
-    pinned = AllGatherGEMM(design="fused", kernel=make_shard_gemm_kernel([alone_winner]), chunks=args.chunks,
-                           streams=args.streams)
+    pinned = AllGatherGEMM(design="decomposed", kernel=make_shard_gemm_kernel([alone_winner]), streams=args.streams)
     out = torch.empty_like(c)
     row["alone_winners_per_rank"] = per_rank
-    row["alone_in_function_ms"] = time_ms(lambda: pinned(a_shard, b_local, out), args.samples)
-    row["limit_ms"] = max(row["cublas_ms"], row["nccl_ag_ms"])
+    measure(row, "alone_in_function", lambda: pinned(a_shard, b_local, out), args.samples)
+    for suffix in ("_ms", "_steady_ms"):
+        row["limit" + suffix] = max(row["cublas" + suffix], row["nccl_ag" + suffix])
     return row
 
 
@@ -151,32 +192,33 @@ def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     partial = torch.empty(M, N, device=dev, dtype=dtype)
     out = torch.empty(M // world, N, device=dev, dtype=dtype)
     row = {"bench": "gemm_rs", "shape": name, "M": M, "K": K, "N": N, "world": world}
-    row["cublas_ms"] = time_ms(lambda: torch.matmul(a_local, b_local, out=partial), args.samples)
-    row["nccl_rs_ms"] = time_ms(lambda: dist.reduce_scatter_tensor(out, partial), args.samples)
+    measure(row, "cublas", lambda: torch.matmul(a_local, b_local, out=partial), args.samples)
+    measure(row, "nccl_rs", lambda: dist.reduce_scatter_tensor(out, partial), args.samples)
 
     def sequential():
         torch.matmul(a_local, b_local, out=partial)
         dist.reduce_scatter_tensor(out, partial)
         return out
 
-    row["cublas_then_rs_ms"] = time_ms(sequential, args.samples)
+    measure(row, "sequential", sequential, args.samples)
     want = sequential().clone()
     try:
         fused_op = torch.ops.symm_mem.fused_matmul_reduce_scatter
-        row["torch_fused_ms"] = time_ms(lambda: fused_op(a_local, b_local, "sum", 0, group_name), args.samples)
+        measure(row, "torch_fused", lambda: fused_op(a_local, b_local, "sum", 0, group_name), args.samples)
     except Exception as err:  # noqa: BLE001
-        row["torch_fused_ms"] = None
+        row["torch_fused_ms"] = row["torch_fused_steady_ms"] = None
         row["torch_fused_error"] = f"{type(err).__name__}: {err}"[:200]
     op = GemmReduceScatter()
     mine = torch.empty_like(out)
     step, seconds, winners = tuned_in_context(lambda: op(a_local, b_local, mine), os.path.join(store, "rs"))
-    row["ours_ms"] = time_ms(step, args.samples)
+    measure(row, "ours", step, args.samples)
     row["ours_tuning_s"] = round(seconds, 2)
     row["ours_winners"] = winners
     mine.fill_(float("nan"))
     step()
     row["ours_rel_err"] = rel_error(mine, want)
-    row["limit_ms"] = max(row["cublas_ms"], row["nccl_rs_ms"])
+    for suffix in ("_ms", "_steady_ms"):
+        row["limit" + suffix] = max(row["cublas" + suffix], row["nccl_rs" + suffix])
     return row
 
 
@@ -184,38 +226,42 @@ def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def _table(rows: list[dict], bench: str, title: str, columns: list, best: list, suffix: str) -> None:
+    """One markdown table: ``columns`` (label, key) and ratios of the best of ``best`` keys."""
+    print(f"\n| {title} | " + " | ".join(label for label, _ in columns)
+          + " | limit | ours / limit | vs sequential | vs torch fused |")
+    print("| --- |" + " ---: |" * (len(columns) + 4))
+    for r in rows:
+        if r["bench"] != bench:
+            continue
+        ours = min(r[k + suffix] for k in best)
+        torch_fused = r["torch_fused" + suffix]
+        print(f"| {r['M']}x{r['K']}x{r['N']} | " + " | ".join(fmt(r[k + suffix]) for _, k in columns)
+              + f" | {fmt(r['limit' + suffix])} | {ours / r['limit' + suffix]:.3f} | "
+              f"{r['sequential' + suffix] / ours:.2f}x | "
+              + ("n/a" if torch_fused is None else f"{torch_fused / ours:.2f}x") + " |")
+
+
 def print_tables(rows: list[dict], world: int, device: str) -> None:
-    print(f"\n### {world} x {device}, bf16 (ms, median of CUDA-event samples, max over ranks)\n")
-    print("| AG-GEMM shape | NCCL AG | cuBLAS | AG then cuBLAS | torch fused | ours fused | ours decomposed "
-          "| limit | ours / limit | speed-up vs sequential | vs torch fused |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        if r["bench"] != "ag_gemm":
-            continue
-        best = min(r["ours_fused_ms"], r["ours_decomposed_ms"])
-        torch_ratio = "n/a" if r["torch_fused_ms"] is None else f"{r['torch_fused_ms'] / best:.2f}x"
-        print(f"| {r['M']}x{r['K']}x{r['N']} | {fmt(r['nccl_ag_ms'])} | {fmt(r['cublas_ms'])} | "
-              f"{fmt(r['ag_then_cublas_ms'])} | {fmt(r['torch_fused_ms'])} | {fmt(r['ours_fused_ms'])} | "
-              f"{fmt(r['ours_decomposed_ms'])} | {fmt(r['limit_ms'])} | {best / r['limit_ms']:.3f} | "
-              f"{r['ag_then_cublas_ms'] / best:.2f}x | {torch_ratio} |")
-    print("\n| GEMM-RS shape | cuBLAS | NCCL RS | cuBLAS then RS | torch fused | ours | limit | ours / limit "
-          "| speed-up vs sequential | vs torch fused |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        if r["bench"] != "gemm_rs":
-            continue
-        torch_ratio = "n/a" if r["torch_fused_ms"] is None else f"{r['torch_fused_ms'] / r['ours_ms']:.2f}x"
-        print(f"| {r['M']}x{r['K']}x{r['N']} | {fmt(r['cublas_ms'])} | {fmt(r['nccl_rs_ms'])} | "
-              f"{fmt(r['cublas_then_rs_ms'])} | {fmt(r['torch_fused_ms'])} | {fmt(r['ours_ms'])} | "
-              f"{fmt(r['limit_ms'])} | {r['ours_ms'] / r['limit_ms']:.3f} | "
-              f"{r['cublas_then_rs_ms'] / r['ours_ms']:.2f}x | {torch_ratio} |")
-    print("\n| AG-GEMM shape | tuned in context: winner | in-function ms | tuned alone: winner per rank | "
-          "in-function ms |")
+    ag_columns = [("NCCL AG", "nccl_ag"), ("cuBLAS", "cublas"), ("AG then cuBLAS", "sequential"),
+                  ("torch fused", "torch_fused"), ("ours fused", "ours_fused"),
+                  ("ours decomposed", "ours_decomposed"), ("ours, cuBLAS per shard", "ours_cublas")]
+    rs_columns = [("cuBLAS", "cublas"), ("NCCL RS", "nccl_rs"), ("cuBLAS then RS", "sequential"),
+                  ("torch fused", "torch_fused"), ("ours", "ours")]
+    for suffix, what in (("_steady_ms", "steady state: 10 calls back to back, per call"),
+                         ("_ms", "one call from an idle GPU (host launch latency included)")):
+        print(f"\n### {world} x {device}, bf16, {what} (ms, median, max over ranks)")
+        _table(rows, "ag_gemm", "AG-GEMM", ag_columns, ["ours_fused", "ours_decomposed"], suffix)
+        _table(rows, "gemm_rs", "GEMM-RS", rs_columns, ["ours"], suffix)
+    print("\n| AG-GEMM shape | tuned in context: winners | in-function ms (steady / one call) | "
+          "tuned alone: winner per rank | in-function ms (steady / one call) |")
     print("| --- | --- | ---: | --- | ---: |")
     for r in rows:
         if r["bench"] == "ag_gemm":
-            print(f"| {r['M']}x{r['K']}x{r['N']} | {'; '.join(r['ours_fused_winners'])} | {fmt(r['ours_fused_ms'])} | "
-                  f"{' / '.join(r['alone_winners_per_rank'])} | {fmt(r['alone_in_function_ms'])} |")
+            print(f"| {r['M']}x{r['K']}x{r['N']} | {'; '.join(r['ours_decomposed_winners'])} | "
+                  f"{fmt(r['ours_decomposed_steady_ms'])} / {fmt(r['ours_decomposed_ms'])} | "
+                  f"{' / '.join(r['alone_winners_per_rank'])} | "
+                  f"{fmt(r['alone_in_function_steady_ms'])} / {fmt(r['alone_in_function_ms'])} |")
     for r in rows:
         errs = {k: f"{v:.1e}" for k, v in r.items() if k.endswith("rel_err")}
         print(f"{r['bench']} {r['shape']}: rel. errors {errs}; tuning s "

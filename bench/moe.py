@@ -24,7 +24,8 @@ c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down)
    layer, on this rank's gathered inputs), each timed inside the layer. Max over ranks.
 
 Timing: CUDA events around each call, ``--warmup`` calls then ``--iters`` samples, median;
-multi-rank samples start after a barrier and the median is reduced with MAX over ranks.
+multi-rank samples start after a barrier and the median is reduced with MAX over ranks. Part b
+also reports a steady state on GPUs: 10 calls back to back between two events, per call.
 Prints a markdown table (rank 0) and appends JSON lines to ``$OUT/moe.jsonl`` if ``$OUT`` is
 set, else ``bench/results/moe-<w>x<gpu>-<date>.jsonl``.
 """
@@ -120,6 +121,26 @@ class Bench:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             ms = float(t.item())
         return ms
+
+    def steady_ms(self, fn: Callable[[], object], calls: int = 10) -> float:
+        """Per call over ``calls`` back-to-back calls (the host runs ahead, as in a model), median of
+        ``iters // 3`` runs, max over ranks. GPU only."""
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(max(3, self.o.iters // 3)):
+            dist.barrier()
+            self.sync()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / calls)
+        t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def record(self, part: str, shape: dict, name: str, ms: float, **extra) -> None:
         row = dict(self.meta, part=part, shape=shape, contender=name, ms=ms, **extra)
@@ -264,19 +285,25 @@ class Bench:
                 return rs_out
 
             err = ((rs_fused().float() - rs_seq().float()).norm() / rs_seq().float().norm()).item()
-            results = {}
+            results, steady = {}, {}
             for name, fn in [("AG-MoE: all_gather then grouped_mm", ag_seq), ("AG-MoE: disttune ag_moe", ag_fused),
                              ("MoE-RS: grouped_mm then reduce_scatter", rs_seq), ("MoE-RS: disttune moe_rs", rs_fused)]:
                 ms = self.time_ms(fn, collective=True)
                 results[name] = ms
-                self.record("b", s, name, ms, rel_err=err if name.startswith("MoE-RS: disttune") else None)
+                steady[name] = self.steady_ms(fn) if self.gpu else None
+                self.record("b", s, name, ms, steady_ms=steady[name],
+                            rel_err=err if name.startswith("MoE-RS: disttune") else None)
             if self.rank == 0:
                 print(f"\n### (b) world {w}: T={T} E={E} top-{k} H={H} I={Ir * w} (I/w={Ir} per rank), max over ranks\n")
-                print("| step | sequential ms | disttune ms | speed-up |")
-                print("| --- | ---: | ---: | ---: |")
+                print("| step | sequential ms | disttune ms | speed-up | steady: sequential | steady: disttune "
+                      "| steady speed-up |")
+                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
                 for label, seq, fused in [("AG-MoE", "AG-MoE: all_gather then grouped_mm", "AG-MoE: disttune ag_moe"),
                                           ("MoE-RS", "MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")]:
-                    print(f"| {label} | {results[seq]:.3f} | {results[fused]:.3f} | {results[seq] / results[fused]:.2f}x |")
+                    st = (f"{steady[seq]:.3f} | {steady[fused]:.3f} | {steady[seq] / steady[fused]:.2f}x"
+                          if steady[seq] is not None else "n/a | n/a | n/a")
+                    print(f"| {label} | {results[seq]:.3f} | {results[fused]:.3f} | {results[seq] / results[fused]:.2f}x "
+                          f"| {st} |")
                 print(f"\nMoE-RS rel. err vs sequential: {err:.1e}")
 
     # -- part c -----------------------------------------------------------------------------

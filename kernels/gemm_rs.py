@@ -91,7 +91,7 @@ class GemmReduceScatter:
         if bufs is None or bufs[0].shape[2] < max(rows):
             from .symm import SymmetricBuffer, overlap_support
 
-            ok, why = overlap_support(self.info.group)
+            ok, why = overlap_support(self.info.group, signals=False)
             if not ok:
                 raise RuntimeError(f"GemmReduceScatter: the overlapped GPU path is unavailable: {why}")
             if bufs is not None:  # peers may still push into the old slots: meet them before dropping them

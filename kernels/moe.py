@@ -654,7 +654,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed (``tokens_per_rank`` skips one small all-gather + host sync).
     Order: the token gather starts first (on NCCL GPUs copy-engine pulls from symmetric
-    memory, ``kernels.symm.ShardPuller``, no SM taken from the GEMM; elsewhere an asynchronous
+    memory, ``kernels.symm.ShardPusher``, no SM taken from the GEMM; elsewhere an asynchronous
     all-gather); the local chunk's GEMM is launched next, as it needs no collective, so the
     GPU computes while the host prepares the rest; then the routing of every rank is
     all-gathered (one small collective: ids bit-cast into a float32 row next to the
@@ -696,9 +696,9 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     # 1. token all-gather first: copy-engine pulls from symmetric memory on NCCL GPUs (no SM
     #    taken from the GEMM), else an asynchronous collective
-    puller = _puller(group) if x.is_cuda and uses_nccl(group) else None
-    if puller is not None:
-        x_all = puller.gather(x.contiguous(), tpr)
+    pusher = _pusher(group) if x.is_cuda and uses_nccl(group) else None
+    if pusher is not None:
+        x_all = pusher.gather(x.contiguous(), tpr)  # peers' rows only: the local chunk reads x
         work = None
     else:
         x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
@@ -730,36 +730,36 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     # 4. the other ranks' chunks, each as soon as it has arrived
     for i in range(1, world):
         r = (rank + i) % world
-        if puller is not None:
-            puller.wait_shard(r)
+        if pusher is not None:
+            pusher.wait_shard(r)
         elif i == 1:
             work.wait()
         if tpr[r] == 0:
             continue
-        a = x_all[id_offsets[r]: id_offsets[r + 1]] if puller is not None else x_all[r * max_t: r * max_t + tpr[r]]
+        a = x_all[id_offsets[r]: id_offsets[r + 1]] if pusher is not None else x_all[r * max_t: r * max_t + tpr[r]]
         moe_gemm(a, w, routings[r], a_order="token", out=out[row_offsets[r]:row_offsets[r + 1]],
                  out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
-    if puller is not None:
-        puller.finish()
+    if pusher is not None:
+        pusher.finish()
     elif world == 1:
         work.wait()
     return AgMoeResult(out, routings, tpr, tuple(row_offsets), ids_all, weights_all)
 
 
-_pullers: dict = {}
+_pushers: dict = {}
 
 
-def _puller(group):
-    """The cached ``kernels.symm.ShardPuller`` of ``group`` (symmetric-memory token gather)."""
-    from .symm import ShardPuller, overlap_support
+def _pusher(group):
+    """The cached ``kernels.symm.ShardPusher`` of ``group`` (symmetric-memory token gather)."""
+    from .symm import ShardPusher, overlap_support
 
     key = id(group)
-    if key not in _pullers:
+    if key not in _pushers:
         ok, why = overlap_support(group)
         if not ok:
             raise RuntimeError(f"ag_moe: the overlapped GPU token gather is unavailable: {why}")
-        _pullers[key] = ShardPuller(group)
-    return _pullers[key]
+        _pushers[key] = ShardPusher(group)
+    return _pushers[key]
 
 
 def _all_gather(dist, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):

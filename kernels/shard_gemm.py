@@ -4,10 +4,10 @@ One ``triton.autotune`` kernel serves three jobs:
 
 * a plain GEMM ``C = A @ B`` (one shard, no flags);
 * the GEMM of the *fused* AllGather-GEMM: ``A`` is the gathered ``[M, K]`` workspace whose
-  row shards arrive from other ranks while the kernel runs. Tiles are walked shard by shard
-  starting with the launching rank's own, and a tile of another shard spins on that shard's
-  int32 ready flag (an acquire load) before it loads A. The flag is set by the copy engine's
-  stream (``kernels.symm.write_flag``), which needs no SM, so spinning tiles cannot starve it;
+  row shards arrive while the kernel runs. Tiles are walked shard by shard starting with the
+  launching rank's own, and a tile spins on its piece's int32 ready flag (an acquire load)
+  until it holds the call's epoch before it loads A. Flags are set by copy-engine streams
+  (``kernels.symm.write_flag_at``), which need no SM, so spinning tiles cannot starve them;
 * the per-shard GEMMs of the *decomposed* designs and of GEMM-ReduceScatter (one shard each).
 
 Main loop (Hopper): persistent (``min(#SMs, #tiles)`` programs loop over the tiles; the loop
@@ -128,7 +128,7 @@ def shard_ordered_gemm(
     a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr,
     M, N, K,
     stride_am, stride_b, stride_cm,
-    rank, chunk_rows,
+    rank, chunk_rows, epoch,
     WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -147,11 +147,10 @@ def shard_ordered_gemm(
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT):
         shard, row, rows_left, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD,
                                                                   BLOCK_M, GROUP_M)
-        if WAIT:
-            if shard != rank:  # shards arrive in CHUNKS pieces of chunk_rows rows, each with its own flag
-                flag = flags_ptr + shard * CHUNKS + row_in_shard // chunk_rows
-                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
-                    pass
+        if WAIT:  # shards arrive in CHUNKS pieces of chunk_rows rows, each flagged with the call's epoch
+            flag = flags_ptr + shard * CHUNKS + row_in_shard // chunk_rows
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+                pass
         col = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
@@ -175,7 +174,7 @@ def shard_ordered_gemm(
 
 
 #: The jitted kernel without a tuner.
-shard_gemm_jit = triton.jit(shard_ordered_gemm)
+shard_gemm_jit = triton.jit(shard_ordered_gemm, do_not_specialize=["epoch"])
 
 _AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR"]
 
@@ -289,12 +288,12 @@ def _ensure_allocator() -> None:
 
 def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequence[int], rank: int,
                flags: Optional[torch.Tensor] = None, kernel=None, chunks: int = 1,
-               chunk_rows: int = 1 << 30) -> torch.Tensor:
+               chunk_rows: int = 1 << 30, epoch: int = 1) -> torch.Tensor:
     """``out = a @ b`` tile by tile, shard by shard from ``rank``'s shard on (see module doc).
 
     ``rows``: row count of each shard (``sum(rows) == a.shape[0]``, at most MAX_WORLD shards).
-    ``flags``: int32 ``[len(rows) * chunks]``; when given, a tile of shard ``s != rank`` whose
-    first row is ``r`` rows into the shard waits for ``flags[s * chunks + r // chunk_rows] != 0``
+    ``flags``: int32 ``[len(rows) * chunks]``; when given, a tile of shard ``s`` whose
+    first row is ``r`` rows into the shard waits for ``flags[s * chunks + r // chunk_rows] >= epoch``
     (``chunk_rows`` a multiple of 256, so no tile spans two chunks). ``kernel``: an Autotuner from :func:`make_shard_gemm_kernel`
     (default :data:`shard_gemm_kernel`). Inputs are not re-validated here: call
     :func:`check_gemm_inputs` once per shape.
@@ -319,7 +318,7 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
         return (max(1, min(sms, tiles)),)
 
     kern[grid](a, b, out, flags if wait else offsets, offsets, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-               out.stride(0), rank, chunk_rows, WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, NUM_SMS=sms)
+               out.stride(0), rank, chunk_rows, epoch, WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, NUM_SMS=sms)
     return out
 
 

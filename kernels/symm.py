@@ -5,10 +5,13 @@
   any rank's copy and a cross-rank barrier that runs on the current CUDA stream.
   Copies between a local view and a peer view (``dst.copy_(src)``) are ``cudaMemcpyAsync``
   over NVLink: they run on the copy engines and need no SM.
-* :func:`write_flag` -- ``cuStreamWriteValue32`` (cuda-bindings): writes an int32 in global
-  memory in stream order, after the stream's earlier copies, without an SM. A
-  kernel that occupies every SM can therefore spin on such a flag without deadlocking.
-* :func:`overlap_support` -- whether both are usable here, and if not, why.
+* :func:`write_flag_at` / :func:`wait_flag_at` -- ``cuStreamWriteValue32`` /
+  ``cuStreamWaitValue32`` (cuda-bindings): write an int32 (local or in a peer's memory) in
+  stream order, after the stream's earlier copies, or hold a stream until one reaches a
+  value, without an SM. A kernel that occupies every SM can therefore spin on such a flag
+  without deadlocking, and no barrier kernel has to find a free SM.
+* :class:`ShardPusher` -- the all-gather of row shards built from the two (AG-GEMM, AG-MoE).
+* :func:`overlap_support` -- whether all this is usable here, and if not, why.
 
 Only the GPU paths use this module; on CPUs the kernels gather with gloo instead.
 """
@@ -17,14 +20,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .tp_common import row_starts
 
-__all__ = ["SymmetricBuffer", "ShardPuller", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPusher", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +44,7 @@ def flag_writer_available() -> tuple[bool, str]:
     try:
         _driver()
     except ImportError as err:
-        return False, f"cuda-bindings is not installed ({err}); `pip install cuda-bindings` enables the fused design"
+        return False, f"cuda-bindings is not installed ({err}); `pip install cuda-bindings` enables the overlapped GPU kernels"
     return True, ""
 
 
@@ -51,11 +54,41 @@ def write_flag(stream: torch.cuda.Stream, flag: torch.Tensor, value: int = 1) ->
     The write is ordered after the stream's earlier work and carries a memory barrier, so
     a kernel that reads the flag with acquire semantics then sees the data copied before it.
     """
-    driver = _driver()
-    (err,) = driver.cuStreamWriteValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(flag.data_ptr()),
-                                         value, 0)
+    write_flag_at(stream, flag.data_ptr(), value)
+
+
+def _stream_handle(stream: torch.cuda.Stream):
+    return _driver().CUstream(stream.cuda_stream)
+
+
+def write_flag_at(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """:func:`write_flag` for a raw device address (a local or a peer-mapped int32)."""
+    _check(_driver().cuStreamWriteValue32(_stream_handle(stream), _pointer(address), value, 0),
+           "cuStreamWriteValue32")
+
+
+def _pointer(address):
+    """A ``CUdeviceptr`` for an int address (computed plans keep theirs)."""
+    return address if not isinstance(address, int) else _driver().CUdeviceptr(address)
+
+
+def _check(result, what: str) -> None:
+    err = result[0] if isinstance(result, tuple) else result
     if int(err) != 0:
-        raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {err}")
+        raise RuntimeError(f"{what} failed with CUresult {err}")
+
+
+def _GEQ():
+    return _driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+
+
+def wait_flag_at(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Hold ``stream`` (no SM, no host wait) until the int32 at ``address`` is >= ``value``.
+
+    ``cuStreamWaitValue32`` with ``GEQ``: the comparison is wrap-safe for epoch counters.
+    """
+    _check(_driver().cuStreamWaitValue32(_stream_handle(stream), _pointer(address), value, _GEQ()),
+           "cuStreamWaitValue32")
 
 
 def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -63,8 +96,9 @@ def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
     return "nccl" in str(dist.get_backend(group))
 
 
-def overlap_support(group: Optional[dist.ProcessGroup] = None, need_flags: bool = False) -> tuple[bool, str]:
-    """Whether the overlapped GPU designs can run on ``group`` here: (ok, reason if not)."""
+def overlap_support(group: Optional[dist.ProcessGroup] = None, signals: bool = True) -> tuple[bool, str]:
+    """Whether symmetric memory (and with ``signals``, the stream memory operations that
+    :class:`ShardPusher` needs) can be used on ``group`` here: (ok, reason if not)."""
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     if not dist.is_initialized():
@@ -76,9 +110,7 @@ def overlap_support(group: Optional[dist.ProcessGroup] = None, need_flags: bool 
         importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as err:
         return False, f"torch has no symmetric memory ({err})"
-    if need_flags:
-        return flag_writer_available()
-    return True, ""
+    return flag_writer_available() if signals else (True, "")
 
 
 class SymmetricBuffer:
@@ -129,90 +161,149 @@ def chunk_rows(rows: Sequence[int], chunks: int) -> int:
     return -(-per // CHUNK_ALIGN) * CHUNK_ALIGN
 
 
-class ShardPuller:
-    """All-gather of row shards by copy-engine pulls, in chunks, with events or ready flags.
+class ShardPusher:
+    """All-gather of row shards by copy-engine *pushes*, signalled by stream memory operations.
 
-    ``gather(local, rows)`` copies this rank's ``[rows[rank], H]`` shard into its slot of a
-    double-buffered symmetric workspace, meets the other ranks in one GPU-side barrier, then
-    pulls every other shard (in the order rank+1, rank+2, ...) into the same local workspace
-    in chunks of :func:`chunk_rows` rows, alternating between ``streams`` side streams (two let
-    two copy engines work at once; the default one is what was measured on H200s). After each chunk it sets that chunk's int32 flag with
-    :func:`write_flag` when ``flags`` (``[w * chunks]``) is given; after each shard it records
-    the shard's events. It returns the gathered ``[sum(rows), H]`` view at once: consume shard
-    ``s`` after :meth:`wait_shard` (or from a kernel that spins on the flags), then call
-    :meth:`finish` before the next gather.
+    No SM and no barrier kernel is involved, so a GEMM that fills the GPU can run at the same
+    time, and the caller can launch its local work before anything else.
 
-    The workspace grows to the largest ``sum(rows)`` seen (re-allocation is a collective, and
-    every rank sees the same ``rows``). Cost per gather: one local copy, one barrier, the
-    ``w - 1`` shards' copies on the copy engines (no SM).
+    ``gather(local, rows)`` makes ``streams`` side streams wait for the current stream (so
+    ``local`` is ready), runs ``local_work()`` if given (launch the GEMM on the local shard
+    there: it needs nothing from the peers), then for each peer ``p`` (in the order rank+1,
+    rank+2, ...) on a side stream: waits until ``p`` has finished reading what this rank
+    pushed into the same half of its workspace two calls ago, copies ``local`` into ``p``'s
+    workspace in ``chunks`` pieces (multiples of 256 rows; ``cuMemcpyDtoDAsync``, copy
+    engine), and after each piece sets the piece's arrival flag *in ``p``'s memory* to this
+    call's epoch. With ``include_own`` the local shard is also copied into the own workspace
+    and flagged (for a kernel that reads every shard from the workspace). It returns the
+    ``[sum(rows), H]`` workspace at once.
+
+    Consume shard ``s`` after :meth:`wait_shard` (a stream wait, no host wait) or from a kernel
+    that spins until ``arrival_flags[s * chunks + c] >= epoch``; call :meth:`finish` after
+    the last kernel that reads the workspace was launched: it tells every peer that this
+    rank's half of the workspace is free again.
+
+    Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, grown as needed; a
+    regrowth is a collective) and a small int32 signal buffer. Cost per call: ``w - 1`` copies
+    on the copy engines, ~``3 (w - 1)`` stream memory operations and no local copy; on the
+    host, a few driver calls per peer (the addresses are computed once per shape).
     """
+
+    #: Signal slots per rank: arrival flags (``w * chunks``) and free flags (``w``).
+    SLOTS = 1024
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1) -> None:
         self.group = group
+        self.epoch = 0
         self._buffer: Optional[SymmetricBuffer] = None
-        self._step = 0
+        self._signals: Optional[SymmetricBuffer] = None
         self._n_streams = streams
         self._sides: list = []
-        self._events: list = []
+        self._handles: list = []
+        self._plans: dict = {}
+        self._plan = None
 
-    def _workspace(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
+    @property
+    def arrival_flags(self) -> torch.Tensor:
+        """int32 flags of this rank: ``[s * chunks + c]`` holds the epoch of the last arrival."""
+        return self._signals.local[0]
+
+    def _setup(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
+        if self._signals is None:
+            sig = SymmetricBuffer((2, self.SLOTS), torch.int32, self.group, device)
+            sig.local.zero_()
+            torch.cuda.current_stream().synchronize()
+            sig.barrier()  # every rank's flags are zero before anyone signals
+            torch.cuda.current_stream().synchronize()
+            self._signals = sig
+            self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
+            self._handles = [_stream_handle(side) for side in self._sides]
         buf = self._buffer
         if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
-            if buf is not None:  # peers may still pull from the old buffer: meet them before dropping it
-                torch.cuda.current_stream().synchronize()
-                buf.barrier(channel=0)
-                torch.cuda.current_stream().synchronize()
+            if buf is not None:  # peers may still push into or read the old buffer: quiesce everyone
+                torch.cuda.synchronize(device)
+                self._signals.barrier()
+                torch.cuda.synchronize(device)
             capacity = 1 << max(0, total - 1).bit_length()
             buf = self._buffer = SymmetricBuffer((2, capacity, width), dtype, self.group, device)
-        if not self._sides:
-            self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
-            self._events = [[torch.cuda.Event() for _ in self._sides] for _ in range(buf.world_size)]
+            self._plans.clear()
         return buf
 
-    def gather(self, local: torch.Tensor, rows: Sequence[int], flags: Optional[torch.Tensor] = None,
-               chunks: int = 1) -> torch.Tensor:
-        total, width = sum(rows), local.shape[1]
-        buf = self._workspace(total, width, local.dtype, local.device)
+    def _flag_address(self, owner: int, row: int, index: int):
+        return _driver().CUdeviceptr(self._signals.peer(owner).data_ptr() + 4 * (row * self.SLOTS + index))
+
+    def _make_plan(self, rows: tuple, chunks: int, parity: int, include_own: bool) -> "_PushPlan":
+        buf = self._buffer
         rank, world = buf.rank, buf.world_size
+        if world * chunks > self.SLOTS:
+            raise ValueError(f"ShardPusher: {world} ranks x {chunks} chunks exceed {self.SLOTS} signal slots")
         starts = row_starts(rows)
         step_rows = chunk_rows(rows, chunks)
-        parity = self._step % 2
-        self._step += 1
-        workspace = buf.local[parity, :total]
+        row_bytes = buf.shape[2] * buf.local.element_size()
+        targets = ([rank] if include_own else []) + [(rank + i) % world for i in range(1, world)]
+        pushes = []
+        if rows[rank]:  # a rank without rows sends nothing, and nobody waits for its empty shard
+            for n, p in enumerate(targets):
+                dest = buf.peer(p)[parity].data_ptr() + starts[rank] * row_bytes
+                pieces = [(first * row_bytes, _driver().CUdeviceptr(dest + first * row_bytes),
+                           (min(rows[rank], first + step_rows) - first) * row_bytes,
+                           self._flag_address(p, 0, rank * chunks + c))
+                          for c, first in enumerate(range(0, rows[rank], step_rows))]
+                free = self._flag_address(rank, 1, p) if p != rank else None
+                pushes.append((n % len(self._sides), free, pieces))
+        last_piece = [self._flag_address(rank, 0, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
+                      for s in range(world)]
+        frees = [self._flag_address(p, 1, rank) for p in range(world) if p != rank]
+        return _PushPlan(pushes, last_piece, frees, buf.local[parity, :sum(rows)])
+
+    def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
+               include_own: bool = False) -> torch.Tensor:
+        rows = tuple(rows)
+        buf = self._setup(sum(rows), local.shape[1], local.dtype, local.device)
+        self.epoch += 1
+        epoch, parity = self.epoch, self.epoch % 2
+        key = (rows, chunks, parity, include_own)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(rows, chunks, parity, include_own)
+        self._plan = plan
+        if not local.is_contiguous():
+            local = local.contiguous()
         current = torch.cuda.current_stream()
-        for side in self._sides:  # the previous gather's pulls are done before anything is rewritten
-            current.wait_stream(side)
-        if flags is not None:
-            flags.zero_()
-        workspace[starts[rank]: starts[rank] + rows[rank]].copy_(local)
-        # All shards are in place; and since every rank waited for its own previous pulls before the
-        # barrier of the previous call, nobody still reads this parity's last contents.
-        buf.barrier(channel=0)
         for side in self._sides:
             side.wait_stream(current)
-        source = buf.peer
-        n = 0
-        for s in [(rank + i) % world for i in range(1, world)]:
-            for c, first in enumerate(range(0, rows[s], step_rows)):
-                side = self._sides[n % len(self._sides)]
-                n += 1
-                block = slice(starts[s] + first, starts[s] + min(rows[s], first + step_rows))
-                with torch.cuda.stream(side):
-                    workspace[block].copy_(source(s)[parity, block])
-                    if flags is not None:
-                        write_flag(side, flags[s * chunks + c: s * chunks + c + 1])
-            for side, event in zip(self._sides, self._events[s]):
-                event.record(side)
-        return workspace
+        if local_work is not None:
+            local_work()
+        driver = _driver()
+        source = local.data_ptr()
+        for side, free, pieces in plan.pushes:
+            handle = self._handles[side]
+            if free is not None and epoch > 2:  # the peer has read what this rank put in this half 2 calls ago
+                _check(driver.cuStreamWaitValue32(handle, free, epoch - 2, _GEQ()), "cuStreamWaitValue32")
+            for offset, dest, size, flag in pieces:
+                _check(driver.cuMemcpyDtoDAsync(dest, driver.CUdeviceptr(source + offset), size, handle),
+                       "cuMemcpyDtoDAsync")
+                _check(driver.cuStreamWriteValue32(handle, flag, epoch, 0), "cuStreamWriteValue32")
+        return plan.workspace
 
     def wait_shard(self, shard: int) -> None:
-        """Make the current stream wait until shard ``shard`` of the last gather has arrived."""
-        current = torch.cuda.current_stream()
-        for event in self._events[shard]:
-            current.wait_event(event)
+        """Make the current stream wait (on the GPU) until every piece of ``shard`` has arrived."""
+        address = self._plan.last_piece[shard]
+        if address is not None:
+            wait_flag_at(torch.cuda.current_stream(), address, self.epoch)
 
     def finish(self) -> None:
-        """Make the current stream wait for every pull of the last gather."""
+        """After the last reader of the workspace: the current stream waits for this rank's pushes
+        (``local`` may be reused) and then tells every peer that this half is free."""
         current = torch.cuda.current_stream()
         for side in self._sides:
             current.wait_stream(side)
+        for address in self._plan.frees:
+            write_flag_at(current, address, self.epoch)
+
+
+class _PushPlan(NamedTuple):
+    pushes: list  # (side stream index, own free-flag address or None, [(offset, destination, bytes, flag)])
+    last_piece: list  # per shard: the address of its last piece's arrival flag here (None: empty shard)
+    frees: list  # the peers' free-flag addresses for this rank
+    workspace: torch.Tensor

@@ -26,8 +26,7 @@ if want tests; then
 fi
 if want ag; then
     run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30
-    run ag_gemm_chunks 200 "${launch[@]}" bench/ag_gemm.py --only ag --chunks 4 --streams 2
-    TAIL=60 run ag_gemm_profile 200 "${launch[@]}" bench/ag_gemm.py --only ag --shapes square --profile
+    TAIL=30 run overlap_probe 200 "${launch[@]}" bench/overlap_probe.py --out "$OUT"
 fi
 if want moe; then
     run moe 240 "${launch[@]}" bench/moe.py

@@ -71,7 +71,11 @@ def main() -> int:
         ag_shapes = [((1024,) * world, 4096, 2048), (tuple(split_rows(3001, world)), 2048, 1024)]
         rs_shapes = [(4096, 2048, 4096), (3001, 1024, 2048)]
 
+    if world > 1:  # rank 0 without rows: it sends nothing, and nobody waits for its shard
+        ag_shapes.append(((0,) + tuple(split_rows(ag_shapes[-1][0][0] * world - 2, world - 1)), 32, 16))
     ag_ops = {design: AllGatherGEMM(design=design) for design in ("fused", "decomposed")}
+    # shards in 4 flagged pieces over 2 copy streams (GPU: 4 pushes per peer, 2 side streams)
+    ag_ops["fused, 4 chunks, 2 streams"] = AllGatherGEMM(design="fused", chunks=4, streams=2)
     rs_op = GemmReduceScatter()
     for dtype in [getattr(torch, name) for name in options.dtypes.split(",")]:
         for rows, K, n_local in ag_shapes:
