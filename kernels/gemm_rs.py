@@ -3,20 +3,24 @@
 Each rank holds ``A_r`` (``[M, K_r]``, its column shard of A) and ``B_r`` (``[K_r, N]``, its
 row shard of B); rank ``r`` gets rows ``rows_r`` of ``sum_r A_r @ B_r`` (``[rows_r, N]``; rows are
 split by ``torch.tensor_split``'s rule unless ``out_rows`` says otherwise). fp16/bf16 (fp32 too),
-fp32 accumulation inside each GEMM; partials are rounded to the input dtype before the sum,
-as ``matmul`` then ``reduce_scatter_tensor`` does.
+fp32 accumulation inside each GEMM; the other ranks' partials travel rounded to the input dtype
+(as with ``matmul`` then ``reduce_scatter_tensor``), the own partial is summed before rounding.
 
-GPU design (push, overlapped): the partial for each destination rank is computed in turn,
-starting with the next rank's rows and ending with this rank's own. As soon as a partial is
-done, the copy engines push it into the destination's symmetric-memory receive slot on a
-side stream while the GEMM goes on with the next destination. After the own partial, one
-symmetric-memory barrier (all pushes into this rank have landed) and one reduction kernel
-sum the ``w`` slots into ``out``. Memory: ``[2, w, R, N]`` symmetric receive slots
-(double-buffered: one barrier per call) and a ``[w, R, N]`` staging buffer (row ``rank``
-unused), ``R`` the largest rank's rows rounded up to a power of two.
+GPU design (push, overlapped, no reduction kernel): the partial for each destination rank is
+computed in turn, starting with the next rank's rows and ending with this rank's own. As soon
+as a partial is done, the copy engines push it in ``chunks`` pieces into the destination's
+symmetric-memory receive slot on a side stream, flagging each piece in the destination's
+memory (``cuStreamWriteValue32``) while the GEMM goes on with the next destination. The own
+rows' GEMM then adds the received partials in its epilogue, each tile after spinning on its
+piece's flag (the pieces have landed long before: each was computed one GEMM earlier).
+Slots are double-buffered; a pusher waits (``cuStreamWaitValue32``) until the destination has
+read the same half two calls earlier. No barrier kernel, no reduction pass. Memory:
+``[2, w, R, N]`` symmetric receive slots and a ``[w, R, N]`` staging buffer (row ``rank``
+unused), ``R`` the largest rank's rows rounded up to a power of two; 8 KB of flags.
 
 On CPUs (gloo, ``TRITON_INTERPRET=1``) the partials are computed with the same GEMM and
-summed with ``dist.all_reduce`` (gloo has no reduce-scatter of tensors), then sliced.
+delivered by an all-gather, and the own rows' GEMM adds them in the same epilogue (flags
+preset), so CI checks the kernel path the GPUs run.
 
 The GEMM is a ``triton.autotune`` kernel: wrap the step with ``disttune.contextual_autotune``.
 """
@@ -42,13 +46,16 @@ class GemmReduceScatter:
     collective on GPUs) and checks that all ranks agree on the shapes.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: int = 4) -> None:
         self.info = group_info(group)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
+        self.chunks = int(chunks)
         self._checked: set = set()
         self._buffers: dict = {}
-        self._step = 0
+        self._epoch = 0
+        self._board = None  # kernels.symm.SignalBoard, made on the first GPU call
         self._side: Optional[torch.cuda.Stream] = None
+        self._side_handle = None
         self._events: list = []
 
     def __call__(self, a_local: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
@@ -71,7 +78,8 @@ class GemmReduceScatter:
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (mine, N):
                 raise ValueError(f"GemmReduceScatter: out must be a tensor of shape {(mine, N)} (rank {info.rank}'s "
                                  f"rows x N), got {tuple(out.shape) if isinstance(out, torch.Tensor) else out}")
-            check_gemm_inputs(a_local, b_local, None, "GemmReduceScatter")  # the partials go to our own buffers
+            check_gemm_inputs(a_local, b_local, None, "GemmReduceScatter")
+            check_gemm_inputs(a_local[:mine], b_local, out, "GemmReduceScatter")  # the own rows' GEMM writes out
 
         check_inputs(info, "GemmReduceScatter", self._checked, signature,
                      {"a_local": tuple(a_local.shape), "b_local": tuple(b_local.shape), "dtype": str(a_local.dtype),
@@ -86,64 +94,93 @@ class GemmReduceScatter:
 
     def _gpu_buffers(self, rows, N, dtype, device):
         """Receive slots and staging for ``max(rows)`` rows, grown to a power of two (a collective)."""
+        from .symm import SignalBoard, SymmetricBuffer, overlap_support, _stream_handle
+
+        if self._board is None:
+            ok, why = overlap_support(self.info.group)
+            if not ok:
+                raise RuntimeError(f"GemmReduceScatter: the overlapped GPU path is unavailable: {why}")
+            self._board = SignalBoard(self.info.group, device)
+            self._side = torch.cuda.Stream(device=device)
+            self._side_handle = _stream_handle(self._side)
+            self._events = [torch.cuda.Event() for _ in range(self.info.world_size)]
         key = (N, dtype)
         bufs = self._buffers.get(key)
         if bufs is None or bufs[0].shape[2] < max(rows):
-            from .symm import SymmetricBuffer, overlap_support
-
-            ok, why = overlap_support(self.info.group, signals=False)
-            if not ok:
-                raise RuntimeError(f"GemmReduceScatter: the overlapped GPU path is unavailable: {why}")
-            if bufs is not None:  # peers may still push into the old slots: meet them before dropping them
-                torch.cuda.current_stream().synchronize()
-                bufs[0].barrier(channel=0)
-                torch.cuda.current_stream().synchronize()
+            if bufs is not None:  # peers may still push into the old slots: quiesce everyone before dropping them
+                torch.cuda.synchronize(device)
+                self._board.buffer.barrier()
+                torch.cuda.synchronize(device)
             world, capacity = self.info.world_size, 1 << max(0, max(rows) - 1).bit_length()
             recv = SymmetricBuffer((2, world, capacity, N), dtype, self.info.group, device)
             staging = torch.empty(world, capacity, N, dtype=dtype, device=device)
             bufs = self._buffers[key] = (recv, staging)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
-            self._events = [torch.cuda.Event() for _ in range(self.info.world_size)]
         return bufs
 
     def _gpu_step(self, a_local, b_local, out, rows):
+        from .symm import chunk_rows, copy_async, wait_flag_at, write_flag_at
+
         info = self.info
         rank, world = info.rank, info.world_size
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
+        board, side, handle = self._board, self._side, self._side_handle
         starts = row_starts(rows)
-        parity = self._step % 2
-        self._step += 1
-        current, side = torch.cuda.current_stream(), self._side
+        chunks, step_rows = self.chunks, chunk_rows(rows, self.chunks)
+        row_bytes = staging.stride(1) * staging.element_size()
+        self._epoch += 1
+        epoch, parity = self._epoch, self._epoch % 2
+        current = torch.cuda.current_stream()
         for d in [(rank + i) % world for i in range(1, world)]:
+            if not rows[d]:
+                continue
             part = staging[d, : rows[d]]
             shard_gemm(a_local[starts[d]: starts[d] + rows[d]], b_local, part, (rows[d],), 0, kernel=self.kernel)
             self._events[d].record(current)
             side.wait_event(self._events[d])
-            with torch.cuda.stream(side):
-                recv.peer(d)[parity, rank, : rows[d]].copy_(part)
+            if epoch > 2:  # d has summed what this rank pushed into this half two calls ago
+                wait_flag_at(handle, board.address(rank, board.FREED, d), epoch - 2)
+            dest, source = recv.peer(d)[parity, rank].data_ptr(), part.data_ptr()
+            for c, first in enumerate(range(0, rows[d], step_rows)):
+                size = (min(rows[d], first + step_rows) - first) * row_bytes
+                copy_async(handle, dest + first * row_bytes, source + first * row_bytes, size)
+                write_flag_at(handle, board.address(d, board.ARRIVED, rank * chunks + c), epoch)
         mine = rows[rank]
-        slots = recv.local[parity, :, :mine]
-        shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, slots[rank], (mine,), 0, kernel=self.kernel)
+        if mine:  # the own rows' GEMM adds every peer's partial in its epilogue, piece by piece as they land
+            shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
+                       chunks=chunks, chunk_rows=step_rows, epoch=epoch, addend=recv.local[parity, :, :mine],
+                       addend_flags=board.arrived, addend_skip=rank)
         current.wait_stream(side)
-        recv.barrier(channel=0)  # every rank's pushes into this rank have landed
-        torch.sum(slots, dim=0, out=out)
+        for p in range(world):
+            if p != rank:
+                write_flag_at(current, board.address(p, board.FREED, rank), epoch)
         return out
 
     # ------------------------------------------------------------------ CPU / gloo
 
     def _reduced_step(self, a_local, b_local, out, rows):
+        """The GPU schedule with gloo in place of the pushes: every rank computes the partials of
+        the others' rows, an all-gather delivers them, and the own rows' GEMM adds them in its
+        epilogue (flags preset), so the interpreter checks the same kernel path."""
         info = self.info
         rank, world = info.rank, info.world_size
         starts = row_starts(rows)
-        partial = torch.empty(a_local.shape[0], b_local.shape[1], dtype=a_local.dtype, device=a_local.device)
-        for d in [(rank + i) % world for i in range(1, world + 1)]:
-            if rows[d]:
+        most, N = max(rows), b_local.shape[1]
+        staging = torch.zeros(world, most, N, dtype=a_local.dtype, device=a_local.device)
+        for d in range(world):
+            if d != rank and rows[d]:
                 block = slice(starts[d], starts[d] + rows[d])
-                shard_gemm(a_local[block], b_local, partial[block], (rows[d],), 0, kernel=self.kernel)
-        summed = partial.float()
-        dist.all_reduce(summed, group=info.group)
-        out.copy_(summed[starts[rank]: starts[rank] + rows[rank]])
+                shard_gemm(a_local[block], b_local, staging[d, : rows[d]], (rows[d],), 0, kernel=self.kernel)
+        everyone = [torch.empty_like(staging) for _ in range(world)]
+        dist.all_gather(everyone, staging, group=info.group)
+        mine = rows[rank]
+        if mine:
+            received = torch.stack([everyone[s][rank, :mine] for s in range(world)])
+            ready = torch.ones(world * self.chunks, dtype=torch.int32, device=a_local.device)
+            from .symm import chunk_rows
+
+            shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
+                       chunks=self.chunks, chunk_rows=chunk_rows(rows, self.chunks), addend=received,
+                       addend_flags=ready, addend_skip=rank)
         return out
 
 

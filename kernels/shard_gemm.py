@@ -125,11 +125,12 @@ def _count_tiles(offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_M: tl.conste
 
 
 def shard_ordered_gemm(
-    a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr,
+    a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr, add_ptr, add_flags_ptr,
     M, N, K,
-    stride_am, stride_b, stride_cm,
-    rank, chunk_rows, epoch,
-    WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_SMS: tl.constexpr,
+    stride_am, stride_b, stride_cm, stride_add_slot, stride_add_m,
+    rank, chunk_rows, epoch, add_skip,
+    WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, ADD_SLOTS: tl.constexpr,
+    NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -144,7 +145,7 @@ def shard_ordered_gemm(
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = _count_tiles(offsets_ptr, num_pid_n, WORLD, BLOCK_M)
     # A spin loop inside the tile loop keeps the compiler from flattening the loop nest.
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT and ADD_SLOTS == 0):
         shard, row, rows_left, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD,
                                                                   BLOCK_M, GROUP_M)
         if WAIT:  # shards arrive in CHUNKS pieces of chunk_rows rows, each flagged with the call's epoch
@@ -160,6 +161,18 @@ def shard_ordered_gemm(
             else:
                 b = b_desc.load([ki * BLOCK_K, col])
             acc = tl.dot(a, b, acc)
+        if ADD_SLOTS > 0:  # C += the other ranks' partials of these rows, each piece once flagged
+            add_m = tl.arange(0, BLOCK_M)
+            add_n = col + tl.arange(0, BLOCK_N)
+            add_offs = (row.to(tl.int64) + add_m)[:, None] * stride_add_m + add_n[None, :]
+            add_mask = (add_m < rows_left)[:, None] & (add_n < N)[None, :]
+            for slot in tl.static_range(ADD_SLOTS):
+                if slot != add_skip:
+                    flag = add_flags_ptr + slot * CHUNKS + row_in_shard // chunk_rows
+                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+                        pass
+                    part = tl.load(add_ptr + slot * stride_add_slot + add_offs, mask=add_mask, other=0.0)
+                    acc += part.to(tl.float32)
         if WORLD == 1:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
@@ -174,9 +187,9 @@ def shard_ordered_gemm(
 
 
 #: The jitted kernel without a tuner.
-shard_gemm_jit = triton.jit(shard_ordered_gemm, do_not_specialize=["epoch"])
+shard_gemm_jit = triton.jit(shard_ordered_gemm, do_not_specialize=["rank", "epoch", "add_skip"])
 
-_AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR"]
+_AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR", "ADD_SLOTS"]
 
 
 #: Largest BLOCK_M: pulled shards arrive in chunks starting at multiples of this many rows
@@ -288,23 +301,30 @@ def _ensure_allocator() -> None:
 
 def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequence[int], rank: int,
                flags: Optional[torch.Tensor] = None, kernel=None, chunks: int = 1,
-               chunk_rows: int = 1 << 30, epoch: int = 1) -> torch.Tensor:
+               chunk_rows: int = 1 << 30, epoch: int = 1, addend: Optional[torch.Tensor] = None,
+               addend_flags: Optional[torch.Tensor] = None, addend_skip: int = -1) -> torch.Tensor:
     """``out = a @ b`` tile by tile, shard by shard from ``rank``'s shard on (see module doc).
 
     ``rows``: row count of each shard (``sum(rows) == a.shape[0]``, at most MAX_WORLD shards).
     ``flags``: int32 ``[len(rows) * chunks]``; when given, a tile of shard ``s`` whose
     first row is ``r`` rows into the shard waits for ``flags[s * chunks + r // chunk_rows] >= epoch``
-    (``chunk_rows`` a multiple of 256, so no tile spans two chunks). ``kernel``: an Autotuner from :func:`make_shard_gemm_kernel`
-    (default :data:`shard_gemm_kernel`). Inputs are not re-validated here: call
-    :func:`check_gemm_inputs` once per shape.
+    (``chunk_rows`` a multiple of 256, so no tile spans two chunks).
+    ``addend``: ``[slots, >= M, N]`` (one shard only): every slot but ``addend_skip`` is added to the fp32 accumulator before the store, each tile once
+    ``addend_flags[slot * chunks + r // chunk_rows] >= epoch`` (the reduction of GEMM-RS).
+    ``kernel``: an Autotuner from :func:`make_shard_gemm_kernel` (default :data:`shard_gemm_kernel`).
+    Inputs are not re-validated here: call :func:`check_gemm_inputs` once per shape.
     """
     world = len(rows)
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return out
-    if flags is not None and chunks > 1 and chunk_rows >= 1 << 30:
+    if (flags is not None or addend is not None) and chunks > 1 and chunk_rows >= 1 << 30:
         raise ValueError("shard_gemm: chunks > 1 needs chunk_rows (kernels.symm.chunk_rows(rows, chunks))")
+    if addend is not None and (world != 1 or addend_flags is None or addend.dim() != 3 or addend.stride(2) != 1
+                               or addend.shape[1] < M or addend.shape[2] != N):
+        raise ValueError("shard_gemm: an addend must be [slots, >= M, N] with unit column stride, for one shard, "
+                         "with addend_flags")
     if a.device.type == "cuda":
         _ensure_allocator()
     offsets = shard_offsets_tensor(rows, a.device)
@@ -312,13 +332,17 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     wait = flags is not None
     kmajor = b_is_kmajor(b)
     sms = num_sms(a.device)
+    slots = 0 if addend is None else addend.shape[0]
 
     def grid(meta):
         tiles = sum(triton.cdiv(r, meta["BLOCK_M"]) for r in rows) * triton.cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
-    kern[grid](a, b, out, flags if wait else offsets, offsets, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-               out.stride(0), rank, chunk_rows, epoch, WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, NUM_SMS=sms)
+    kern[grid](a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
+               offsets if addend_flags is None else addend_flags, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
+               out.stride(0), 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
+               rank, chunk_rows, epoch, addend_skip,
+               WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, ADD_SLOTS=slots, NUM_SMS=sms)
     return out
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .tp_common import row_starts
 
-__all__ = ["SymmetricBuffer", "ShardPusher", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,12 +57,15 @@ def write_flag(stream: torch.cuda.Stream, flag: torch.Tensor, value: int = 1) ->
     write_flag_at(stream, flag.data_ptr(), value)
 
 
-def _stream_handle(stream: torch.cuda.Stream):
-    return _driver().CUstream(stream.cuda_stream)
+def _stream_handle(stream):
+    """The ``CUstream`` of a torch stream (a ``CUstream`` is passed through)."""
+    driver = _driver()
+    return stream if isinstance(stream, driver.CUstream) else driver.CUstream(stream.cuda_stream)
 
 
-def write_flag_at(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """:func:`write_flag` for a raw device address (a local or a peer-mapped int32)."""
+def write_flag_at(stream, address, value: int) -> None:
+    """:func:`write_flag` for a device address (int or ``CUdeviceptr``; local or peer-mapped) on a
+    torch stream or a ``CUstream``."""
     _check(_driver().cuStreamWriteValue32(_stream_handle(stream), _pointer(address), value, 0),
            "cuStreamWriteValue32")
 
@@ -82,7 +85,7 @@ def _GEQ():
     return _driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
 
 
-def wait_flag_at(stream: torch.cuda.Stream, address: int, value: int) -> None:
+def wait_flag_at(stream, address, value: int) -> None:
     """Hold ``stream`` (no SM, no host wait) until the int32 at ``address`` is >= ``value``.
 
     ``cuStreamWaitValue32`` with ``GEQ``: the comparison is wrap-safe for epoch counters.
@@ -161,6 +164,46 @@ def chunk_rows(rows: Sequence[int], chunks: int) -> int:
     return -(-per // CHUNK_ALIGN) * CHUNK_ALIGN
 
 
+class SignalBoard:
+    """int32 signal slots in symmetric memory, two rows per rank: ``ARRIVED`` and ``FREED``.
+
+    Producers set a slot *in the consumer's memory* with :func:`write_flag_at` (after their
+    copies, in stream order); consumers wait on their own slots with :func:`wait_flag_at` or
+    spin on them in a kernel. Values are epochs (call counters), so flags are never reset.
+    Creating one is a collective (zeroed, then one barrier); 8 KB per rank.
+    """
+
+    ARRIVED, FREED = 0, 1
+    #: Slots per row.
+    SLOTS = 1024
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+        self.buffer = SymmetricBuffer((2, self.SLOTS), torch.int32, group, device)
+        self.buffer.local.zero_()
+        torch.cuda.current_stream().synchronize()
+        self.buffer.barrier()  # every rank's flags are zero before anyone signals
+        torch.cuda.current_stream().synchronize()
+        self.rank, self.world_size = self.buffer.rank, self.buffer.world_size
+
+    @property
+    def arrived(self) -> torch.Tensor:
+        """This rank's ``ARRIVED`` row (``[SLOTS]`` int32), for kernels that spin on it."""
+        return self.buffer.local[self.ARRIVED]
+
+    def address(self, owner: int, row: int, index: int):
+        """The ``CUdeviceptr`` of slot ``index`` of ``row`` in rank ``owner``'s memory."""
+        if not 0 <= index < self.SLOTS:
+            raise ValueError(f"SignalBoard: slot {index} out of range (at most {self.SLOTS} per row)")
+        return _driver().CUdeviceptr(self.buffer.peer(owner).data_ptr() + 4 * (row * self.SLOTS + index))
+
+
+def copy_async(stream_handle, dest: int, source: int, nbytes: int) -> None:
+    """``cuMemcpyDtoDAsync`` (the copy engines; local or peer-mapped addresses) on a ``CUstream``."""
+    driver = _driver()
+    _check(driver.cuMemcpyDtoDAsync(driver.CUdeviceptr(dest), driver.CUdeviceptr(source), nbytes, stream_handle),
+           "cuMemcpyDtoDAsync")
+
+
 class ShardPusher:
     """All-gather of row shards by copy-engine *pushes*, signalled by stream memory operations.
 
@@ -189,14 +232,11 @@ class ShardPusher:
     host, a few driver calls per peer (the addresses are computed once per shape).
     """
 
-    #: Signal slots per rank: arrival flags (``w * chunks``) and free flags (``w``).
-    SLOTS = 1024
-
     def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1) -> None:
         self.group = group
         self.epoch = 0
         self._buffer: Optional[SymmetricBuffer] = None
-        self._signals: Optional[SymmetricBuffer] = None
+        self._signals: Optional[SignalBoard] = None
         self._n_streams = streams
         self._sides: list = []
         self._handles: list = []
@@ -206,37 +246,30 @@ class ShardPusher:
     @property
     def arrival_flags(self) -> torch.Tensor:
         """int32 flags of this rank: ``[s * chunks + c]`` holds the epoch of the last arrival."""
-        return self._signals.local[0]
+        return self._signals.arrived
 
     def _setup(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
         if self._signals is None:
-            sig = SymmetricBuffer((2, self.SLOTS), torch.int32, self.group, device)
-            sig.local.zero_()
-            torch.cuda.current_stream().synchronize()
-            sig.barrier()  # every rank's flags are zero before anyone signals
-            torch.cuda.current_stream().synchronize()
-            self._signals = sig
+            self._signals = SignalBoard(self.group, device)
             self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
             self._handles = [_stream_handle(side) for side in self._sides]
         buf = self._buffer
         if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
             if buf is not None:  # peers may still push into or read the old buffer: quiesce everyone
                 torch.cuda.synchronize(device)
-                self._signals.barrier()
+                self._signals.buffer.barrier()
                 torch.cuda.synchronize(device)
             capacity = 1 << max(0, total - 1).bit_length()
             buf = self._buffer = SymmetricBuffer((2, capacity, width), dtype, self.group, device)
             self._plans.clear()
         return buf
 
-    def _flag_address(self, owner: int, row: int, index: int):
-        return _driver().CUdeviceptr(self._signals.peer(owner).data_ptr() + 4 * (row * self.SLOTS + index))
-
     def _make_plan(self, rows: tuple, chunks: int, parity: int, include_own: bool) -> "_PushPlan":
         buf = self._buffer
         rank, world = buf.rank, buf.world_size
-        if world * chunks > self.SLOTS:
-            raise ValueError(f"ShardPusher: {world} ranks x {chunks} chunks exceed {self.SLOTS} signal slots")
+        if world * chunks > SignalBoard.SLOTS:
+            raise ValueError(f"ShardPusher: {world} ranks x {chunks} chunks exceed {SignalBoard.SLOTS} signal slots")
+        board = self._signals
         starts = row_starts(rows)
         step_rows = chunk_rows(rows, chunks)
         row_bytes = buf.shape[2] * buf.local.element_size()
@@ -245,15 +278,15 @@ class ShardPusher:
         if rows[rank]:  # a rank without rows sends nothing, and nobody waits for its empty shard
             for n, p in enumerate(targets):
                 dest = buf.peer(p)[parity].data_ptr() + starts[rank] * row_bytes
-                pieces = [(first * row_bytes, _driver().CUdeviceptr(dest + first * row_bytes),
+                pieces = [(first * row_bytes, dest + first * row_bytes,
                            (min(rows[rank], first + step_rows) - first) * row_bytes,
-                           self._flag_address(p, 0, rank * chunks + c))
+                           board.address(p, board.ARRIVED, rank * chunks + c))
                           for c, first in enumerate(range(0, rows[rank], step_rows))]
-                free = self._flag_address(rank, 1, p) if p != rank else None
+                free = board.address(rank, board.FREED, p) if p != rank else None
                 pushes.append((n % len(self._sides), free, pieces))
-        last_piece = [self._flag_address(rank, 0, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
+        last_piece = [board.address(rank, board.ARRIVED, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
                       for s in range(world)]
-        frees = [self._flag_address(p, 1, rank) for p in range(world) if p != rank]
+        frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
         return _PushPlan(pushes, last_piece, frees, buf.local[parity, :sum(rows)])
 
     def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
@@ -274,16 +307,14 @@ class ShardPusher:
             side.wait_stream(current)
         if local_work is not None:
             local_work()
-        driver = _driver()
         source = local.data_ptr()
         for side, free, pieces in plan.pushes:
             handle = self._handles[side]
             if free is not None and epoch > 2:  # the peer has read what this rank put in this half 2 calls ago
-                _check(driver.cuStreamWaitValue32(handle, free, epoch - 2, _GEQ()), "cuStreamWaitValue32")
+                wait_flag_at(handle, free, epoch - 2)
             for offset, dest, size, flag in pieces:
-                _check(driver.cuMemcpyDtoDAsync(dest, driver.CUdeviceptr(source + offset), size, handle),
-                       "cuMemcpyDtoDAsync")
-                _check(driver.cuStreamWriteValue32(handle, flag, epoch, 0), "cuStreamWriteValue32")
+                copy_async(handle, dest, source + offset, size)
+                write_flag_at(handle, flag, epoch)
         return plan.workspace
 
     def wait_shard(self, shard: int) -> None:
