@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: every measurement behind the README's benchmark tables, in one call.
-# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|fast|tests|all ...]
+# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|fast|tests|gputests|all ...]
 # NPROC defaults to the GPU count. Each step has its own time limit and logs to $OUT/<step>.log,
 # so one failing step does not hide the others; the last lines of each log are echoed.
 set -uo pipefail
@@ -22,7 +22,10 @@ want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 
 launch=(bash scripts/launch.sh --nproc_per_node="$nproc")
 if want tests; then
-    run tp_cases 300 "${launch[@]}" tests/tp_cases.py --size large --dtypes bfloat16,float16 --tune
+    run tp_cases 300 "${launch[@]}" tests/tp_cases.py --size large --dtypes bfloat16,float16 --tune --trace
+fi
+if want gputests; then
+    run gpu_tests 250 python3 -m pytest -q -x tests/test_gpu.py
 fi
 if want ag; then
     run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30

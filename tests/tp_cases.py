@@ -14,7 +14,9 @@ and checks that every rank got the same winners. On CPUs this runs on gloo under
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 
 import torch
@@ -28,6 +30,8 @@ import disttune  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
 from disttune.kernels.gemm_rs import GemmReduceScatter, gemm_rs_reference  # noqa: E402
+from disttune.kernels.matmul import HOPPER_GEMM_CONFIGS  # noqa: E402
+from disttune.kernels.shard_gemm import make_shard_gemm_kernel  # noqa: E402
 from disttune.kernels.tp_common import split_rows  # noqa: E402
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3}  # fp32 on GPU is TF32
@@ -51,7 +55,12 @@ def main() -> int:
     parser.add_argument("--size", choices=["tiny", "small", "large"], default="small")
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--trace", action="store_true", help="print each case before it runs (find a hang)")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="GPU: stock-autotune the checked ops over the full Hopper space (default: 4 configs "
+                             "of different tile shapes, so the check is not dominated by compiling)")
     options = parser.parse_args()
+    faulthandler.register(signal.SIGTERM, all_threads=True)  # a launcher's timeout shows where each rank was
     info = dt_dist.init()
     rank, world, device = info.rank, info.world_size, info.device
     generator = torch.Generator().manual_seed(100 + rank)
@@ -73,10 +82,15 @@ def main() -> int:
 
     if world > 1:  # rank 0 without rows: it sends nothing, and nobody waits for its shard
         ag_shapes.append(((0,) + tuple(split_rows(ag_shapes[-1][0][0] * world - 2, world - 1)), 32, 16))
-    ag_ops = {design: AllGatherGEMM(design=design) for design in ("fused", "decomposed")}
+    few = None if options.all_configs or device.type != "cuda" else [HOPPER_GEMM_CONFIGS[i] for i in (0, 1, 9, 10)]
+
+    def kernel():
+        return make_shard_gemm_kernel(few)
+
+    ag_ops = {design: AllGatherGEMM(design=design, kernel=kernel()) for design in ("fused", "decomposed")}
     # shards in 4 flagged pieces over 2 copy streams (GPU: 4 pushes per peer, 2 side streams)
-    ag_ops["fused, 4 chunks, 2 streams"] = AllGatherGEMM(design="fused", chunks=4, streams=2)
-    rs_op = GemmReduceScatter()
+    ag_ops["fused, 4 chunks, 2 streams"] = AllGatherGEMM(design="fused", chunks=4, streams=2, kernel=kernel())
+    rs_op = GemmReduceScatter(kernel=kernel())
     for dtype in [getattr(torch, name) for name in options.dtypes.split(",")]:
         for rows, K, n_local in ag_shapes:
             for design, op in ag_ops.items():
@@ -86,6 +100,9 @@ def main() -> int:
                     if again:  # B as the transpose of a row-major [N, K] weight (the K-major path)
                         b_local = b_local.t().contiguous().t()
                     out = torch.full((sum(rows), n_local), float("nan"), dtype=dtype, device=device)
+                    if options.trace:
+                        sys.stdout.write(f"rank {rank}: AG-GEMM {design} rows={rows} K={K} {dtype} #{again}\n")
+                        sys.stdout.flush()
                     op(a_shard, b_local, out, shard_rows=rows)
                     err = rel_error(out, ag_gemm_reference(a_shard, b_local, rows))
                     checks += 1
@@ -99,6 +116,9 @@ def main() -> int:
                     b_local = b_local.t().contiguous().t()
                 mine = split_rows(M, world)[rank]
                 out = torch.full((mine, N), float("nan"), dtype=dtype, device=device)
+                if options.trace:
+                    sys.stdout.write(f"rank {rank}: GEMM-RS M={M} K_r={K_local} N={N} {dtype} #{again}\n")
+                    sys.stdout.flush()
                 rs_op(a_local, b_local, out)
                 err = rel_error(out, gemm_rs_reference(a_local, b_local))
                 checks += 1
