@@ -1,6 +1,13 @@
-"""Tuning cost of the AG-GEMM step (12-config Hopper GEMM space), one variant per process.
+"""Tuning cost of the AG-GEMM step (12-config Hopper GEMM space) or of the AG + MoE grouped GEMM
+step (its 12-config Hopper space), one variant per process.
 
-    bash bench/tuning_cost.sh [NPROC]      # runs every variant with a fresh Triton cache, prints the table
+    bash bench/tuning_cost.sh [NPROC]                      # AG-GEMM step, every variant, fresh Triton caches
+    bash bench/tuning_cost.sh [NPROC] --workload moe       # the MoE step
+
+Workloads (``--workload``):
+  gemm  all_gather of A's row shards, then the Triton GEMM ``[M, K] @ [K, N/w]`` (``kernels.matmul``)
+  moe   all_gather of the token shards, then the Triton grouped GEMM (``kernels.moe.moe_gemm``, A
+        gathered through the routing) on T=4096, E=8, top-2, H=4096, I/w=7168/w (routing fixed outside)
 
 Variants (``--variant``):
   baseline  Triton-distributed-style: compile inside the loop, exhaustive, 3 warm-up + 5 timed runs per config
@@ -43,6 +50,7 @@ import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
+from disttune.kernels import moe  # noqa: E402
 from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_matmul_kernel, matmul  # noqa: E402
 
 
@@ -54,29 +62,31 @@ def main() -> None:
     parser.add_argument("--M", type=int, default=8192)
     parser.add_argument("--K", type=int, default=8192)
     parser.add_argument("--N", type=int, default=8192)
+    parser.add_argument("--workload", choices=["gemm", "moe"], default="gemm")
     parser.add_argument("--out", required=True, help="JSON lines file to append this variant's row to")
     options = parser.parse_args()
     info = dt_dist.init()
     world, device = info.world_size, info.device
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float16
-    a_local = torch.randn(options.M // world, options.K, device=device, dtype=dtype)
-    b_local = torch.randn(options.K, options.N // world, device=device, dtype=dtype) / options.K ** 0.5
-    a_full = torch.empty(options.M, options.K, device=device, dtype=dtype)
-    c = torch.empty(options.M, options.N // world, device=device, dtype=dtype)
-    configs = HOPPER_GEMM_CONFIGS if gpu else CPU_GEMM_CONFIGS
+    configs, make_kernel, body = make_workload(options, world, device, dtype)
     if options.variant == "untuned":
-        step, winner = untuned_step(options, configs, world, a_full, a_local, b_local, c)
-        first_call_s = wall_time_of_one_call(step, device)
-        step_median = median_step_ms(step, device)
-        plain_call_s = wall_time_of_one_call(step, device)
-        write_row(options, info, {"variant": "untuned", "world": world, "device": device_name(device),
-                                  "torch": torch.__version__, "first_call_s": first_call_s,
-                                  "plain_call_s": plain_call_s, "function_runs": 1, "source": "fixed",
-                                  "winner": disttune.describe_config(winner), "step_ms_median_of_100": step_median,
-                                  "date": time.strftime("%Y-%m-%d")})
+        winner = fixed_winner(options, configs)
+        kernel = make_kernel([winner])  # one config: Triton launches it with no benchmarking
+
+        def fixed_step():
+            return body(kernel)
+
+        first_call_s = wall_time_of_one_call(fixed_step, device)
+        step_median = median_step_ms(fixed_step, device)
+        plain_call_s = wall_time_of_one_call(fixed_step, device)
+        write_row(options, info, {"variant": "untuned", "workload": options.workload, "world": world,
+                                  "device": device_name(device), "torch": torch.__version__,
+                                  "first_call_s": first_call_s, "plain_call_s": plain_call_s, "function_runs": 1,
+                                  "source": "fixed", "winner": disttune.describe_config(winner),
+                                  "step_ms_median_of_100": step_median, "date": time.strftime("%Y-%m-%d")})
         return
-    kernel = make_matmul_kernel(configs)
+    kernel = make_kernel(configs)
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, verbose=False,
                                   compile_threads=0 if options.variant in ("baseline", "early") else None,
@@ -84,16 +94,14 @@ def main() -> None:
                                   split=options.variant == "split",
                                   store=options.variant in ("all", "warm"))
     def step():
-        dist.all_gather(list(a_full.chunk(world)), a_local)
-        matmul(a_full, b_local, out=c, kernel=kernel)
-        return c
+        return body(kernel)
 
     first_call_s = wall_time_of_one_call(step, device)
     step_median = median_step_ms(step, device)
     plain_call_s = wall_time_of_one_call(step, device)
 
     (result,) = step.report.results
-    row = {"variant": options.variant, "world": world, "device": device_name(device),
+    row = {"variant": options.variant, "workload": options.workload, "world": world, "device": device_name(device),
            "torch": torch.__version__, "first_call_s": first_call_s, "plain_call_s": plain_call_s,
            "function_runs": step.report.function_runs, "source": result.source,
            "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median,
@@ -101,12 +109,44 @@ def main() -> None:
     write_row(options, info, row)
 
 
-def untuned_step(options, configs, world, a_full, a_local, b_local, c):
-    """The same step with one config fixed: the "all" run's winner (or --winner), no tuner."""
+def make_workload(options, world: int, device: torch.device, dtype: torch.dtype):
+    """(configs, make_kernel(configs), body(kernel)): the step of ``--workload`` without its tuner."""
+    gpu = device.type == "cuda"
+    if options.workload == "gemm":
+        a_local = torch.randn(options.M // world, options.K, device=device, dtype=dtype)
+        b_local = torch.randn(options.K, options.N // world, device=device, dtype=dtype) / options.K ** 0.5
+        a_full = torch.empty(options.M, options.K, device=device, dtype=dtype)
+        c = torch.empty(options.M, options.N // world, device=device, dtype=dtype)
+
+        def gemm_body(kernel):
+            dist.all_gather(list(a_full.chunk(world)), a_local)
+            matmul(a_full, b_local, out=c, kernel=kernel)
+            return c
+
+        return (HOPPER_GEMM_CONFIGS if gpu else CPU_GEMM_CONFIGS), make_matmul_kernel, gemm_body
+    T, E, k, H, I = (4096, 8, 2, 4096, 7168) if gpu else (64, 4, 2, 32, 64)
+    g = torch.Generator().manual_seed(0)  # one routing for every rank (the gathered tokens' ids)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device, torch.int32)
+    routing = moe.moe_align(ids, E)
+    x_local = torch.randn(T // world, H, device=device, dtype=dtype)
+    x_all = torch.empty(T, H, device=device, dtype=dtype)
+    w = torch.randn(E, H, I // world, device=device, dtype=dtype) / H ** 0.5
+    out = torch.empty(T * k, I // world, device=device, dtype=dtype)
+
+    def moe_body(kernel):
+        dist.all_gather(list(x_all.chunk(world)), x_local)
+        moe.moe_gemm(x_all, w, routing, a_order="token", out=out, kernel=kernel)
+        return out
+
+    return (moe.HOPPER_MOE_CONFIGS if gpu else moe.CPU_MOE_CONFIGS), moe.make_moe_kernel, moe_body
+
+
+def fixed_winner(options, configs):
+    """The config the untuned variant fixes: ``--winner``, else the "all" row's winner in ``--out``."""
     wanted = options.winner
     if wanted is None:
         rows = [json.loads(line) for line in open(options.out)] if os.path.exists(options.out) else []
-        tuned = [r for r in rows if r["variant"] == "all"]
+        tuned = [r for r in rows if r["variant"] == "all" and r.get("workload", "gemm") == options.workload]
         if not tuned:
             raise SystemExit(f"tuning_cost.py --variant untuned: no 'all' row in {options.out}; run the 'all' "
                              "variant first or pass --winner")
@@ -115,14 +155,7 @@ def untuned_step(options, configs, world, a_full, a_local, b_local, c):
     if not matches:
         raise SystemExit(f"tuning_cost.py --variant untuned: {wanted!r} is none of the configs: "
                          + "; ".join(disttune.describe_config(config) for config in configs))
-    kernel = make_matmul_kernel(matches[:1])  # one config: Triton launches it with no benchmarking
-
-    def step():
-        dist.all_gather(list(a_full.chunk(world)), a_local)
-        matmul(a_full, b_local, out=c, kernel=kernel)
-        return c
-
-    return step, matches[0]
+    return matches[0]
 
 
 def median_step_ms(step, device: torch.device) -> float:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tuning cost of the AG-GEMM step: each variant in its own process with a fresh Triton cache
 # (the warm run reuses the last run's caches, as a second job on the same machine would).
-# Usage: bash bench/tuning_cost.sh [NPROC] [extra args for bench/tuning_cost.py, e.g. --M 4096]
+# Usage: bash bench/tuning_cost.sh [NPROC] [extra args for bench/tuning_cost.py, e.g. --M 4096 or --workload moe]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nproc="${1:-2}"; shift || true
@@ -23,7 +23,8 @@ python3 - "$rows" <<'PY'
 import json, sys
 rows = {r["variant"]: r for r in map(json.loads, open(sys.argv[1]))}
 base = rows["baseline"]
-print(f"\ntuning cost, AG-GEMM step, {base['world']} x {base['device']} (torch {base['torch']}, {base['date']})")
+step = {"gemm": "AG-GEMM step", "moe": "AG + MoE grouped GEMM step"}[base.get("workload", "gemm")]
+print(f"\ntuning cost, {step}, {base['world']} x {base['device']} (torch {base['torch']}, {base['date']})")
 print(f"{'variant':<10} {'first call s':>12} {'vs baseline':>11} {'runs':>5} {'source':>7} {'step ms (100)':>13}  winner")
 for name in ("baseline", "parallel", "early", "all", "split", "untuned", "warm"):
     r = rows[name]
