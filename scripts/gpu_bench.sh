@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: every measurement behind the README's benchmark tables, in one call.
-# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|fast|tests|gputests|all ...]
+# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|tuning_moe|fast|tests|gputests|all ...]
 # NPROC defaults to the GPU count. Each step has its own time limit and logs to $OUT/<step>.log,
 # so one failing step does not hide the others; the last lines of each log are echoed.
 set -uo pipefail
@@ -36,6 +36,9 @@ if want moe; then
 fi
 if want tuning; then
     run tuning_cost 300 env OUT="$OUT" bash bench/tuning_cost.sh "$nproc"
+fi
+if want tuning_moe; then
+    run tuning_cost_moe 300 env OUT="$OUT/moe" bash bench/tuning_cost.sh "$nproc" --workload moe
 fi
 if want fast; then
     run fast_path 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/fast_path.py --out "$OUT/fast_path.jsonl"
