@@ -653,8 +653,8 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
 
     ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed (``tokens_per_rank`` skips one small all-gather + host sync).
-    Order: the token gather starts first (on NCCL GPUs copy-engine pulls from symmetric
-    memory, ``kernels.symm.ShardPusher``, no SM taken from the GEMM; elsewhere an asynchronous
+    Order: the token gather starts first (on NCCL GPUs copy-engine pushes into the peers'
+    symmetric memory, ``kernels.symm.ShardPusher``, no SM taken from the GEMM; elsewhere an asynchronous
     all-gather); the local chunk's GEMM is launched next, as it needs no collective, so the
     GPU computes while the host prepares the rest; then the routing of every rank is
     all-gathered (one small collective: ids bit-cast into a float32 row next to the
@@ -694,7 +694,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
             raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(row_offsets[-1], N)} "
                              "(sum of tokens over ranks * top_k, w's N)")
 
-    # 1. token all-gather first: copy-engine pulls from symmetric memory on NCCL GPUs (no SM
+    # 1. token all-gather first: copy-engine pushes into symmetric memory on NCCL GPUs (no SM
     #    taken from the GEMM), else an asynchronous collective
     pusher = _pusher(group) if x.is_cuda and uses_nccl(group) else None
     if pusher is not None:
