@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -36,43 +35,7 @@ from disttune.kernels import shard_gemm as sg
 from disttune.kernels.ag_gemm import AllGatherGEMM
 from disttune.kernels.symm import SymmetricBuffer
 
-
-def time_ms(fn, samples: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(samples):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    worst = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return round(float(worst.item()), 4)
-
-
-def stream_ms(fn, calls: int = 10) -> float:
-    """Per call over ``calls`` back-to-back calls between two events (the host may run ahead)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    worst = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return round(float(worst.item()), 4)
+from ag_gemm import steady_ms, time_ms  # bench/ is the script's folder, first on sys.path
 
 
 def host_us(fn, calls: int = 20) -> float:
@@ -195,7 +158,8 @@ def main() -> None:
     results = {"errors": errors}
     for name, fn in contenders.items():
         try:
-            results[name] = {"one_call_ms": time_ms(fn), "back_to_back_ms": stream_ms(fn), "host_us": host_us(fn)}
+            results[name] = {"one_call_ms": round(time_ms(fn, 20, warmup=3), 4),
+                             "back_to_back_ms": round(steady_ms(fn, 15), 4), "host_us": host_us(fn)}
         except Exception as err:  # noqa: BLE001 - a diagnostic: report and go on
             results[name] = f"{type(err).__name__}: {err}"[:160]
         if name.startswith("ag_") or name == "torch_fused":

@@ -28,7 +28,6 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 
 from . import store as _store
 from .comm import DEFAULT_TIMEOUT_S, Communicator, make_communicator

@@ -70,7 +70,7 @@ from .matmul import (
     make_autotuner,
     max_shared_memory,
     prune_configs,
-    shared_memory_bytes,
+    shared_memory_bytes,  # noqa: F401 - re-exported: moe.shared_memory_bytes sizes MoE configs
 )
 from .symm import uses_nccl
 

@@ -292,7 +292,7 @@ class ShardPusher:
     def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
                include_own: bool = False) -> torch.Tensor:
         rows = tuple(rows)
-        buf = self._setup(sum(rows), local.shape[1], local.dtype, local.device)
+        self._setup(sum(rows), local.shape[1], local.dtype, local.device)
         self.epoch += 1
         epoch, parity = self.epoch, self.epoch % 2
         key = (rows, chunks, parity, include_own)

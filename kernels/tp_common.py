@@ -6,7 +6,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks", "check_inputs", "check_rows", "row_starts"]

@@ -11,13 +11,10 @@ trials, faults injected, hangs, disagreements, torn files (see conftest.py).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from fault_tally import TALLY
 from helpers import CommandTimeout, REPO_ROOT, describe, mpi, repo_env, run_launch
