@@ -68,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--out", default=None, help="JSON lines file (default: $OUT/moe.jsonl or bench/results/)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="part b: rank 0 prints a cProfile of 50 ag_moe calls (where its host time goes)")
     o = p.parse_args()
     o.warmup = o.warmup if o.warmup is not None else (1 if o.smoke else 10)
     o.iters = o.iters if o.iters is not None else (2 if o.smoke else 50)
@@ -141,6 +143,26 @@ class Bench:
         t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
+
+    def host_profile(self, fn: Callable[[], object], title: str, calls: int = 50) -> None:
+        """cProfile of ``calls`` calls on every rank (no sync in between); rank 0 prints the top 25."""
+        import cProfile
+        import pstats
+
+        for _ in range(3):
+            fn()
+        self.sync()
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        host_ms = (time.perf_counter() - started) * 1e3 / calls
+        self.sync()
+        if self.rank == 0:
+            print(f"\n#### host profile: {title}, {calls} calls, {host_ms:.3f} ms host per call (profiled)\n")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
     def record(self, part: str, shape: dict, name: str, ms: float, **extra) -> None:
         row = dict(self.meta, part=part, shape=shape, contender=name, ms=ms, **extra)
@@ -284,6 +306,8 @@ class Bench:
                     rs_out.copy_(full[self.rank * (T // w):(self.rank + 1) * (T // w)])
                 return rs_out
 
+            if self.o.host_profile:
+                self.host_profile(ag_fused, f"ag_moe E={E} top-{k}")
             err = ((rs_fused().float() - rs_seq().float()).norm() / rs_seq().float().norm()).item()
             results, steady = {}, {}
             for name, fn in [("AG-MoE: all_gather then grouped_mm", ag_seq), ("AG-MoE: disttune ag_moe", ag_fused),
