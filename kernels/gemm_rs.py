@@ -94,7 +94,7 @@ class GemmReduceScatter:
 
     def _gpu_buffers(self, rows, N, dtype, device):
         """Receive slots and staging for ``max(rows)`` rows, grown to a power of two (a collective)."""
-        from .symm import SignalBoard, SymmetricBuffer, overlap_support, _stream_handle
+        from .symm import SignalBoard, SymmetricBuffer, overlap_support, stream_handle
 
         if self._board is None:
             ok, why = overlap_support(self.info.group)
@@ -102,7 +102,7 @@ class GemmReduceScatter:
                 raise RuntimeError(f"GemmReduceScatter: the overlapped GPU path is unavailable: {why}")
             self._board = SignalBoard(self.info.group, device)
             self._side = torch.cuda.Stream(device=device)
-            self._side_handle = _stream_handle(self._side)
+            self._side_handle = stream_handle(self._side)
             self._events = [torch.cuda.Event() for _ in range(self.info.world_size)]
         key = (N, dtype)
         bufs = self._buffers.get(key)

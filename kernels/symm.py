@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .tp_common import row_starts
 
-__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "write_flag", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,25 +48,20 @@ def flag_writer_available() -> tuple[bool, str]:
     return True, ""
 
 
-def write_flag(stream: torch.cuda.Stream, flag: torch.Tensor, value: int = 1) -> None:
-    """Set the int32 ``flag`` (one element) to ``value`` in ``stream``'s order, with no SM.
-
-    The write is ordered after the stream's earlier work and carries a memory barrier, so
-    a kernel that reads the flag with acquire semantics then sees the data copied before it.
-    """
-    write_flag_at(stream, flag.data_ptr(), value)
-
-
-def _stream_handle(stream):
+def stream_handle(stream):
     """The ``CUstream`` of a torch stream (a ``CUstream`` is passed through)."""
     driver = _driver()
     return stream if isinstance(stream, driver.CUstream) else driver.CUstream(stream.cuda_stream)
 
 
 def write_flag_at(stream, address, value: int) -> None:
-    """:func:`write_flag` for a device address (int or ``CUdeviceptr``; local or peer-mapped) on a
-    torch stream or a ``CUstream``."""
-    _check(_driver().cuStreamWriteValue32(_stream_handle(stream), _pointer(address), value, 0),
+    """Set the int32 at ``address`` (int or ``CUdeviceptr``; local or peer-mapped) to ``value`` in
+    ``stream``'s order (a torch stream or a ``CUstream``), with no SM.
+
+    The write is ordered after the stream's earlier work and carries a memory barrier, so a
+    reader that waits for the value (or loads it with acquire semantics) then sees the data
+    copied before it."""
+    _check(_driver().cuStreamWriteValue32(stream_handle(stream), _pointer(address), value, 0),
            "cuStreamWriteValue32")
 
 
@@ -90,7 +85,7 @@ def wait_flag_at(stream, address, value: int) -> None:
 
     ``cuStreamWaitValue32`` with ``GEQ``: the comparison is wrap-safe for epoch counters.
     """
-    _check(_driver().cuStreamWaitValue32(_stream_handle(stream), _pointer(address), value, _GEQ()),
+    _check(_driver().cuStreamWaitValue32(stream_handle(stream), _pointer(address), value, _GEQ()),
            "cuStreamWaitValue32")
 
 
@@ -99,9 +94,9 @@ def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
     return "nccl" in str(dist.get_backend(group))
 
 
-def overlap_support(group: Optional[dist.ProcessGroup] = None, signals: bool = True) -> tuple[bool, str]:
-    """Whether symmetric memory (and with ``signals``, the stream memory operations that
-    :class:`ShardPusher` needs) can be used on ``group`` here: (ok, reason if not)."""
+def overlap_support(group: Optional[dist.ProcessGroup] = None) -> tuple[bool, str]:
+    """Whether symmetric memory and the stream memory operations (cuda-bindings) that the
+    overlapped GPU kernels need can be used on ``group`` here: (ok, reason if not)."""
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     if not dist.is_initialized():
@@ -113,7 +108,7 @@ def overlap_support(group: Optional[dist.ProcessGroup] = None, signals: bool = T
         importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as err:
         return False, f"torch has no symmetric memory ({err})"
-    return flag_writer_available() if signals else (True, "")
+    return flag_writer_available()
 
 
 class SymmetricBuffer:
@@ -197,10 +192,10 @@ class SignalBoard:
         return _driver().CUdeviceptr(self.buffer.peer(owner).data_ptr() + 4 * (row * self.SLOTS + index))
 
 
-def copy_async(stream_handle, dest: int, source: int, nbytes: int) -> None:
+def copy_async(stream, dest: int, source: int, nbytes: int) -> None:
     """``cuMemcpyDtoDAsync`` (the copy engines; local or peer-mapped addresses) on a ``CUstream``."""
     driver = _driver()
-    _check(driver.cuMemcpyDtoDAsync(driver.CUdeviceptr(dest), driver.CUdeviceptr(source), nbytes, stream_handle),
+    _check(driver.cuMemcpyDtoDAsync(driver.CUdeviceptr(dest), driver.CUdeviceptr(source), nbytes, stream),
            "cuMemcpyDtoDAsync")
 
 
@@ -252,7 +247,7 @@ class ShardPusher:
         if self._signals is None:
             self._signals = SignalBoard(self.group, device)
             self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
-            self._handles = [_stream_handle(side) for side in self._sides]
+            self._handles = [stream_handle(side) for side in self._sides]
         buf = self._buffer
         if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
             if buf is not None:  # peers may still push into or read the old buffer: quiesce everyone
