@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="square,llama")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--only", choices=["ag", "rs", "both"], default="both")
-    parser.add_argument("--chunks", type=int, default=1, help="fused AG-GEMM: flagged pieces per pulled shard")
+    parser.add_argument("--chunks", type=int, default=1, help="fused AG-GEMM: flagged pieces per pushed shard")
     parser.add_argument("--streams", type=int, default=1, help="AG-GEMM: copy streams pulling the shards")
     parser.add_argument("--profile", action="store_true", help="print a torch profile of ours (5 calls per design)")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ K-major B 0.782 ms, cuBLAS 0.764 ms, a non-persistent pointer-load loop 0.813 ms
 
 Constraints declared by :func:`config_is_valid` and :func:`prune_shard_configs`:
 power-of-two blocks >= 16, GROUP_M >= 1, BLOCK_M <= MAX_BLOCK_M (256: a tile never spans two
-pulled chunks), pipelined shared memory within the device limit (a config whose epilogue
+pushed chunks), pipelined shared memory within the device limit (a config whose epilogue
 buffer does not fit fails to compile and counts as failed).
 Input constraints (:func:`check_gemm_inputs`): 2-D, same dtype, 16-byte aligned rows and
 start, as tensor descriptors need.
@@ -192,7 +192,7 @@ shard_gemm_jit = triton.jit(shard_ordered_gemm, do_not_specialize=["rank", "epoc
 _AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR", "ADD_SLOTS"]
 
 
-#: Largest BLOCK_M: pulled shards arrive in chunks starting at multiples of this many rows
+#: Largest BLOCK_M: pushed shards arrive in chunks starting at multiples of this many rows
 #: (``kernels.symm.CHUNK_ALIGN``), and a tile waits on the flag of its first row's chunk only.
 MAX_BLOCK_M = 256
 
@@ -202,7 +202,7 @@ def prune_shard_configs(configs, named_args: dict, **kwargs) -> list:
     kept = prune_by_shared_memory(configs, named_args, **kwargs)
     fitting = [c for c in kept if c.kwargs["BLOCK_M"] <= MAX_BLOCK_M]
     if not fitting:
-        raise ValueError(f"shard GEMM: every config has BLOCK_M > {MAX_BLOCK_M}; a tile must not span two pulled "
+        raise ValueError(f"shard GEMM: every config has BLOCK_M > {MAX_BLOCK_M}; a tile must not span two pushed "
                          f"chunks (BLOCK_M values: {sorted({c.kwargs['BLOCK_M'] for c in kept})})")
     return fitting
 

@@ -148,13 +148,13 @@ class SymmetricBuffer:
         self.handle.barrier(channel=channel)
 
 
-#: Chunks of a pulled shard start at multiples of this many rows (``shard_gemm.MAX_BLOCK_M``),
+#: Chunks of a pushed shard start at multiples of this many rows (``shard_gemm.MAX_BLOCK_M``),
 #: so no GEMM tile spans two chunks.
 CHUNK_ALIGN = 256
 
 
 def chunk_rows(rows: Sequence[int], chunks: int) -> int:
-    """Rows per chunk when every shard of ``rows`` is pulled in at most ``chunks`` pieces."""
+    """Rows per chunk when every shard of ``rows`` is pushed in at most ``chunks`` pieces."""
     per = -(-max(max(rows), 1) // max(1, chunks))
     return -(-per // CHUNK_ALIGN) * CHUNK_ALIGN
 
