@@ -101,7 +101,7 @@ def test_tp_mlp_example_runs_and_checks_itself():
     assert len(re.findall(r"^  shard_ordered_gemm .*\(tuned\)$", proc.stdout, flags=re.M)) == 4, describe(proc)
 
 
-def test_chunks_of_pulled_shards_start_on_tile_boundaries():
+def test_chunks_of_pushed_shards_start_on_tile_boundaries():
     from disttune.kernels.symm import CHUNK_ALIGN, chunk_rows
 
     assert chunk_rows([4096, 4096], 4) == 1024
@@ -148,7 +148,7 @@ def test_one_ranks_bad_input_is_an_error_on_every_rank_and_a_rank_without_column
     assert re.search(r"^rank 1 gathered \(16, 0\) ok=True$", proc.stdout, flags=re.M), describe(proc)
 
 
-def test_configs_whose_tiles_could_span_two_pulled_chunks_are_pruned():
+def test_configs_whose_tiles_could_span_two_pushed_chunks_are_pruned():
     import triton
 
     from disttune.kernels.shard_gemm import MAX_BLOCK_M, prune_shard_configs
@@ -159,5 +159,5 @@ def test_configs_whose_tiles_could_span_two_pulled_chunks_are_pruned():
     args = {"a_ptr": torch.empty(1, 8, dtype=torch.float16), "b_ptr": torch.empty(8, 1, dtype=torch.float16)}
     kept = prune_shard_configs([config(64), config(2 * MAX_BLOCK_M)], args)
     assert [c.kwargs["BLOCK_M"] for c in kept] == [64]
-    with pytest.raises(ValueError, match="a tile must not span two pulled chunks"):
+    with pytest.raises(ValueError, match="a tile must not span two pushed chunks"):
         prune_shard_configs([config(2 * MAX_BLOCK_M)], args)
