@@ -45,6 +45,7 @@ __all__ = [
     "BF16_INTERPRETER_NOTE",
     "CPU_MAX_SHARED_MEM",
     "default_configs",
+    "gemm_config",
     "interpreting",
     "config_is_valid",
     "shared_memory_bytes",
@@ -85,7 +86,8 @@ def interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _cfg(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> triton.Config:
+def gemm_config(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> triton.Config:
+    """A ``triton.Config`` of the tiled GEMMs' meta-parameters (BLOCK_M/N/K, GROUP_M), stages and warps."""
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm},
         num_stages=stages,
@@ -95,25 +97,25 @@ def _cfg(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> triton.
 
 #: The 12-config Hopper search space (all GROUP_M=8).
 HOPPER_GEMM_CONFIGS = [
-    _cfg(128, 256, 64, 8, 3, 8),
-    _cfg(64, 256, 32, 8, 4, 4),
-    _cfg(128, 128, 32, 8, 4, 4),
-    _cfg(128, 64, 32, 8, 4, 4),
-    _cfg(64, 128, 32, 8, 4, 4),
-    _cfg(128, 32, 32, 8, 4, 4),
-    _cfg(64, 32, 32, 8, 5, 2),
-    _cfg(32, 64, 32, 8, 5, 2),
-    _cfg(128, 256, 64, 8, 4, 8),
-    _cfg(256, 128, 64, 8, 3, 8),
-    _cfg(128, 128, 64, 8, 4, 4),
-    _cfg(128, 128, 64, 8, 3, 8),
+    gemm_config(128, 256, 64, 8, 3, 8),
+    gemm_config(64, 256, 32, 8, 4, 4),
+    gemm_config(128, 128, 32, 8, 4, 4),
+    gemm_config(128, 64, 32, 8, 4, 4),
+    gemm_config(64, 128, 32, 8, 4, 4),
+    gemm_config(128, 32, 32, 8, 4, 4),
+    gemm_config(64, 32, 32, 8, 5, 2),
+    gemm_config(32, 64, 32, 8, 5, 2),
+    gemm_config(128, 256, 64, 8, 4, 8),
+    gemm_config(256, 128, 64, 8, 3, 8),
+    gemm_config(128, 128, 64, 8, 4, 4),
+    gemm_config(128, 128, 64, 8, 3, 8),
 ]
 
 #: Small configs so interpreter runs on CPU stay fast.
 CPU_GEMM_CONFIGS = [
-    _cfg(16, 16, 16, 1, 1, 1),
-    _cfg(32, 32, 16, 4, 1, 1),
-    _cfg(16, 32, 32, 4, 1, 1),
+    gemm_config(16, 16, 16, 1, 1, 1),
+    gemm_config(32, 32, 16, 4, 1, 1),
+    gemm_config(16, 32, 32, 4, 1, 1),
 ]
 
 

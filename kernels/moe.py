@@ -66,6 +66,7 @@ from .matmul import (
     BF16_INTERPRETER_NOTE,
     SUPPORTED_DTYPES,
     config_is_valid,
+    gemm_config,
     interpreting,
     make_autotuner,
     max_shared_memory,
@@ -102,34 +103,29 @@ __all__ = [
 ]
 
 
-def _cfg(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm},
-                         num_stages=stages, num_warps=warps)
-
-
 #: Hopper (H100/H200) space, bf16/fp16: large tiles for the 8-expert shape, 64-row tiles for
 #: many small experts (64 experts x ~400 rows), deeper pipelines for the narrower tiles.
 HOPPER_MOE_CONFIGS = [
-    _cfg(128, 256, 64, 8, 3, 8),
-    _cfg(128, 256, 64, 8, 4, 8),
-    _cfg(256, 128, 64, 8, 3, 8),
-    _cfg(128, 128, 64, 8, 4, 4),
-    _cfg(128, 128, 64, 8, 3, 8),
-    _cfg(128, 128, 128, 8, 3, 8),
-    _cfg(64, 256, 64, 8, 4, 4),
-    _cfg(64, 128, 64, 8, 4, 4),
-    _cfg(128, 64, 64, 8, 4, 4),
-    _cfg(64, 64, 64, 8, 4, 4),
-    _cfg(128, 128, 32, 8, 4, 4),
-    _cfg(64, 128, 128, 8, 3, 4),
+    gemm_config(128, 256, 64, 8, 3, 8),
+    gemm_config(128, 256, 64, 8, 4, 8),
+    gemm_config(256, 128, 64, 8, 3, 8),
+    gemm_config(128, 128, 64, 8, 4, 4),
+    gemm_config(128, 128, 64, 8, 3, 8),
+    gemm_config(128, 128, 128, 8, 3, 8),
+    gemm_config(64, 256, 64, 8, 4, 4),
+    gemm_config(64, 128, 64, 8, 4, 4),
+    gemm_config(128, 64, 64, 8, 4, 4),
+    gemm_config(64, 64, 64, 8, 4, 4),
+    gemm_config(128, 128, 32, 8, 4, 4),
+    gemm_config(64, 128, 128, 8, 3, 4),
 ]
 
 #: Small configs for CPU runs under the interpreter, whose cost is mostly per program:
 #: few, wide tiles keep the tests fast.
 CPU_MOE_CONFIGS = [
-    _cfg(32, 32, 32, 4, 1, 1),
-    _cfg(16, 32, 32, 1, 1, 1),
-    _cfg(32, 32, 16, 4, 1, 1),
+    gemm_config(32, 32, 32, 4, 1, 1),
+    gemm_config(16, 32, 32, 1, 1, 1),
+    gemm_config(32, 32, 16, 4, 1, 1),
 ]
 
 A_ORDERS = ("token", "flat", "sorted")
