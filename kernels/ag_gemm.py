@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import uses_nccl
-from .tp_common import check_inputs, check_rows, group_info, row_starts
+from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
 
@@ -87,11 +87,7 @@ class AllGatherGEMM:
     def __call__(self, a_shard: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
                  shard_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         info = self.info
-        if not isinstance(a_shard, torch.Tensor) or not isinstance(b_local, torch.Tensor):
-            raise TypeError("AllGatherGEMM: a_shard and b_local must be torch.Tensors")
-        if a_shard.dim() != 2 or b_local.dim() != 2:
-            raise ValueError(f"AllGatherGEMM: a_shard and b_local must be 2-D, got {tuple(a_shard.shape)} and "
-                             f"{tuple(b_local.shape)}")
+        check_matrices("AllGatherGEMM", a_shard=a_shard, b_local=b_local)
         rows = (check_rows(shard_rows, sum(shard_rows), info.world_size, "AllGatherGEMM")
                 if shard_rows is not None else (a_shard.shape[0],) * info.world_size)
         if rows[info.rank] != a_shard.shape[0]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import uses_nccl
-from .tp_common import check_inputs, check_rows, group_info, row_starts, split_rows
+from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
 __all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]
 
@@ -61,11 +61,7 @@ class GemmReduceScatter:
     def __call__(self, a_local: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
                  out_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         info = self.info
-        if not isinstance(a_local, torch.Tensor) or not isinstance(b_local, torch.Tensor):
-            raise TypeError("GemmReduceScatter: a_local and b_local must be torch.Tensors")
-        if a_local.dim() != 2 or b_local.dim() != 2:
-            raise ValueError(f"GemmReduceScatter: a_local and b_local must be 2-D, got {tuple(a_local.shape)} and "
-                             f"{tuple(b_local.shape)}")
+        check_matrices("GemmReduceScatter", a_local=a_local, b_local=b_local)
         M, N = a_local.shape[0], b_local.shape[1]
         rows = (check_rows(out_rows, M, info.world_size, "GemmReduceScatter") if out_rows is not None
                 else split_rows(M, info.world_size))

@@ -6,9 +6,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks", "check_inputs", "check_rows", "row_starts"]
+__all__ = ["GroupInfo", "group_info", "split_rows", "check_same_on_all_ranks", "check_inputs", "check_rows", "row_starts", "check_matrices"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,15 @@ def check_inputs(info: GroupInfo, who: str, checked: set, signature: tuple, loca
         local_error = None
     check_same_on_all_ranks(info, who, signature, local, local_error)
     checked.add(signature)
+
+
+def check_matrices(who: str, **tensors) -> None:
+    """TypeError unless every keyword argument is a tensor, ValueError unless every one is 2-D."""
+    names = " and ".join(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise TypeError(f"{who}: {names} must be torch.Tensors")
+    if any(t.dim() != 2 for t in tensors.values()):
+        raise ValueError(f"{who}: {names} must be 2-D, got " + " and ".join(str(tuple(t.shape)) for t in tensors.values()))
 
 
 def check_rows(rows: Sequence[int], total: int, world: int, who: str) -> tuple[int, ...]:
