@@ -380,31 +380,8 @@ def case_split_store(ctx):
 
 def case_split_compile_fault(ctx):
     """BLOCK >= 64 fails to compile on rank 1 only; rank 1 times none of them, so the final run must catch it."""
-    import triton
-    from tiny_kernels import add_block_limited, grid
-
-    configs = [triton.Config({"BLOCK": b}, num_warps=1) for b in (16, 32, 64, 128)]
-    kernel = triton.autotune(configs, key=["n"])(add_block_limited)
-    table = [3.0, 2.0, 1.0, 0.5]
-    timer = TableTimer(lambda info: table[info.config_index])
-    runs = {"n": 0}
-    x = torch.randn(128, device=ctx.device)
-    limit = 64 if ctx.rank == 1 else 1024
-
-    @disttune.contextual_autotune(**ctx.tuner_options("split_compile_fault", timer=timer, split=["add_block_limited"],
-                                                      store=False))
-    def step():
-        runs["n"] += 1
-        y = torch.full_like(x, float("nan"))
-        kernel[grid(128)](x, y, 128, LIMIT=limit)
-        ctx.sum_across_ranks(1.0)
-        return y
-
-    y = step()
-    (result,) = step.report.results
-    return {"runs": runs["n"], "function_runs": step.report.function_runs, "winner": result.winner,
-            "agreed_ms": list(result.agreed_ms), "timed": sorted({i.config_index for i in timer.seen}),
-            "output_ok": bool(torch.equal(y, x + result.config.kwargs["BLOCK"]))}
+    return _compile_fault_case(ctx, lambda rank: 64 if rank == 1 else 1024, blocks=(16, 32, 64, 128),
+                               name="split_compile_fault", split=["add_block_limited"])
 
 
 def case_function(ctx):
@@ -463,17 +440,19 @@ def case_function_subgroup(ctx):
     return {"pair": pair, "winner": winner}
 
 
-def _compile_fault_case(ctx, limit_for_rank) -> dict:
-    """The kernel's static assertion fails for BLOCK >= LIMIT; LIMIT differs per rank."""
+def _compile_fault_case(ctx, limit_for_rank, blocks=(16, 32, 64), name: str = "compile_fault", **tuner) -> dict:
+    """The kernel's static assertion fails for BLOCK >= LIMIT; LIMIT differs per rank. The fake
+    timer makes later configs faster (3, 2, 1, 0.5 ms), so a config that fails somewhere would win."""
     from tiny_kernels import add_block_limited, grid
 
-    kernel = make_kernel(add_block_limited)
-    timer = TableTimer(lambda info: {0: 3.0, 1: 2.0, 2: 1.0}[info.config_index])
+    kernel = make_kernel(add_block_limited, blocks=blocks)
+    table = [3.0, 2.0, 1.0, 0.5]
+    timer = TableTimer(lambda info: table[info.config_index])
     runs = {"n": 0}
     x = torch.randn(128, device=ctx.device)
     limit = limit_for_rank(ctx.rank)
 
-    @disttune.contextual_autotune(**ctx.tuner_options("compile_fault", timer=timer, store=False))
+    @disttune.contextual_autotune(**ctx.tuner_options(name, timer=timer, store=False, **tuner))
     def step():
         runs["n"] += 1
         y = torch.full_like(x, float("nan"))
@@ -482,9 +461,10 @@ def _compile_fault_case(ctx, limit_for_rank) -> dict:
         return y
 
     y = step()
-    winner = step.report.results[0]
-    return {"runs": runs["n"], "winner": winner.winner, "agreed_ms": list(winner.agreed_ms),
-            "output_ok": bool(torch.equal(y, x + winner.config.kwargs["BLOCK"]))}
+    (result,) = step.report.results
+    return {"runs": runs["n"], "function_runs": step.report.function_runs, "winner": result.winner,
+            "agreed_ms": list(result.agreed_ms), "timed": sorted({i.config_index for i in timer.seen}),
+            "output_ok": bool(torch.equal(y, x + result.config.kwargs["BLOCK"]))}
 
 
 def case_compile_fault_one_rank(ctx):
