@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 from . import intercept as _hook
 from . import store as _store
 from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, make_communicator
+from .fast_path import FastPlan
 from .logs import RankLog
 from .sites import (
     REDUCTIONS,
@@ -281,73 +282,22 @@ class _Session:
             self.stale.append(ident.describe())
         return _hook.launch_winner(autotuner, args, kwargs, config)
 
-
-class _FastPlan:
-    """The winners of a tuned wrapper, laid out for the fast path: built once per tuning, read per launch.
-
-    ``kernels`` maps each tuned autotuner to its :class:`~disttune.intercept.FastKernel`;
-    ``launches`` maps ``(kernel name, key)`` to one ``(config, its all_kwargs(), pre_hook)`` per occurrence.
-    """
-
-    __slots__ = ("kernels", "launches", "winners")
-
-    def __init__(self, sites: dict, winners: dict) -> None:
-        self.winners = winners
-        self.kernels: dict = {}
-        self.launches: dict = {}
-        by_occurrence: dict = {}
-        for ident, config in winners.items():
-            autotuner = sites[ident].autotuner
-            if autotuner not in self.kernels:
-                self.kernels[autotuner] = _hook.FastKernel(autotuner)
-            by_occurrence.setdefault((ident.kernel, ident.key), {})[ident.occurrence] = (
-                config, config.all_kwargs(), config.pre_hook)
-        for counter, planned in by_occurrence.items():
-            # occurrences 0..k-1 in order; a gap (never the case for winners of one tuning) ends the list
-            run = []
-            while len(run) in planned:
-                run.append(planned[len(run)])
-            self.launches[counter] = tuple(run)
+    def launch_unplanned(self, kernel: str, key: tuple, occurrence: int, autotuner: Any, args: tuple,
+                         kwargs: dict) -> Any:
+        """A fast-mode launch of a site the fast plan lacks (its occurrence already counted)."""
+        return self._launch_fast(SiteId(kernel, key, occurrence), autotuner, key, args, kwargs)
 
 
-class _FastLaunch:
-    """The launch handler of one call after tuning: each site's winner, at close to a plain launch's cost.
+_active_handler = _hook._current.get  # bound once: the tuned fast path asks on every call
 
-    Same launches as :meth:`_Session._launch_fast` (which handles what the plan does not know:
-    another autotuner, a new key, an extra occurrence), without building dicts per launch.
-    """
 
-    __slots__ = ("kernels", "launches", "winners", "occurrences", "fallback")
-
-    def __init__(self, plan: _FastPlan) -> None:
-        self.kernels, self.launches, self.winners = plan.kernels, plan.launches, plan.winners
-        self.occurrences: dict = {}
-        self.fallback: Optional[_Session] = None
-
-    def launch(self, autotuner: Any, args: tuple, kwargs: dict) -> Any:
-        kernel = self.kernels.get(autotuner)
-        if kernel is None:
-            return self._slow().launch(autotuner, args, kwargs)
-        counter = (kernel.name, kernel.key(args, kwargs))
-        occurrence = self.occurrences.get(counter, 0)
-        self.occurrences[counter] = occurrence + 1
-        planned = self.launches.get(counter, ())
-        if occurrence >= len(planned):
-            return self._slow()._launch_fast(SiteId(counter[0], counter[1], occurrence), autotuner, counter[1],
-                                             args, kwargs)
-        config, config_kwargs, pre_hook = planned[occurrence]
-        if pre_hook is not None:
-            pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config_kwargs})
-        return autotuner.fn.run(*args, **kwargs, **config_kwargs)
-
-    def _slow(self) -> "_Session":
-        """A fast-mode session sharing this call's occurrence counts (for launches the plan does not cover)."""
-        if self.fallback is None:
-            self.fallback = _Session(None, 0, False)  # type: ignore[arg-type]
-            self.fallback.winners = self.winners
-            self.fallback.mode = "fast"
-            self.fallback._occurrences = self.occurrences
-        return self.fallback
+def _fallback_session(winners: dict, occurrences: dict) -> _Session:
+    """The fast path's handler for launches its plan does not cover, sharing the call's occurrence counts."""
+    session = _Session(None, 0, False)  # type: ignore[arg-type]
+    session.winners = winners
+    session.mode = "fast"
+    session._occurrences = occurrences
+    return session
 
 
 class ContextualAutotuner:
@@ -422,7 +372,7 @@ class ContextualAutotuner:
         self._splits = _split_predicate(split)
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
-        self._plan: Optional[_FastPlan] = None
+        self._plan: Optional[FastPlan] = None
         self._tuned = False
         self._communicator: Optional[Communicator] = None
 
@@ -448,20 +398,29 @@ class ContextualAutotuner:
         return total_function_runs(longest_config_list, self.n_warmup, self.n_repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _hook._current.get() is not None:
+        if _active_handler() is not None:
             # Nested inside another wrapped call: its kernels are that call's sites.
             return self.fn(*args, **kwargs)
         if self._tuned:
-            # The fast path, inlined (it is what every call after tuning costs): one small handler,
-            # the bare scope pair, the winners' launches laid out at commit time.
-            handler = _FastLaunch(self._plan)  # type: ignore[arg-type]
+            # The fast path, inlined (it is what every call after tuning costs): a spare handler (list.pop
+            # and append are atomic, so threads never share one), the bare scope pair, the planned launches.
+            plan = self._plan
+            try:
+                handler = plan.spare.pop()  # type: ignore[union-attr]
+            except IndexError:
+                handler = plan.new_handler()  # type: ignore[union-attr]
             token = _hook.open_scope(handler)
             try:
                 result = self.fn(*args, **kwargs)
             finally:
                 _hook.close_scope(token)
-            if handler.fallback is not None and handler.fallback.stale:
-                self._went_stale(handler.fallback.stale)
+            if handler.following:  # it followed the learned launch sequence: ready as it is for the next call
+                handler.position = 0
+                plan.spare.append(handler)  # type: ignore[union-attr]
+            else:
+                stale = plan.finish(handler)  # type: ignore[union-attr]
+                if stale:
+                    self._went_stale(stale)
             return result
         return self._tuning_call(args, kwargs)
 
@@ -778,7 +737,7 @@ class ContextualAutotuner:
                 site.autotuner.cache[result.site.key] = config
         session.winners = winners
         self._winners = winners
-        self._plan = _FastPlan(session.sites, winners)
+        self._plan = FastPlan(session.sites, winners, _fallback_session)
 
     def _print_summary(self, log: RankLog) -> None:
         report = self.report

@@ -112,54 +112,6 @@ def tuning_key(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-class FastKernel:
-    """What the tuned fast path needs of one autotuner, computed once: its name and how to read its key.
-
-    :meth:`key` equals :func:`tuning_key` (Triton's cache key: the ``key`` arguments, then every
-    argument's ``str(dtype)``) but reads the ``key`` arguments by position when none is passed by
-    keyword, the common launch ``kernel[grid](a, b, n)``, and skips the dict building.
-    """
-
-    __slots__ = ("autotuner", "name", "positions", "arg_names", "n_names", "needed")
-
-    def __init__(self, autotuner: Autotuner) -> None:
-        self.autotuner = autotuner
-        self.name = kernel_name(autotuner)
-        names = list(autotuner.arg_names)
-        self.positions = tuple(names.index(k) for k in autotuner.keys if k in names)
-        self.arg_names = frozenset(names)
-        self.n_names = len(names)
-        self.needed = max(self.positions, default=-1) + 1  # fewer positional arguments: the general path
-
-    def key(self, args: tuple, kwargs: dict) -> tuple:
-        count = len(args)
-        if count > self.n_names or count < self.needed or not self.arg_names.isdisjoint(kwargs):
-            return tuning_key(self.autotuner, args, kwargs)
-        key = []
-        for i in self.positions:
-            key.append(args[i])
-        for arg in args:
-            kind = type(arg)
-            if kind is _Tensor:
-                key.append(_DTYPE_NAMES[arg.dtype])
-            elif kind not in _NO_DTYPE:
-                dtype = getattr(arg, "dtype", _MISSING)
-                if dtype is not _MISSING:
-                    key.append(str(dtype))
-        return tuple(key)
-
-
-_MISSING = object()
-_NO_DTYPE = frozenset({int, float, bool, str, type(None)})
-try:
-    import torch as _torch
-
-    _Tensor: Any = _torch.Tensor
-    _DTYPE_NAMES = {d: str(d) for d in vars(_torch).values() if isinstance(d, _torch.dtype)}
-except ImportError:  # pragma: no cover - torch is a dependency
-    _Tensor, _DTYPE_NAMES = None, {}
-
-
 def candidate_configs(autotuner: Autotuner, args: tuple, kwargs: dict) -> list:
     """The configs Triton would benchmark for this launch (``early_config_prune``, ``perf_model``/``top_k``)."""
     autotuner.nargs = dict(zip(autotuner.arg_names, args))

@@ -17,6 +17,7 @@ from triton.runtime.autotuner import Autotuner
 
 import disttune
 from disttune import intercept
+from disttune.fast_path import FastKernel
 from tiny_kernels import TableTimer, accumulate, device, grid, increment, launch_add, make_kernel
 
 STOCK_RUN = Autotuner.run
@@ -608,19 +609,26 @@ def test_split_accepts_names_kernels_and_predicates():
 # -- the tuned fast path ------------------------------------------------------------------------------------
 
 def test_fast_key_equals_tritons_key_for_every_way_of_passing_arguments():
+    """Each way of passing arguments is read right by a reader generated for it (a fresh FastKernel's first
+    launch) and by the readers generated for every other way (whose type guards must send it elsewhere)."""
     kernel = make_kernel()
-    fast = intercept.FastKernel(kernel)
     x, h = torch.randn(8, device=DEV), torch.randn(8, device=DEV).half()
 
     class DtypeLike:
         dtype = "custom"
 
-    for args, kwargs in [((x, h, 8), {"grid": None, "warmup": False}),  # positional (the fast case)
-                         ((x, h), {"n": 8, "grid": None}),               # the key argument by keyword
-                         ((x,), {"y_ptr": h, "n": 8}),                    # more by keyword
-                         ((DtypeLike(), x, 8), {}),                       # a non-tensor with a dtype
-                         ((x, None, 8.0), {})]:
-        assert fast.key(args, kwargs) == intercept.tuning_key(kernel, args, kwargs), (args, kwargs)
+    cases = [((x, h, 8), {"grid": None, "warmup": False}),  # positional (the fast case)
+             ((x, h), {"n": 8, "grid": None}),               # the key argument by keyword
+             ((x,), {"y_ptr": h, "n": 8}),                    # more by keyword
+             ((DtypeLike(), x, 8), {}),                       # a non-tensor with a dtype
+             ((x, None, 8.0), {}),                            # same count, other types: a guard must fail
+             ((h, x, 9), {}),                                 # same types, other dtypes and key
+             ((torch.nn.Parameter(x), h, 8), {})]             # a tensor subclass
+    for first_args, first_kwargs in cases:
+        fast = FastKernel(kernel)
+        assert fast.key(first_args, first_kwargs) == intercept.tuning_key(kernel, first_args, first_kwargs)
+        for args, kwargs in cases:
+            assert fast.key(args, kwargs) == intercept.tuning_key(kernel, args, kwargs), (first_args, args, kwargs)
 
 
 def test_fast_path_runs_the_winners_pre_hook_and_hands_unplanned_launches_to_the_general_path(tmp_path):
@@ -657,12 +665,16 @@ def _recorded_body(x_ptr, n, BLOCK):  # noqa: N803 - the signature the recording
     """What RecordingKernel stands for: its source names the kernel; it never runs."""
 
 
+def _other_recorded_body(x_ptr, n, BLOCK):  # noqa: N803 - a second kernel name for RecordingKernel
+    """A second recording kernel's stand-in source."""
+
+
 class RecordingKernel(triton.runtime.KernelInterface):
     """A launchable that records the BLOCK of every launch instead of running (Triton's interpreter
     is not thread-safe, so concurrent calls are checked on the launch path, not on kernel output)."""
 
-    def __init__(self) -> None:
-        self.fn = _recorded_body
+    def __init__(self, body=_recorded_body) -> None:
+        self.fn = body
         self.arg_names = ["x_ptr", "n", "BLOCK"]
         self.blocks: list = []
         self._lock = threading.Lock()
@@ -711,4 +723,51 @@ def test_tuned_wrapper_called_from_several_threads_at_once(tmp_path):
     assert not any(worker.is_alive() for worker in workers) and errors == []
     assert recorder.blocks == [32] * (4 * 200 * 2)
     assert step.tuned and len(step.report.results) == 2
+    assert Autotuner.run is STOCK_RUN
+
+
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_fast_path_follows_calls_that_depart_from_the_learned_launch_order(tmp_path, by_keyword):
+    """The fast path learns the launch order of the first clean call; later calls in another order, with an
+    extra occurrence or with a new key still launch each site's own winner (or retune), as the general way does."""
+    recorders = {"first": RecordingKernel(), "second": RecordingKernel(_other_recorded_body)}
+    kernels = {name: triton.autotune([triton.Config({"BLOCK": b}) for b in (16, 32, 64)], key=["n"])(recorder)
+               for name, recorder in recorders.items()}
+    winners = {"first": 1, "second": 2}  # BLOCK=32 and BLOCK=64
+
+    def table(info):
+        name = "second" if info.kernel.endswith("_other_recorded_body") else "first"
+        return 1.0 if info.config_index == winners[name] else 2.0 + info.config_index
+
+    order = ["first", "second"]
+
+    @tuner(tmp_path, timer=TableTimer(table))
+    def step(x, n):
+        for name in order:
+            if by_keyword:  # no generated key reader: the general one, in the sequence check too
+                kernels[name][grid(n)](x, n=n)
+            else:
+                kernels[name][grid(n)](x, n)
+
+    x = torch.randn(64, device=DEV)
+    step(x, 64)
+    step(x, 64)
+    assert step._plan.sequence is not None and len(step._plan.sequence) == 2
+
+    def launched(n=64):
+        for recorder in recorders.values():
+            recorder.blocks.clear()
+        step(x, n)
+        return recorders["first"].blocks, recorders["second"].blocks
+
+    assert launched() == ([32], [64])
+    order[:] = ["second", "first"]
+    assert launched() == ([32], [64])
+    order[:] = ["first", "first", "second"]  # an extra occurrence: the kernel's cache holds the winner
+    assert launched() == ([32, 32], [64]) and step.tuned
+    order[:] = ["first", "second"]
+    assert launched() == ([32], [64])
+    with pytest.warns(RuntimeWarning, match="not tuned for"):
+        launched(n=32)  # a new key: first config now, retuned on the next call
+    assert not step.tuned
     assert Autotuner.run is STOCK_RUN

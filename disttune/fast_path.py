@@ -1,0 +1,280 @@
+"""The tuned fast path: every call of a wrapper after tuning launches its winners at close to a plain launch's cost.
+
+Per intercepted launch the plan must still (1) recognise the site (kernel, Triton's cache key,
+occurrence within the call) and (2) launch the winner. The general way, a dict keyed on
+``(kernel name, key)`` plus a per-call occurrence count, costs about 1 us of Python per launch,
+so the plan also learns the *launch sequence* of the first fast call that launched only planned
+sites and then checks each launch against its position in it: one tuple index, one identity test
+and one key comparison. A call that departs from the sequence (another order, another key, one
+launch more) switches to the general way at the point of departure, with the occurrence counts
+its earlier launches imply, so it sees exactly what the general way alone would have seen.
+
+:class:`FastKernel` reads a kernel's key with a function generated for the argument types of its
+first launch (guarded by exact type checks; anything else takes the general reader), which is
+about half the cost of the general reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from triton.runtime.autotuner import Autotuner
+
+from . import intercept as _hook
+
+# (FastKernel, key, run, config kwargs, config pre_hook): one planned launch
+_Planned = tuple
+# (autotuner, its FastKernel.planned_launch, FastKernel, key): one launch of the learned sequence
+_Sequenced = tuple
+DEPARTED = object()  # what a planned launch returns, without launching, for a launch with another key
+
+_MISSING = object()
+_NO_DTYPE = frozenset({int, float, bool, str, type(None)})
+try:
+    import torch as _torch
+
+    _Tensor: Any = _torch.Tensor
+    _DTYPE_NAMES = {d: str(d) for d in vars(_torch).values() if isinstance(d, _torch.dtype)}
+except ImportError:  # pragma: no cover - torch is a dependency
+    _Tensor, _DTYPE_NAMES = None, {}
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+class FastKernel:
+    """What the fast path needs of one autotuner, computed once: its name, its launcher and a key reader.
+
+    ``key(args, kwargs)`` equals :func:`~disttune.intercept.tuning_key` (Triton's cache key: the
+    ``key`` arguments, then every argument's ``str(dtype)``). The first call generates a reader for
+    that call's positional count and exact argument types (``kernel[grid](a, b, n)`` with tensors and
+    Python scalars); a launch with other types or keyword arguments takes :meth:`general_key`.
+    """
+
+    __slots__ = ("autotuner", "name", "run", "positions", "arg_names", "n_names", "needed", "key", "spec")
+
+    def __init__(self, autotuner: Autotuner) -> None:
+        self.autotuner = autotuner
+        self.name = _hook.kernel_name(autotuner)
+        self.run = autotuner.fn.run
+        names = list(autotuner.arg_names)
+        self.positions = tuple(names.index(k) for k in autotuner.keys if k in names)
+        self.arg_names = frozenset(names)
+        self.n_names = len(names)
+        self.needed = max(self.positions, default=-1) + 1  # fewer positional arguments: the general path
+        self.spec: Optional[tuple] = None  # the exact argument types the generated reader is for
+        self.key: Callable[[tuple, dict], tuple] = self._first_key
+
+    def _first_key(self, args: tuple, kwargs: dict) -> tuple:
+        self.key = self._specialize(args, kwargs) or self.general_key
+        return self.key(args, kwargs)
+
+    def _specialize(self, args: tuple, kwargs: dict) -> Optional[Callable[[tuple, dict], tuple]]:
+        """A key reader for launches with ``len(args)`` positional arguments of exactly these types."""
+        count = len(args)
+        if (not count or count > self.n_names or count < self.needed
+                or not self.arg_names.isdisjoint(kwargs)):
+            return None
+        types = tuple(type(arg) for arg in args)
+        if not all(kind in _NO_DTYPE or issubclass(kind, _Tensor) for kind in types):
+            return None  # something with a dtype of its own making: keep the general reader
+        self.spec = types
+        parts = [f"a{i}" for i in self.positions]
+        parts += [f"_dt[a{i}.dtype]" for i in self._tensor_positions()]
+        return self._generate("key", f"return ({', '.join(parts)},)", "return _general(args, kwargs)")
+
+    def planned_launch(self, key: tuple, run: Callable, config_kwargs: dict,
+                       pre_hook: Optional[Callable]) -> Callable[[tuple, dict], Any]:
+        """``launch(args, kwargs)``: the winner's launch if this launch has ``key``, else :data:`DEPARTED`.
+
+        Where the launch has the specialized argument types the key's values are compared in place
+        (no key tuple is built); elsewhere the key is read and compared.
+        """
+        hook = "_pre({**dict(zip(_arg_list, args)), **kwargs, **_ckw}); " if pre_hook is not None else ""
+        launch = f"{hook}return _run(*args, **kwargs, **_ckw)"
+        constants = {"_run": run, "_ckw": config_kwargs, "_pre": pre_hook, "_expected": key,
+                     "_arg_list": list(self.autotuner.arg_names), "DEPARTED": DEPARTED}
+        tensors = self._tensor_positions()
+        dtypes = [_DTYPES_BY_NAME.get(name) for name in key[len(self.positions):]]
+        if self.spec is None or any(i in tensors for i in self.positions) or None in dtypes:
+            return self._generate("planned", "pass", f"if _key(args, kwargs) != _expected: return DEPARTED\n"
+                                  f"    {launch}", **constants)
+        tests = [f"a{i} == _k{i}" for i in self.positions] + [f"a{i}.dtype is _d{i}" for i in tensors]
+        constants.update({f"_k{i}": value for i, value in zip(self.positions, key)})
+        constants.update({f"_d{i}": dtype for i, dtype in zip(tensors, dtypes)})
+        return self._generate(
+            "planned", f"if not ({' and '.join(tests) or 'True'}): return DEPARTED\n            {launch}",
+            f"if _key(args, kwargs) != _expected: return DEPARTED\n    {launch}", **constants)
+
+    def _tensor_positions(self) -> list[int]:
+        return [i for i, kind in enumerate(self.spec or ()) if kind not in _NO_DTYPE]
+
+    def _generate(self, name: str, specialized: str, otherwise: str, **constants: Any) -> Callable:
+        """Compile ``name(args, kwargs)``: ``specialized`` where the launch has the specialized count and exact
+        types (bound as ``a0, a1, ...``), ``otherwise`` elsewhere."""
+        types = self.spec or ()
+        names = [f"a{i}" for i in range(len(types))]
+        guard = " and ".join(f"type({n}) is _t{i}" for i, n in enumerate(names))
+        source = (
+            f"def {name}(args, kwargs):\n"
+            f"    if len(args) == {len(types)} and _names.isdisjoint(kwargs):\n"
+            f"        ({', '.join(names)},) = args\n"
+            f"        if {guard}:\n"
+            f"            {specialized}\n"
+            f"    {otherwise}\n"
+        ) if types else f"def {name}(args, kwargs):\n    {otherwise}\n"
+        scope = {"_names": self.arg_names, "_dt": _DTYPE_NAMES, "_general": self.general_key, "_key": self.key,
+                 **{f"_t{i}": kind for i, kind in enumerate(types)}, **constants}
+        exec(compile(source, f"<disttune {name} of {self.name}>", "exec"), scope)  # noqa: S102 - generated above
+        return scope[name]
+
+    def general_key(self, args: tuple, kwargs: dict) -> tuple:
+        """The key of any launch: by position without building dicts when no argument is a keyword."""
+        count = len(args)
+        if count > self.n_names or count < self.needed or not self.arg_names.isdisjoint(kwargs):
+            return _hook.tuning_key(self.autotuner, args, kwargs)
+        key = []
+        for i in self.positions:
+            key.append(args[i])
+        for arg in args:
+            kind = type(arg)
+            if kind is _Tensor:
+                key.append(_DTYPE_NAMES[arg.dtype])
+            elif kind not in _NO_DTYPE:
+                dtype = getattr(arg, "dtype", _MISSING)
+                if dtype is not _MISSING:
+                    key.append(str(dtype))
+        return tuple(key)
+
+
+class FastPlan:
+    """The winners of one tuning, laid out for the fast path: built at commit time, read per launch.
+
+    ``winners`` maps each :class:`~disttune.sites.SiteId` to its config; ``sites`` maps it to its
+    :class:`~disttune.sites.Site`. ``make_fallback(winners, occurrences)`` builds the handler for
+    launches the plan does not cover (another autotuner, a new key, an extra occurrence): a
+    fast-mode session that shares the call's occurrence counts.
+    """
+
+    __slots__ = ("kernels", "by_site", "winners", "sequence", "spare", "make_fallback")
+
+    def __init__(self, sites: dict, winners: dict, make_fallback: Callable[[dict, dict], Any]) -> None:
+        self.winners = winners
+        self.make_fallback = make_fallback
+        self.kernels: dict[Autotuner, FastKernel] = {}
+        self.by_site: dict[tuple, tuple[_Planned, ...]] = {}
+        self.sequence: Optional[tuple[_Sequenced, ...]] = None  # learned by the first clean call
+        self.spare: list[FastLaunch] = []
+        by_occurrence: dict = {}
+        for ident, config in winners.items():
+            autotuner = sites[ident].autotuner
+            if autotuner not in self.kernels:
+                self.kernels[autotuner] = FastKernel(autotuner)
+            kernel = self.kernels[autotuner]
+            by_occurrence.setdefault((ident.kernel, ident.key), {})[ident.occurrence] = (
+                kernel, ident.key, kernel.run, config.all_kwargs(), config.pre_hook)
+        for counter, planned in by_occurrence.items():
+            # occurrences 0..k-1 in order; a gap (never the case for winners of one tuning) ends the list
+            run = []
+            while len(run) in planned:
+                run.append(planned[len(run)])
+            self.by_site[counter] = tuple(run)
+
+    @staticmethod
+    def _learn(trace: list[_Planned]) -> tuple[_Sequenced, ...]:
+        launches: dict = {}
+        sequence = []
+        for kernel, key, run, config_kwargs, pre_hook in trace:
+            if (kernel, key) not in launches:
+                launches[kernel, key] = kernel.planned_launch(key, run, config_kwargs, pre_hook)
+            sequence.append((kernel.autotuner, launches[kernel, key], kernel, key))
+        return tuple(sequence)
+
+    def new_handler(self) -> "FastLaunch":
+        """A handler for one call when no spare one is left (``spare.pop()`` first: that is the common case)."""
+        return FastLaunch(self)
+
+    def finish(self, handler: "FastLaunch") -> Optional[list[str]]:
+        """End a call that did not simply follow the learned sequence: learn the sequence if this was the
+        first clean call, keep the handler for later calls, and return the untuned sites it launched, if any.
+
+        (A call that followed the sequence needs only ``position = 0`` and goes back on ``spare`` at once.)
+        """
+        fallback = handler.fallback
+        if fallback is not None:
+            return fallback.stale or None  # the handler is dropped: its fallback holds this call's state
+        if handler.trace is not None and self.sequence is None:
+            self.sequence = self._learn(handler.trace)
+        handler.reset()
+        self.spare.append(handler)
+        return None
+
+
+class FastLaunch:
+    """The launch handler of one call after tuning: each site's winner, at close to a plain launch's cost."""
+
+    __slots__ = ("plan", "sequence", "following", "position", "occurrences", "trace", "fallback")
+
+    def __init__(self, plan: FastPlan) -> None:
+        self.plan = plan
+        self.sequence: tuple = plan.sequence or ()
+        self.following = plan.sequence is not None  # every launch so far matched the learned sequence
+        self.position = 0
+        self.occurrences: dict[tuple, int] = {}
+        self.trace: Optional[list[_Planned]] = [] if plan.sequence is None else None
+        self.fallback: Any = None
+
+    def reset(self) -> None:
+        self.position = 0
+        self.occurrences.clear()
+        self.sequence = self.plan.sequence or ()
+        self.following = self.plan.sequence is not None
+        self.trace = [] if self.plan.sequence is None else None
+
+    def launch(self, autotuner: Autotuner, args: tuple, kwargs: dict) -> Any:
+        position = self.position
+        sequence = self.sequence
+        if position < len(sequence):
+            expected, planned, _, _ = sequence[position]
+            if expected is autotuner:
+                self.position = position + 1
+                result = planned(args, kwargs)
+                if result is not DEPARTED:
+                    return result
+                self.position = position
+        return self._launch_by_site(autotuner, args, kwargs)
+
+    def _launch_by_site(self, autotuner: Autotuner, args: tuple, kwargs: dict) -> Any:
+        """The general way: find the site by kernel, key and occurrence; what the plan lacks goes to the fallback."""
+        if self.following:
+            self._leave_sequence()
+        plan = self.plan
+        kernel = plan.kernels.get(autotuner)
+        if kernel is None:
+            self.trace = None
+            return self._fallback().launch(autotuner, args, kwargs)
+        key = kernel.key(args, kwargs)
+        counter = (kernel.name, key)
+        occurrence = self.occurrences.get(counter, 0)
+        self.occurrences[counter] = occurrence + 1
+        planned = plan.by_site.get(counter, ())
+        if occurrence >= len(planned):
+            self.trace = None
+            return self._fallback().launch_unplanned(counter[0], key, occurrence, autotuner, args, kwargs)
+        launch = planned[occurrence]
+        if self.trace is not None:
+            self.trace.append(launch)
+        _, _, run, config_kwargs, pre_hook = launch
+        if pre_hook is not None:
+            pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config_kwargs})
+        return run(*args, **kwargs, **config_kwargs)
+
+    def _leave_sequence(self) -> None:
+        """Departing from the learned sequence: count the occurrences its first ``position`` launches made."""
+        for _, _, kernel, key in self.sequence[:self.position]:
+            counter = (kernel.name, key)
+            self.occurrences[counter] = self.occurrences.get(counter, 0) + 1
+        self.sequence, self.following = (), False
+
+    def _fallback(self) -> Any:
+        if self.fallback is None:
+            self.fallback = self.plan.make_fallback(self.plan.winners, self.occurrences)
+        return self.fallback
