@@ -26,11 +26,13 @@ Pieces:
   - ``C`` (``out_order``): ``"sorted"`` (contiguous, ``[R, N]`` in sorted order) or ``"flat"``
     (row ``t * top_k + j``: scattered stores, ready for the top-k sum).
 
-  Each program computes one ``BLOCK_M x BLOCK_N`` tile; the tile's expert is found in the
-  kernel from ``expert_offs`` (an ``E``-wide cumulative sum per program, negligible next to
-  the K loop). The grid is the host-side upper bound ``cdiv(R, BLOCK_M) + min(E, R)`` M-tiles
-  times the N-tiles; programs past the real tile count exit at once, experts without tokens
-  own no tiles.
+  Persistent: ``min(#SMs, tile bound)`` programs walk the ``BLOCK_M x BLOCK_N`` tiles. Each
+  program builds the expert table once from ``expert_offs`` (an ``E``-wide cumulative sum) and
+  maps every tile to its expert with it; experts without tokens own no tiles. W is read through a
+  3-D tensor descriptor (TMA) when its rows are 16-byte aligned, either ``[E, K, N]`` row-major or
+  the transpose of ``[E, N, K]``; sorted A through a 2-D descriptor likewise (its rows past an
+  expert's end are loaded and never stored); gathered A and unaligned layouts use pointer loads.
+  C is stored with a mask (a tile must not write the next expert's rows).
 * :func:`moe_mlp` -- gate-up GEMM (token-gathered A, sorted C), SiLU-gated product in torch,
   down GEMM (sorted A, flat C, routing weight in the epilogue), top-k sum back to ``[T, H]``.
 * :func:`ag_moe`, :func:`moe_rs`, :func:`tp_moe_layer` -- tensor-parallel MoE over ranks
@@ -53,6 +55,8 @@ host-clock ``do_bench`` under the interpreter; bf16 refused there, see
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -73,6 +77,7 @@ from .matmul import (
     prune_configs,
     shared_memory_bytes,  # noqa: F401 - re-exported: moe.shared_memory_bytes sizes MoE configs
 )
+from .shard_gemm import ensure_descriptor_allocator, num_sms
 from .symm import uses_nccl
 
 __all__ = [
@@ -86,6 +91,7 @@ __all__ = [
     "moe_config_is_valid",
     "prune_moe_configs",
     "moe_align",
+    "moe_align_stacked",
     "moe_align_block_size",
     "make_moe_kernel",
     "moe_gemm_jit",
@@ -190,20 +196,33 @@ class MoeRouting:
     """Rows sorted by expert. ``R = num_tokens * top_k`` rows, no padding.
 
     * ``sorted_ids`` int32 [R]: flat index ``t * top_k + j`` of sorted row i (stable by expert);
-    * ``expert_offs`` int32 [E + 1]: expert e owns sorted rows ``offs[e]:offs[e+1]``;
-    * ``counts`` int32 [E]: rows per expert.
+    * ``expert_offs`` int32 [groups + 1]: group g owns sorted rows ``offs[g]:offs[g+1]``;
+    * ``counts`` int32 [groups]: rows per group.
+
+    A plain routing has one group per expert. A *rank-stacked* one (:func:`moe_align_stacked`)
+    sorts the tokens of ``len(rank_tokens)`` ranks, concatenated in rank order, by (source rank,
+    expert): group ``r * num_experts + e``, so each rank's rows stay contiguous and in the order its
+    own plain routing gives; :meth:`per_rank` returns those routings as views.
     """
 
     sorted_ids: torch.Tensor
     expert_offs: torch.Tensor
-    counts: torch.Tensor
     num_tokens: int
     top_k: int
     num_experts: int
+    rank_tokens: tuple = ()  # tokens of each stacked rank (empty: a plain routing)
 
     @property
     def num_rows(self) -> int:
         return self.num_tokens * self.top_k
+
+    @property
+    def groups(self) -> int:
+        return self.num_experts * max(1, len(self.rank_tokens))
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.expert_offs[1:] - self.expert_offs[:-1]
 
     def token_rows(self) -> torch.Tensor:
         """int64 [R]: token (row of the un-expanded input) of each sorted row."""
@@ -218,6 +237,19 @@ class MoeRouting:
         out = torch.empty_like(y)
         out[self.sorted_ids.long()] = y
         return out
+
+    def per_rank(self) -> tuple["MoeRouting", ...]:
+        """A rank-stacked routing as one plain routing per rank (two small torch ops per rank)."""
+        if not self.rank_tokens:
+            return (self,)
+        E, k, parts, token_start = self.num_experts, self.top_k, [], 0
+        for r, tokens in enumerate(self.rank_tokens):
+            offs = self.expert_offs[r * E: (r + 1) * E + 1]
+            row_start = token_start * k
+            parts.append(MoeRouting(self.sorted_ids[row_start: row_start + tokens * k] - row_start,
+                                    offs - row_start, tokens, k, E))
+            token_start += tokens
+        return tuple(parts)
 
 
 def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_range: bool) -> None:
@@ -239,20 +271,56 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> MoeRouting:
-    """Sort the (token, choice) rows by expert: a stable argsort and a histogram, on topk_ids' device.
+    """Sort the (token, choice) rows by expert: a stable sort and a binary search for each expert's start.
 
-    Cost: O(R log R) torch ops, no host sync unless ``check_range`` (one ``min``/``max``
-    read back to reject ids outside ``[0, num_experts)``).
+    Cost: three torch ops (sort, index cast, ``searchsorted``), no host sync unless ``check_range``
+    (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
     """
     _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1).long()
-    sorted_ids = torch.sort(flat, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offs[1:] = torch.cumsum(counts, 0)
-    return MoeRouting(sorted_ids, offs, counts, int(T), int(k), int(num_experts))
+    sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1), num_experts)
+    return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
+
+
+def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int]) -> MoeRouting:
+    """The rank-stacked routing of ``topk_ids [sum(rank_tokens), top_k]`` (every rank's ids, in rank
+    order): rows sorted by (source rank, expert), stable. Expert ids are not range-checked here (each
+    rank checks its own before they are gathered). Cost: one add and :func:`moe_align`'s three ops."""
+    _check_topk_ids(topk_ids, num_experts, "moe_align_stacked", check_range=False)
+    rank_tokens = tuple(int(t) for t in rank_tokens)
+    if sum(rank_tokens) != topk_ids.shape[0]:
+        raise ValueError(f"moe_align_stacked: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
+                         f"{sum(rank_tokens)}")
+    T, k = topk_ids.shape
+    keys = topk_ids.reshape(-1) + _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
+    sorted_ids, offs = _sort_by_group(keys, num_experts * len(rank_tokens))
+    return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
+
+
+_aranges: dict = {}
+_bases: dict = {}
+
+
+def _sort_by_group(keys: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 stable sort order of ``keys``, int32 start of every group 0..groups and the end)."""
+    values, order = torch.sort(keys, stable=True)
+    cache_key = (groups, keys.device, keys.dtype)
+    bounds = _aranges.get(cache_key)
+    if bounds is None:
+        bounds = _aranges[cache_key] = torch.arange(groups + 1, device=keys.device, dtype=keys.dtype)
+    return order.to(torch.int32), torch.searchsorted(values, bounds, out_int32=True)
+
+
+def _rank_bases(rank_tokens: tuple, k: int, num_experts: int, device, dtype) -> torch.Tensor:
+    """``r * num_experts`` for every (token, choice) row of rank r, cached per layout."""
+    key = (rank_tokens, k, num_experts, device, dtype)
+    bases = _bases.get(key)
+    if bases is None:
+        if len(_bases) > 64:
+            _bases.clear()
+        per_rank = torch.arange(len(rank_tokens), dtype=dtype) * num_experts
+        bases = _bases[key] = torch.repeat_interleave(per_rank, torch.tensor(rank_tokens) * k).to(device)
+    return bases
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -288,20 +356,25 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 def _moe_gemm_body(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_offs_ptr,
-    R, N, K, E, TOP_K, ROWS_BUCKET,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_offs_ptr, flags_ptr,
+    R, N, K, E, B_EXPERTS, TOP_K, ROWS_BUCKET, first_group, epoch,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
-    E_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,       # E rounded up: E groups in expert_offs, group g multiplies W[g % B_EXPERTS]
+    WAIT: tl.constexpr,         # a tile of group g first spins until flags[g // B_EXPERTS] >= epoch
     A_MODE: tl.constexpr,       # 0: A [T, K] gathered by sorted_ids // TOP_K; 1: A [R, K] by sorted_ids; 2: sorted
     C_FLAT: tl.constexpr,       # store row sorted_ids[row] (True) or row (False)
     MUL_WEIGHT: tl.constexpr,   # multiply row by weights[sorted_ids[row]]
+    A_TMA: tl.constexpr,        # sorted A read through a tensor descriptor (else pointer loads)
+    B_TMA: tl.constexpr,        # 0: pointer loads; 1: descriptor over W [E, K, N]; 2: over K-major W [E, N, K]
+    NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(axis=0)
-    # Map M-tiles to experts: expert e owns cdiv(count_e, BLOCK_M) consecutive tiles.
+    # The group table, once per program: group e owns cdiv(count_e, BLOCK_M) consecutive M-tiles.
+    # A rank-stacked routing has one group per (source rank, expert); tiles are walked from
+    # group first_group on (the launching rank's own tokens first).
     e_idx = tl.arange(0, E_POW2)
     e_mask = e_idx < E
     starts = tl.load(expert_offs_ptr + e_idx, mask=e_mask, other=0)
@@ -310,62 +383,85 @@ def _moe_gemm_body(
     tile_end = tl.cumsum(tiles, axis=0)
     num_pid_m = tl.sum(tiles, axis=0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if pid >= num_pid_m * num_pid_n:
-        return  # beyond the real tile count (the grid is a host-side upper bound)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
-    sel = e_idx == expert
-    first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), axis=0)
-    row_start = tl.sum(tl.where(sel, starts, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
-    row_end = tl.sum(tl.where(sel, ends, 0), axis=0)
-
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < row_end
-    ids = tl.load(sorted_ids_ptr + offs_m, mask=mask_m, other=0)
-    if A_MODE == 0:
-        a_rows = ids // TOP_K
-    elif A_MODE == 1:
-        a_rows = ids
-    else:
-        a_rows = offs_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    first_m = tl.sum(tl.where(e_idx < first_group, tiles, 0), axis=0)
+    if A_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_TMA == 1:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E, K, N], strides=[stride_be, stride_bk, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+    elif B_TMA == 2:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[stride_be, stride_bn, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # Persistent: NUM_SMS programs walk the tiles (the next tile's loads overlap this one's epilogue).
+    # (A spin loop inside the tile loop keeps the compiler from flattening the loop nest.)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=not WAIT):
+        group_id = tile // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = (first_pid_m + ((tile % num_pid_in_group) % group_size_m) + first_m) % num_pid_m
+        pid_n = (tile % num_pid_in_group) // group_size_m
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_left = K - k
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        group = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+        expert = group % B_EXPERTS
+        if WAIT:  # the source rank's tokens arrive by copy-engine pushes, flagged with the call's epoch
+            while tl.atomic_add(flags_ptr + group // B_EXPERTS, 0, sem="acquire", scope="sys") < epoch:
+                pass
+        sel = e_idx == group
+        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), axis=0)
+        row_start = tl.sum(tl.where(sel, starts, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
+        row_end = tl.sum(tl.where(sel, ends, 0), axis=0)
 
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + ids, mask=mask_m, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    if C_FLAT:
-        c_rows = ids
-    else:
-        c_rows = offs_m
-    c = acc.to(c_ptr.dtype.element_ty)
-    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        ids = tl.load(sorted_ids_ptr + offs_m, mask=mask_m, other=0)
+        if A_MODE == 0:
+            a_rows = ids // TOP_K
+        elif A_MODE == 1:
+            a_rows = ids
+        else:
+            a_rows = offs_m
+        col = pid_n * BLOCK_N
+        offs_n = col + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k = ki * BLOCK_K
+            if A_TMA:  # rows past the expert's end belong to the next one: loaded, never stored
+                a = a_desc.load([row_start, k])
+            else:
+                a = tl.load(a_ptrs + k * stride_ak, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
+            if B_TMA == 1:
+                b = tl.reshape(b_desc.load([expert, k, col]), (BLOCK_K, BLOCK_N))
+            elif B_TMA == 2:
+                b = tl.reshape(b_desc.load([expert, col, k]), (BLOCK_N, BLOCK_K)).T
+            else:
+                b = tl.load(b_ptrs + k * stride_bk, mask=(offs_k[:, None] < K - k) & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+
+        if MUL_WEIGHT:
+            w = tl.load(weights_ptr + ids, mask=mask_m, other=0.0).to(tl.float32)
+            acc = acc * w[:, None]
+        if C_FLAT:
+            c_rows = ids
+        else:
+            c_rows = offs_m
+        c = acc.to(c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
 
 
 #: The jitted kernel without a tuner (an InterpretedFunction under TRITON_INTERPRET=1).
-moe_gemm_jit = triton.jit(_moe_gemm_body)
+moe_gemm_jit = triton.jit(_moe_gemm_body, do_not_specialize=["first_group", "epoch"])
 
 #: Tuning key: shapes, expert count, top-k, bucketed total rows and the load/store modes.
-MOE_KEY = ["N", "K", "E", "TOP_K", "ROWS_BUCKET", "A_MODE", "C_FLAT", "MUL_WEIGHT"]
+MOE_KEY = ["N", "K", "E", "B_EXPERTS", "TOP_K", "ROWS_BUCKET", "WAIT", "A_MODE", "C_FLAT", "MUL_WEIGHT", "A_TMA",
+           "B_TMA"]
 
 
 def make_moe_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench: Optional[Callable] = None,
@@ -412,8 +508,10 @@ def _check_routing(where: str, routing: MoeRouting, device: torch.device) -> Non
         raise ValueError(f"{where}: routing is on {routing.sorted_ids.device} but the input is on {device}")
 
 
-def _prepare(a, w, routing, a_order, out, out_order, weights, where):
-    """Validate a grouped-GEMM call; returns (out, kernel args tuple, constexpr kwargs)."""
+def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
+    """Validate a grouped-GEMM call; returns (out, kernel args up to TOP_K, strides, constexpr kwargs).
+
+    ``wait``: ``(flags, epoch)`` for a rank-stacked routing whose tokens are still arriving."""
     if a_order not in A_ORDERS:
         raise ValueError(f"{where}: a_order must be one of {A_ORDERS}, got {a_order!r}")
     if out_order not in OUT_ORDERS:
@@ -457,28 +555,44 @@ def _prepare(a, w, routing, a_order, out, out_order, weights, where):
     for name, t in (("a", a), ("w", w), ("out", out)):
         if _span(t) > _INT32_MAX:
             raise ValueError(f"{where}: {name} spans more than 2**31-1 elements; the kernel uses 32-bit offsets")
+    if wait is not None and not routing.rank_tokens:
+        raise ValueError(f"{where}: waiting on arrival flags needs a rank-stacked routing (moe_align_stacked)")
     args = (a, w, out, weights if weights is not None else a, routing.sorted_ids, routing.expert_offs,
-            R, N, K, E, routing.top_k)
+            routing.expert_offs if wait is None else wait[0], R, N, K, routing.groups, E, routing.top_k)
     strides = (a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
-    meta = dict(E_POW2=max(2, next_power_of_2(E)), A_MODE=_A_MODE[a_order], C_FLAT=out_order == "flat",
-                MUL_WEIGHT=weights is not None)
+    meta = dict(E_POW2=max(2, next_power_of_2(routing.groups)), WAIT=wait is not None, A_MODE=_A_MODE[a_order], C_FLAT=out_order == "flat",
+                MUL_WEIGHT=weights is not None, A_TMA=a_order == "sorted" and _descriptor_ready(a, a.dim() - 1),
+                B_TMA=_weight_layout(w), NUM_SMS=num_sms(a.device))
+    if a.device.type == "cuda" and (meta["A_TMA"] or meta["B_TMA"]):
+        ensure_descriptor_allocator()
     return out, args, strides, meta
 
 
-def _grid(R: int, N: int, routing: MoeRouting):
-    """Programs: M-tiles x N-tiles. On a GPU the M-tiles are the upper bound
-    ``cdiv(R, BLOCK_M) + min(E, R)`` (no host sync; surplus programs exit at once). Under
-    the interpreter, where reading the counts costs nothing and every program costs
-    milliseconds, the exact tile count plus one spare row of tiles (so the early exit
-    still runs in CPU tests)."""
-    E = routing.num_experts
-    counts = routing.counts.tolist() if routing.counts.device.type == "cpu" else None
+def _descriptor_ready(t: torch.Tensor, inner: int) -> bool:
+    """Whether ``t`` can be read through a tensor descriptor with dimension ``inner`` innermost
+    (unit stride there, every other stride and the start 16-byte aligned)."""
+    elem = t.element_size()
+    return (t.stride(inner) == 1 and t.data_ptr() % 16 == 0
+            and all((t.stride(d) * elem) % 16 == 0 for d in range(t.dim()) if d != inner))
+
+
+def _weight_layout(w: torch.Tensor) -> int:
+    """The kernel's ``B_TMA``: 1 for a descriptor-ready row-major ``[E, K, N]``, 2 for the transpose
+    of a descriptor-ready ``[E, N, K]`` (``torch._grouped_mm``'s favourite), 0 (pointer loads) otherwise."""
+    if _descriptor_ready(w, 2):
+        return 1
+    if _descriptor_ready(w, 1):
+        return 2
+    return 0
+
+
+def _grid(R: int, N: int, routing: MoeRouting, sms: int):
+    """Persistent programs: ``min(sms, M-tiles x N-tiles)``, with the M-tiles bounded on the host by
+    ``cdiv(R, BLOCK_M) + min(E, R)`` (no host sync; the kernel counts the real tiles itself)."""
+    E = routing.groups
 
     def grid(META):
-        bm, n_tiles = META["BLOCK_M"], triton.cdiv(N, META["BLOCK_N"])
-        if counts is not None:
-            return ((sum(triton.cdiv(c, bm) for c in counts) + 1) * n_tiles,)
-        return ((triton.cdiv(R, bm) + min(E, R)) * n_tiles,)
+        return (max(1, min(sms, (triton.cdiv(R, META["BLOCK_M"]) + min(E, R)) * triton.cdiv(N, META["BLOCK_N"]))),)
 
     return grid
 
@@ -487,7 +601,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
              out: Optional[torch.Tensor] = None, out_order: str = "sorted",
              weights: Optional[torch.Tensor] = None, kernel=None,
              rows_bucket: Optional[int] = None,
-             bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+             bucket: Callable[[int], int] = next_power_of_2,
+             wait: Optional[tuple[torch.Tensor, int]] = None, first_group: int = 0) -> torch.Tensor:
     """Grouped GEMM over all experts with the autotuned kernel (``kernel`` or ``moe_gemm_kernel``).
 
     ``out[row] = A[a_row(row)] @ w[expert(row)]`` (``* weights[t, j]`` if given), for the
@@ -497,8 +612,13 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
 
     Tuning key row count: ``rows_bucket`` if given (use the *global* total in multi-rank code
     so every rank keys the same), else ``bucket(R)`` (next power of two).
+
+    For a rank-stacked routing (:func:`moe_align_stacked`, used by :func:`ag_moe`): tiles are
+    walked from group ``first_group`` on, and with ``wait=(flags, epoch)`` a tile of source rank
+    ``r`` spins until ``flags[r] >= epoch`` before reading A (tokens pushed by
+    ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the kernel never ends).
     """
-    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm")
+    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm", wait)
     R, N = out.shape
     if R == 0 or N == 0:
         return out
@@ -506,7 +626,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
         return out.zero_()
     rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
     kern = kernel if kernel is not None else moe_gemm_kernel
-    kern[_grid(R, N, routing)](*args, rb, *strides, **meta)
+    kern[_grid(R, N, routing, meta["NUM_SMS"])](*args, rb, first_group, 0 if wait is None else wait[1], *strides,
+                                                **meta)
     return out
 
 
@@ -524,8 +645,8 @@ def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, 
     if a.shape[1] == 0:
         return out.zero_()
     kw = config.kwargs
-    grid = _grid(R, N, routing)(kw)
-    moe_gemm_jit[grid](*args, next_power_of_2(R), *strides, **meta, **kw,
+    grid = _grid(R, N, routing, meta["NUM_SMS"])(kw)
+    moe_gemm_jit[grid](*args, next_power_of_2(R), 0, 0, *strides, **meta, **kw,
                        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -625,16 +746,21 @@ class AgMoeResult:
 
     ``out`` ``[sum_r T_r * top_k, N]``: rank r's chunk at rows ``row_offsets[r]:row_offsets[r+1]``,
     each chunk in the sorted order of ``routings[r]`` (``routings[r].unsort(chunk)`` gives flat
-    (token, choice) order). ``topk_ids`` / ``topk_weights`` are the gathered routing
-    ``[sum_r T_r, top_k]`` in rank order.
+    (token, choice) order). ``routing`` is the rank-stacked routing of all of them (one group per
+    source rank and expert); ``routings`` its per-rank views, built on first use.
+    ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order.
     """
 
     out: torch.Tensor
-    routings: tuple
+    routing: MoeRouting
     tokens_per_rank: tuple
     row_offsets: tuple
     topk_ids: torch.Tensor
     topk_weights: Optional[torch.Tensor]
+
+    @functools.cached_property
+    def routings(self) -> tuple:
+        return self.routing.per_rank()
 
     def chunk(self, r: int) -> torch.Tensor:
         return self.out[self.row_offsets[r]:self.row_offsets[r + 1]]
@@ -648,14 +774,18 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     """AllGather-MoE: gather every rank's tokens ``x [T_r, H]`` and routing, then the grouped GEMM
     ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
 
-    ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed (``tokens_per_rank`` skips one small all-gather + host sync).
-    Order: the token gather starts first (on NCCL GPUs copy-engine pushes into the peers'
-    symmetric memory, ``kernels.symm.ShardPusher``, no SM taken from the GEMM; elsewhere an asynchronous
-    all-gather); the local chunk's GEMM is launched next, as it needs no collective, so the
-    GPU computes while the host prepares the rest; then the routing of every rank is
-    all-gathered (one small collective: ids bit-cast into a float32 row next to the
-    weights) and each other rank's chunk runs as soon as it has arrived. One GEMM launch per source rank, all with the same tuning key (bucket of the
-    *global* row count). On gloo the same code runs with the gather's background thread.
+    ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed
+    (``tokens_per_rank`` skips one small all-gather + host sync).
+
+    One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
+    expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
+    tiles from the launching rank's own tokens on. On NCCL GPUs the tokens travel first, by
+    copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
+    taken from the GEMM, no barrier), while the routing is all-gathered (one small collective:
+    ids bit-cast into a float32 row next to the weights) and sorted; tiles of another rank's
+    tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest
+    arrive. Elsewhere (gloo) the tokens are all-gathered first and the same kernel runs without
+    waiting. The tuning key holds the bucket of the *global* row count, the same on every rank.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the local id range check
     (unless ``check_ids=False``).
     """
@@ -674,14 +804,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     tpr = _tokens_per_rank(dist, group, world, x.shape[0], dev, tokens_per_rank)
     if tpr[rank] != x.shape[0]:
         raise ValueError(f"{where}: tokens_per_rank[{rank}] = {tpr[rank]} but this rank has {x.shape[0]} tokens")
-    max_t = max(tpr)
-
-    row_offsets = [0]
-    id_offsets = [0]
-    for t in tpr:
-        row_offsets.append(row_offsets[-1] + t * k)
-        id_offsets.append(id_offsets[-1] + t)
-    rows_bucket = int(bucket(row_offsets[-1]))
+    row_offsets = tuple(itertools.accumulate((t * k for t in tpr), initial=0))
     if out is None:
         out = _empty((row_offsets[-1], N), x.dtype, dev)
     else:
@@ -690,56 +813,55 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
             raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(row_offsets[-1], N)} "
                              "(sum of tokens over ranks * top_k, w's N)")
 
-    # 1. token all-gather first: copy-engine pushes into symmetric memory on NCCL GPUs (no SM
-    #    taken from the GEMM), else an asynchronous collective
+    # 1. tokens first: pushed on the copy engines (GPUs) or all-gathered (elsewhere)
     pusher = _pusher(group) if x.is_cuda and uses_nccl(group) else None
     if pusher is not None:
-        x_all = pusher.gather(x.contiguous(), tpr)  # peers' rows only: the local chunk reads x
-        work = None
+        x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
     else:
-        x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], H)])
-        x_all = _empty((world * max_t, H), x.dtype, dev)
-        work = _all_gather(dist, x_all, x_pad.contiguous(), group, async_op=True)
-
-    # 2. the local chunk at once (it needs no collective), so the GPU is busy while the host
-    #    prepares the other ranks' routing
-    local_routing = moe_align(topk_ids, E, check_range=False)
-    if tpr[rank]:
-        moe_gemm(x, w, local_routing, a_order="token", out=out[row_offsets[rank]:row_offsets[rank + 1]],
-                 out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
-
-    # 3. routing of every rank: [max_t, 2k] float32 rows (ids bit-cast, then weights), one collective
-    meta = torch.zeros(max_t, 2 * k, dtype=torch.float32, device=dev)
-    meta[: x.shape[0], :k] = topk_ids.to(torch.int32).view(torch.float32)
-    if topk_weights is not None:
-        meta[: x.shape[0], k:] = topk_weights.float()
-    metas = torch.empty(world * max_t, 2 * k, dtype=torch.float32, device=dev)
-    _all_gather(dist, metas, meta, group)
-    metas = metas.view(world, max_t, 2 * k)
-    ids_all = torch.cat([metas[r, : tpr[r], :k].contiguous().view(torch.int32) for r in range(world)])
-    weights_all = (torch.cat([metas[r, : tpr[r], k:] for r in range(world)]).to(topk_weights.dtype)
-                   if topk_weights is not None else None)
-    routings = tuple(local_routing if r == rank else
-                     moe_align(ids_all[id_offsets[r]:id_offsets[r + 1]], E, check_range=False)
-                     for r in range(world))
-
-    # 4. the other ranks' chunks, each as soon as it has arrived
-    for i in range(1, world):
-        r = (rank + i) % world
-        if pusher is not None:
-            pusher.wait_shard(r)
-        elif i == 1:
-            work.wait()
-        if tpr[r] == 0:
-            continue
-        a = x_all[id_offsets[r]: id_offsets[r + 1]] if pusher is not None else x_all[r * max_t: r * max_t + tpr[r]]
-        moe_gemm(a, w, routings[r], a_order="token", out=out[row_offsets[r]:row_offsets[r + 1]],
-                 out_order="sorted", kernel=kernel, rows_bucket=rows_bucket)
+        x_all = _gather_rows(dist, x, tpr, group)
+    # 2. every rank's routing: one collective, then one sort by (source rank, expert)
+    ids_all, weights_all = _gather_routing(dist, topk_ids, topk_weights, tpr, group)
+    routing = moe_align_stacked(ids_all, E, tpr)
+    # 3. one GEMM over all ranks' tokens, own tokens first; other ranks' tiles wait for their arrival
+    if row_offsets[-1]:
+        moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
+                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E,
+                 wait=(pusher.arrival_flags, pusher.epoch) if pusher is not None else None)
     if pusher is not None:
         pusher.finish()
-    elif world == 1:
-        work.wait()
-    return AgMoeResult(out, routings, tpr, tuple(row_offsets), ids_all, weights_all)
+    return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
+
+
+def _gather_rows(dist, x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
+    """Every rank's rows of ``x``, concatenated in rank order (a collective; padded to the largest rank)."""
+    max_t = max(tpr)
+    x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], x.shape[1])])
+    gathered = _empty((len(tpr) * max_t, x.shape[1]), x.dtype, x.device)
+    _all_gather(dist, gathered, x_pad.contiguous(), group)
+    if all(t == max_t for t in tpr):
+        return gathered
+    return torch.cat([gathered[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+
+
+def _gather_routing(dist, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], tpr: tuple,
+                    group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Every rank's ``topk_ids`` (int32) and ``topk_weights``, in rank order: one all-gather of float32
+    rows (ids bit-cast, then the weights), padded to the largest rank."""
+    T, k = topk_ids.shape
+    max_t, world = max(tpr), len(tpr)
+    parts = [topk_ids.to(torch.int32).view(torch.float32)]
+    if topk_weights is not None:
+        parts.append(topk_weights.float())
+    meta = torch.cat(parts, dim=1)
+    if T != max_t:
+        meta = torch.cat([meta, meta.new_zeros(max_t - T, meta.shape[1])])
+    metas = torch.empty(world * max_t, meta.shape[1], dtype=torch.float32, device=meta.device)
+    _all_gather(dist, metas, meta, group)
+    if any(t != max_t for t in tpr):
+        metas = torch.cat([metas[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+    ids_all = metas[:, :k].contiguous().view(torch.int32)
+    weights_all = metas[:, k:].to(topk_weights.dtype) if topk_weights is not None else None
+    return ids_all, weights_all
 
 
 _pushers: dict = {}

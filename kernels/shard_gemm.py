@@ -291,7 +291,7 @@ def _descriptor_scratch(size: int, alignment: int, stream: Optional[int]) -> tor
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator() -> None:
+def ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors need scratch memory from ``triton.set_allocator`` (set per thread)."""
     from triton.runtime import _allocation
 
@@ -326,7 +326,7 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
         raise ValueError("shard_gemm: an addend must be [slots, >= M, N] with unit column stride, for one shard, "
                          "with addend_flags")
     if a.device.type == "cuda":
-        _ensure_allocator()
+        ensure_descriptor_allocator()
     offsets = shard_offsets_tensor(rows, a.device)
     kern = kernel if kernel is not None else shard_gemm_kernel
     wait = flags is not None

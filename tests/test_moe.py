@@ -8,6 +8,8 @@ outputs so an unwritten tile fails.
 
 from __future__ import annotations
 
+import ast
+
 import os
 from pathlib import Path
 
@@ -128,6 +130,25 @@ def test_moe_gemm_with_config_matches_reference(E, k, a_order, out_order, weight
     got = out if out_order == "flat" else rt.unsort(out)
     ref = moe.moe_gemm_reference(x, ids, w, wts if weighted else None)
     assert _rel_err(got, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("layout", ["aligned", "transposed", "unaligned"])
+def test_moe_gemm_reads_every_weight_layout(layout):
+    """Descriptor loads for 16-byte aligned rows ([E, K, N] and the transpose of [E, N, K]), pointer loads
+    for the rest (36 fp16 columns are 72 bytes): the same result either way."""
+    E, k, T = 8, 2, 24
+    H, N = (36, 36) if layout == "unaligned" else (40, 48)
+    x, w = _tensors(T, H, N, E, torch.float16, seed=11)
+    if layout == "transposed":
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    ids, _ = _routing(T, E, k, seed=12, empty=2)
+    rt = moe.moe_align(ids, E)
+    a = rt.permute(x)
+    _, _, _, meta = moe._prepare(a, w, rt, "sorted", None, "sorted", None, "test")
+    assert (meta["A_TMA"], meta["B_TMA"]) == {"aligned": (True, 1), "transposed": (True, 2),
+                                              "unaligned": (False, 0)}[layout]
+    out = moe.moe_gemm_with_config(a, w, rt, moe.CPU_MOE_CONFIGS[0], a_order="sorted")
+    assert _rel_err(rt.unsort(out), moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
 
 
 def test_moe_gemm_writes_only_its_rows_and_strided_weights():
@@ -301,8 +322,12 @@ def test_contextual_tp_layer_agreed(gloo2):
     values = _values(gloo2["agree_tp"])
     assert values[0]["local_ids"] != values[1]["local_ids"]
     winners = [v["winners"] for v in values]
-    # ag_moe: one launch per source rank, moe_rs: one per destination, all keyed on the global bucket
-    assert len(winners[0]) == 4 and [w[2] for w in winners[0]] == [0, 1, 0, 1]
+    # ag_moe: one launch over every rank's tokens (a group per source rank and expert), moe_rs: one per
+    # destination (a group per expert); all keyed on the global bucket
+    assert len(winners[0]) == 3 and [w[2] for w in winners[0]] == [0, 0, 1]
+    keys = [ast.literal_eval(w[1]) for w in winners[0]]
+    groups, experts = moe.MOE_KEY.index("E"), moe.MOE_KEY.index("B_EXPERTS")
+    assert keys[0][groups] == 2 * keys[0][experts] and all(key[groups] == key[experts] for key in keys[1:])
     assert winners[0] == winners[1]
     assert all(v["err"] < 2e-2 and v["again_err"] < 2e-2 for v in values)
 
@@ -317,5 +342,5 @@ def test_per_rank_keys_are_a_clear_error(gloo2):
         assert "ranks disagree on what to tune" in msg
         assert "_moe_gemm_body" in msg
         assert "ranks [0]: kernel" in msg and "ranks [1]: kernel" in msg
-        assert "(64, 32, 8, 2, 32," in msg and "(64, 32, 8, 2, 48," in msg  # rows 16*2 vs 24*2
+        assert "(64, 32, 8, 8, 2, 32," in msg and "(64, 32, 8, 8, 2, 48," in msg  # rows 16*2 vs 24*2
         assert "rank-independent" in msg
