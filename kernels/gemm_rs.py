@@ -27,7 +27,7 @@ The GEMM is a ``triton.autotune`` kernel: wrap the step with ``disttune.contextu
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ class GemmReduceScatter:
         self._side: Optional[torch.cuda.Stream] = None
         self._side_handle = None
         self._events: list = []
+        self._plans: dict = {}  # (rows, N, dtype, parity) -> _RsPlan: the addresses of one call's pushes
 
     def __call__(self, a_local: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
                  out_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -111,44 +112,54 @@ class GemmReduceScatter:
             recv = SymmetricBuffer((2, world, capacity, N), dtype, self.info.group, device)
             staging = torch.empty(world, capacity, N, dtype=dtype, device=device)
             bufs = self._buffers[key] = (recv, staging)
+            self._plans = {plan_key: plan for plan_key, plan in self._plans.items() if plan_key[1:3] != key}
         return bufs
 
+    def _push_plan(self, rows: tuple, recv, staging, parity: int) -> "_RsPlan":
+        """Where each partial goes (pieces into the destination's receive slot, flagged there), which
+        free flag guards it, and the peers' free flags for this rank: computed once per shape and parity."""
+        from .symm import chunk_rows, pieces_of
+
+        key = (rows, staging.shape[2], staging.dtype, parity)
+        plan = self._plans.get(key)
+        if plan is None:
+            rank, world, board, chunks = self.info.rank, self.info.world_size, self._board, self.chunks
+            step_rows = chunk_rows(rows, chunks)
+            row_bytes = staging.stride(1) * staging.element_size()
+            pushes = [(d, board.address(rank, board.FREED, d),
+                       pieces_of(rows[d], recv.peer(d)[parity, rank].data_ptr(), row_bytes, step_rows,
+                                 lambda c, d=d: board.address(d, board.ARRIVED, rank * chunks + c)))
+                      for d in [(rank + i) % world for i in range(1, world)] if rows[d]]
+            frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
+            plan = self._plans[key] = _RsPlan(pushes, frees, step_rows)
+        return plan
+
     def _gpu_step(self, a_local, b_local, out, rows):
-        from .symm import chunk_rows, copy_async, wait_flag_at, write_flag_at
+        from .symm import push_pieces, write_flag_at
 
         info = self.info
-        rank, world = info.rank, info.world_size
+        rank = info.rank
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
         board, side, handle = self._board, self._side, self._side_handle
         starts = row_starts(rows)
-        chunks, step_rows = self.chunks, chunk_rows(rows, self.chunks)
-        row_bytes = staging.stride(1) * staging.element_size()
         self._epoch += 1
         epoch, parity = self._epoch, self._epoch % 2
+        plan = self._push_plan(rows, recv, staging, parity)
         current = torch.cuda.current_stream()
-        for d in [(rank + i) % world for i in range(1, world)]:
-            if not rows[d]:
-                continue
+        for d, free, pieces in plan.pushes:  # the next ranks' partials first, each pushed while the next computes
             part = staging[d, : rows[d]]
             shard_gemm(a_local[starts[d]: starts[d] + rows[d]], b_local, part, (rows[d],), 0, kernel=self.kernel)
             self._events[d].record(current)
             side.wait_event(self._events[d])
-            if epoch > 2:  # d has summed what this rank pushed into this half two calls ago
-                wait_flag_at(handle, board.address(rank, board.FREED, d), epoch - 2)
-            dest, source = recv.peer(d)[parity, rank].data_ptr(), part.data_ptr()
-            for c, first in enumerate(range(0, rows[d], step_rows)):
-                size = (min(rows[d], first + step_rows) - first) * row_bytes
-                copy_async(handle, dest + first * row_bytes, source + first * row_bytes, size)
-                write_flag_at(handle, board.address(d, board.ARRIVED, rank * chunks + c), epoch)
+            push_pieces(handle, part.data_ptr(), pieces, epoch, free)
         mine = rows[rank]
         if mine:  # the own rows' GEMM adds every peer's partial in its epilogue, piece by piece as they land
             shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
-                       chunks=chunks, chunk_rows=step_rows, epoch=epoch, addend=recv.local[parity, :, :mine],
-                       addend_flags=board.arrived, addend_skip=rank)
+                       chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch,
+                       addend=recv.local[parity, :, :mine], addend_flags=board.arrived, addend_skip=rank)
         current.wait_stream(side)
-        for p in range(world):
-            if p != rank:
-                write_flag_at(current, board.address(p, board.FREED, rank), epoch)
+        for address in plan.frees:
+            write_flag_at(current, address, epoch)
         return out
 
     # ------------------------------------------------------------------ CPU / gloo
@@ -178,6 +189,12 @@ class GemmReduceScatter:
                        chunks=self.chunks, chunk_rows=chunk_rows(rows, self.chunks), addend=received,
                        addend_flags=ready, addend_skip=rank)
         return out
+
+
+class _RsPlan(NamedTuple):
+    pushes: list  # (destination, its free-flag address here, pieces_of(...) into its receive slot)
+    frees: list  # the peers' free-flag addresses for this rank
+    step_rows: int  # rows per piece
 
 
 _instances: dict = {}

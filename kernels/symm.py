@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -199,6 +199,24 @@ def copy_async(stream, dest: int, source: int, nbytes: int) -> None:
            "cuMemcpyDtoDAsync")
 
 
+def pieces_of(rows: int, dest: int, row_bytes: int, step_rows: int, flag_of: Callable[[int], Any]) -> list:
+    """A push of ``rows`` rows to address ``dest`` cut into ``step_rows``-row pieces:
+    ``[(offset from the source, destination, bytes, arrival flag address)]``, piece ``c`` flagged at ``flag_of(c)``."""
+    return [(first * row_bytes, dest + first * row_bytes, (min(rows, first + step_rows) - first) * row_bytes,
+             flag_of(c)) for c, first in enumerate(range(0, rows, step_rows))]
+
+
+def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=None) -> None:
+    """On ``stream`` (a ``CUstream``): wait until ``free`` (the destination's "read it" flag for this
+    target, if any) holds ``epoch - 2``, then copy each piece from ``source`` and set its arrival flag
+    to ``epoch``. The double-buffered pattern shared by :class:`ShardPusher` and GEMM-ReduceScatter."""
+    if free is not None and epoch > 2:  # the destination has read what was put in this half two calls ago
+        wait_flag_at(stream, free, epoch - 2)
+    for offset, dest, size, flag in pieces:
+        copy_async(stream, dest, source + offset, size)
+        write_flag_at(stream, flag, epoch)
+
+
 class ShardPusher:
     """All-gather of row shards by copy-engine *pushes*, signalled by stream memory operations.
 
@@ -273,10 +291,8 @@ class ShardPusher:
         if rows[rank]:  # a rank without rows sends nothing, and nobody waits for its empty shard
             for n, p in enumerate(targets):
                 dest = buf.peer(p)[parity].data_ptr() + starts[rank] * row_bytes
-                pieces = [(first * row_bytes, dest + first * row_bytes,
-                           (min(rows[rank], first + step_rows) - first) * row_bytes,
-                           board.address(p, board.ARRIVED, rank * chunks + c))
-                          for c, first in enumerate(range(0, rows[rank], step_rows))]
+                pieces = pieces_of(rows[rank], dest, row_bytes, step_rows,
+                                   lambda c, p=p: board.address(p, board.ARRIVED, rank * chunks + c))
                 free = board.address(rank, board.FREED, p) if p != rank else None
                 pushes.append((n % len(self._sides), free, pieces))
         last_piece = [board.address(rank, board.ARRIVED, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
@@ -304,12 +320,7 @@ class ShardPusher:
             local_work()
         source = local.data_ptr()
         for side, free, pieces in plan.pushes:
-            handle = self._handles[side]
-            if free is not None and epoch > 2:  # the peer has read what this rank put in this half 2 calls ago
-                wait_flag_at(handle, free, epoch - 2)
-            for offset, dest, size, flag in pieces:
-                copy_async(handle, dest, source + offset, size)
-                write_flag_at(handle, flag, epoch)
+            push_pieces(self._handles[side], source, pieces, epoch, free)
         return plan.workspace
 
     def wait_shard(self, shard: int) -> None:
