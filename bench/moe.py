@@ -13,7 +13,9 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
    histogram) is *outside* the timed region for everyone. The token permutation (``x[perm]``,
    R x H elements) is *inside* for every contender that needs a permuted A (grouped_mm, the
    loop, Triton "sorted"); Triton "gather" loads rows through the routing and needs none.
-   "GEMM only" rows time grouped_mm and Triton "sorted" on a pre-permuted A as well.
+   "GEMM only" rows time grouped_mm and Triton "sorted" on a pre-permuted A as well. "K-major W"
+   rows give grouped_mm and Triton the same weights stored as ``[E, N, K]`` (``w.transpose(1, 2)``
+   of a contiguous copy), the layout tensor-descriptor loads favour.
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
    ``moe.ag_moe`` / ``moe.moe_rs`` vs the sequential forms (NCCL all_gather of tokens and
    routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
@@ -200,9 +202,11 @@ class Bench:
                     if bounds[e + 1] > bounds[e]:
                         torch.mm(xp[bounds[e]:bounds[e + 1]], w[e], out=out[bounds[e]:bounds[e + 1]])
 
-            def grouped(xp=None):
+            w_kmajor = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [E, N, K] storage
+
+            def grouped(xp=None, weights=w):
                 xp = x.index_select(0, perm) if xp is None else xp
-                return torch._grouped_mm(xp, w, offs=offs, out_dtype=self.dtype)
+                return torch._grouped_mm(xp, weights, offs=offs, out_dtype=self.dtype)
 
             contenders = [
                 ("torch per-expert loop (+perm)", loop),
@@ -213,11 +217,18 @@ class Bench:
                                                                   kernel=kernel)),
                 ("triton sorted A (GEMM only)", lambda: moe.moe_gemm(x_perm, w, rt, a_order="sorted", out=out,
                                                                       kernel=kernel)),
+                ("torch._grouped_mm K-major W (+perm)", lambda: grouped(weights=w_kmajor)),
+                ("triton gather A, K-major W (no perm)", lambda: moe.moe_gemm(x, w_kmajor, rt, a_order="token",
+                                                                               out=out, kernel=kernel)),
+                ("triton sorted A, K-major W (+perm)", lambda: moe.moe_gemm(rt.permute(x), w_kmajor, rt,
+                                                                             a_order="sorted", out=out, kernel=kernel)),
             ]
             # correctness before timing (the first Triton calls also tune)
             ref = grouped().float()
             errors = {}
             for name, fn in contenders[3:]:
+                if not name.startswith("triton"):
+                    continue
                 out.fill_(float("nan"))
                 fn()
                 errors[name] = ((out.float() - ref).norm() / ref.norm()).item()
@@ -228,8 +239,10 @@ class Bench:
                 results[name] = ms
                 winner = None
                 if name.startswith("triton"):
+                    b_tma = 2 if "K-major" in name else 1
                     winner = next((disttune.describe_config(c) for key, c in kernel.cache.items()
-                                   if key[moe.MOE_KEY.index("A_MODE")] == (0 if "gather" in name else 2)), None)
+                                   if key[moe.MOE_KEY.index("A_MODE")] == (0 if "gather" in name else 2)
+                                   and key[moe.MOE_KEY.index("B_TMA")] == b_tma), None)
                 self.record("a", s, name, ms, tflops=flops / ms / 1e9, rel_err=errors.get(name), winner=winner,
                             reference_grouped_mm_ms=REFERENCE_MS.get((E, k)))
             if self.rank == 0:
@@ -274,11 +287,17 @@ class Bench:
                 return moe.ag_moe(p["x"], p["ids"], p["w_up"], topk_weights=p["wts"], tokens_per_rank=tpr,
                                   kernel=kernel, check_ids=False)
 
-            def ag_seq():
+            def ag_comm():
                 gather(x_all, p["x"])
                 gather(ids_all, p["ids"])
+
+            def ag_compute():
                 rt = moe.moe_align(ids_all, E, check_range=False)
                 return torch._grouped_mm(rt.permute(x_all), p["w_up"], offs=rt.expert_offs[1:], out_dtype=self.dtype)
+
+            def ag_seq():
+                ag_comm()
+                return ag_compute()
 
             # MoE-RS inputs: the up-projection output in each contender's own layout (prepared untimed)
             ag = ag_fused()  # (tunes the AG sites with stock autotune on first use)
@@ -293,18 +312,26 @@ class Bench:
             def rs_fused():
                 return moe.moe_rs(h_chunks, ag.routings, wts_all, p["w_down"], kernel=kernel)
 
-            def rs_seq():
+            full = torch.empty(T, H, device=self.device, dtype=self.dtype)
+
+            def rs_compute():
                 y = torch._grouped_mm(h_joint, p["w_down"], offs=rt_all.expert_offs[1:], out_dtype=self.dtype)
                 y = y * w_sorted[:, None]
                 y_flat = torch.empty_like(y)
                 y_flat[rt_all.sorted_ids.long()] = y
-                full = y_flat.view(T, k, H).sum(1, dtype=torch.float32).to(self.dtype)
+                full.copy_(y_flat.view(T, k, H).sum(1, dtype=torch.float32))
+
+            def rs_comm():
                 if self.gpu:
                     dist.reduce_scatter_tensor(rs_out, full)
                 else:  # gloo has no reduce_scatter: all_reduce + slice
                     dist.all_reduce(full)
                     rs_out.copy_(full[self.rank * (T // w):(self.rank + 1) * (T // w)])
                 return rs_out
+
+            def rs_seq():
+                rs_compute()
+                return rs_comm()
 
             if self.o.host_profile:
                 self.host_profile(ag_fused, f"ag_moe E={E} top-{k}")
@@ -317,17 +344,29 @@ class Bench:
                 steady[name] = self.steady_ms(fn) if self.gpu else None
                 self.record("b", s, name, ms, steady_ms=steady[name],
                             rel_err=err if name.startswith("MoE-RS: disttune") else None)
+            # The overlap limit: the sequential form's communication and computation timed apart; an
+            # overlapped step can at best take the longer of the two, so sequential / limit bounds its speed-up.
+            parts = {}
+            for name, fn in [("AG-MoE comm", ag_comm), ("AG-MoE compute", ag_compute),
+                             ("MoE-RS comm", rs_comm), ("MoE-RS compute", rs_compute)]:
+                parts[name] = self.steady_ms(fn) if self.gpu else self.time_ms(fn, collective=True)
+                self.record("b", s, name, parts[name], steady_ms=parts[name] if self.gpu else None)
             if self.rank == 0:
                 print(f"\n### (b) world {w}: T={T} E={E} top-{k} H={H} I={Ir * w} (I/w={Ir} per rank), max over ranks\n")
                 print("| step | sequential ms | disttune ms | speed-up | steady: sequential | steady: disttune "
-                      "| steady speed-up |")
-                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+                      "| steady speed-up | comm | compute | limit | best possible (sequential / limit) |")
+                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
                 for label, seq, fused in [("AG-MoE", "AG-MoE: all_gather then grouped_mm", "AG-MoE: disttune ag_moe"),
                                           ("MoE-RS", "MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")]:
                     st = (f"{steady[seq]:.3f} | {steady[fused]:.3f} | {steady[seq] / steady[fused]:.2f}x"
                           if steady[seq] is not None else "n/a | n/a | n/a")
+                    comm, compute = parts[f"{label} comm"], parts[f"{label} compute"]
+                    limit = max(comm, compute)
+                    base = steady[seq] if steady[seq] is not None else results[seq]
                     print(f"| {label} | {results[seq]:.3f} | {results[fused]:.3f} | {results[seq] / results[fused]:.2f}x "
-                          f"| {st} |")
+                          f"| {st} | {comm:.3f} | {compute:.3f} | {limit:.3f} | {base / limit:.2f}x |")
+                print("\ncomm / compute / limit: steady state on GPUs (median with a barrier on CPUs); the best "
+                      "possible speed-up divides the steady sequential time by the limit.")
                 print(f"\nMoE-RS rel. err vs sequential: {err:.1e}")
 
     # -- part c -----------------------------------------------------------------------------
@@ -355,19 +394,22 @@ class Bench:
             g = moe.silu_and_mul(ag.out)
             t0 = time.perf_counter()
             rows_bucket = moe.next_power_of_2(ag.out.shape[0])
+            # the AG GEMM: one launch over every rank's tokens, as in the layer (on GPUs with arrival flags
+            # that are already set, so its key is the layer's and nothing waits)
+            arrived = (torch.ones(self.world, dtype=torch.int32, device=self.device), 1) if self.gpu else None
+            moe.moe_gemm(self._gathered_tokens(p), p["w_gu"], ag.routing, a_order="token", kernel=alone_kernel,
+                         rows_bucket=rows_bucket, first_group=self.rank * E, wait=arrived)
             for r in range(self.world):
                 tok0 = sum(p["tpr"][:r])
-                x_r = self._gathered_tokens(p)[tok0: tok0 + p["tpr"][r]]
-                moe.moe_gemm(x_r, p["w_gu"], ag.routings[r], a_order="token", kernel=alone_kernel,
-                             rows_bucket=rows_bucket)
                 moe.moe_gemm(g[ag.row_offsets[r]:ag.row_offsets[r + 1]], p["w_down"], ag.routings[r],
                              a_order="sorted", out_order="flat",
                              weights=ag.topk_weights[tok0: tok0 + p["tpr"][r]], kernel=alone_kernel,
                              rows_bucket=rows_bucket)
             self.sync()
             alone_tuning_s = time.perf_counter() - t0
-            ctx_winners = {str(key[:8]): disttune.describe_config(c) for key, c in ctx_kernel.cache.items()}
-            alone_winners = {str(key[:8]): disttune.describe_config(c) for key, c in alone_kernel.cache.items()}
+            n_key = len(moe.MOE_KEY)
+            ctx_winners = {str(key[:n_key]): disttune.describe_config(c) for key, c in ctx_kernel.cache.items()}
+            alone_winners = {str(key[:n_key]): disttune.describe_config(c) for key, c in alone_kernel.cache.items()}
             everyone = [None] * self.world
             dist.all_gather_object(everyone, alone_winners)
             alone_agree = all(w_ == everyone[0] for w_ in everyone)

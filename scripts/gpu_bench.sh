@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: every measurement behind the README's benchmark tables, in one call.
-# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|tuning_moe|fast|tests|gputests|all ...]
+# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|tuning|tuning_moe|fast|tests|gputests|moetests|all ...]
 # NPROC defaults to the GPU count. Each step has its own time limit and logs to $OUT/<step>.log,
 # so one failing step does not hide the others; the last lines of each log are echoed.
 set -uo pipefail
@@ -26,6 +26,9 @@ if want tests; then
 fi
 if want gputests; then
     run gpu_tests 250 python3 -m pytest -q -x tests/test_gpu.py
+fi
+if want moetests; then  # the MoE suite on the GPUs: single-GPU GEMM cases, and the 2-rank cases under NCCL
+    run moe_tests 300 python3 -m pytest -q -x tests/test_moe.py -k "not 4_ranks"
 fi
 if want ag; then
     run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30
