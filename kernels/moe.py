@@ -134,6 +134,10 @@ CPU_MOE_CONFIGS = [
     gemm_config(32, 32, 16, 4, 1, 1),
 ]
 
+#: The tile loop's shape (``bench/moe_variants.py`` compares them on GPUs).
+PERSISTENT = True
+FLATTEN = True
+
 A_ORDERS = ("token", "flat", "sorted")
 OUT_ORDERS = ("sorted", "flat")
 _A_MODE = {name: i for i, name in enumerate(A_ORDERS)}
@@ -369,6 +373,8 @@ def _moe_gemm_body(
     A_TMA: tl.constexpr,        # sorted A read through a tensor descriptor (else pointer loads)
     B_TMA: tl.constexpr,        # 0: pointer loads; 1: descriptor over W [E, K, N]; 2: over K-major W [E, N, K]
     NUM_SMS: tl.constexpr,
+    PERSISTENT: tl.constexpr,   # NUM_SMS programs walk the tiles (else one program per tile of the bound)
+    FLATTEN: tl.constexpr,      # persistent: flatten the tile and K loops (next tile's loads overlap the epilogue)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -395,9 +401,11 @@ def _moe_gemm_body(
                                            block_shape=[1, BLOCK_N, BLOCK_K])
     offs_k = tl.arange(0, BLOCK_K)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    # Persistent: NUM_SMS programs walk the tiles (the next tile's loads overlap this one's epilogue).
     # (A spin loop inside the tile loop keeps the compiler from flattening the loop nest.)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=not WAIT):
+    pid = tl.program_id(0)
+    num_tiles = num_pid_m * num_pid_n
+    stop = num_tiles if PERSISTENT else tl.minimum(pid + 1, num_tiles)
+    for tile in tl.range(pid, stop, NUM_SMS if PERSISTENT else 1, flatten=FLATTEN and PERSISTENT and not WAIT):
         group_id = tile // num_pid_in_group
         first_pid_m = group_id * GROUP_M
         group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
@@ -562,7 +570,7 @@ def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
     strides = (a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
     meta = dict(E_POW2=max(2, next_power_of_2(routing.groups)), WAIT=wait is not None, A_MODE=_A_MODE[a_order], C_FLAT=out_order == "flat",
                 MUL_WEIGHT=weights is not None, A_TMA=a_order == "sorted" and _descriptor_ready(a, a.dim() - 1),
-                B_TMA=_weight_layout(w), NUM_SMS=num_sms(a.device))
+                B_TMA=_weight_layout(w), NUM_SMS=num_sms(a.device), PERSISTENT=PERSISTENT, FLATTEN=FLATTEN)
     if a.device.type == "cuda" and (meta["A_TMA"] or meta["B_TMA"]):
         ensure_descriptor_allocator()
     return out, args, strides, meta
@@ -587,12 +595,13 @@ def _weight_layout(w: torch.Tensor) -> int:
 
 
 def _grid(R: int, N: int, routing: MoeRouting, sms: int):
-    """Persistent programs: ``min(sms, M-tiles x N-tiles)``, with the M-tiles bounded on the host by
-    ``cdiv(R, BLOCK_M) + min(E, R)`` (no host sync; the kernel counts the real tiles itself)."""
+    """Programs: the tile bound (M-tiles bounded on the host by ``cdiv(R, BLOCK_M) + min(E, R)``, no host
+    sync; the kernel counts the real tiles itself), at most ``sms`` of them when persistent."""
     E = routing.groups
 
     def grid(META):
-        return (max(1, min(sms, (triton.cdiv(R, META["BLOCK_M"]) + min(E, R)) * triton.cdiv(N, META["BLOCK_N"]))),)
+        bound = (triton.cdiv(R, META["BLOCK_M"]) + min(E, R)) * triton.cdiv(N, META["BLOCK_N"])
+        return (max(1, min(sms, bound) if META["PERSISTENT"] else bound),)
 
     return grid
 
@@ -645,7 +654,7 @@ def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, 
     if a.shape[1] == 0:
         return out.zero_()
     kw = config.kwargs
-    grid = _grid(R, N, routing, meta["NUM_SMS"])(kw)
+    grid = _grid(R, N, routing, meta["NUM_SMS"])({**kw, **meta})
     moe_gemm_jit[grid](*args, next_power_of_2(R), 0, 0, *strides, **meta, **kw,
                        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
