@@ -2,10 +2,13 @@
 
 While at least one scope is open, ``Autotuner.run`` is replaced by a thin function
 that looks up the *current thread's* handler in a context variable. Launches on
-other threads, or on this thread outside the scope, go straight to Triton's own
-``run``. When the last scope closes (normally, on an exception or on
-KeyboardInterrupt) Triton's method is put back, so code outside behaves exactly
-like stock Triton.
+other threads, or on this thread outside the scope, go to Triton's own ``run``.
+Triton's method is put back by the first launch made while no scope is open (or by
+:func:`restore_triton_run`), not when the last scope closes: a tuned function called
+in a loop then installs the hook once rather than on every call (assigning a class
+attribute costs little itself, but it invalidates every specialized lookup on the
+class, about 0.25 us per call in all), and code outside a scope pays one forwarding
+call, once, before it runs on stock Triton again.
 
 ``launch_config`` reproduces what Triton does for one tuning launch
 (``Config.pre_hook``, the tuner's ``pre_hook``/``reset_to_zero``/``restore_value``,
@@ -39,7 +42,10 @@ _triton_run: Optional[Callable[..., Any]] = None
 def _hooked_run(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
     handler = _current.get()
     if handler is None:
-        return _triton_run(self, *args, **kwargs)  # type: ignore[misc]
+        original = _triton_run or _stock_run()
+        if _open_scopes == 0:
+            restore_triton_run()  # outside every scope: later launches go straight to Triton
+        return original(self, *args, **kwargs)  # type: ignore[misc]
     return handler.launch(self, args, kwargs)
 
 
@@ -52,10 +58,24 @@ def hook_installed() -> bool:
     return Autotuner.run is _hooked_run
 
 
+def restore_triton_run() -> bool:
+    """Put Triton's ``Autotuner.run`` back if no scope is open; returns whether it is back."""
+    global _triton_run
+    with _install_lock:
+        if _open_scopes == 0 and _triton_run is not None:
+            Autotuner.run = _triton_run  # type: ignore[method-assign]
+            _triton_run = None
+        return _open_scopes == 0
+
+
+def _stock_run() -> Callable[..., Any]:
+    with _install_lock:  # install and restore change both names under this lock
+        return _triton_run if _triton_run is not None else Autotuner.run
+
+
 def triton_run(autotuner: Autotuner, *args: Any, **kwargs: Any) -> Any:
     """Triton's own ``Autotuner.run``, whether or not the hook is installed."""
-    original = _triton_run if hook_installed() else Autotuner.run
-    return original(autotuner, *args, **kwargs)
+    return (_triton_run or _stock_run())(autotuner, *args, **kwargs)
 
 
 def open_scope(handler: LaunchHandler) -> contextvars.Token:
@@ -67,7 +87,7 @@ def open_scope(handler: LaunchHandler) -> contextvars.Token:
     global _open_scopes, _triton_run
     _install_lock.acquire()  # acquire/release rather than ``with``: this runs on every tuned call
     try:
-        if _open_scopes == 0:
+        if _triton_run is None:
             _triton_run = Autotuner.run
             Autotuner.run = _hooked_run  # type: ignore[method-assign]
         _open_scopes += 1
@@ -77,15 +97,12 @@ def open_scope(handler: LaunchHandler) -> contextvars.Token:
 
 
 def close_scope(token: contextvars.Token) -> None:
-    """End the scope :func:`open_scope` began; the last one open puts Triton's ``run`` back."""
-    global _open_scopes, _triton_run
+    """End the scope :func:`open_scope` began (Triton's ``run`` comes back lazily, see the module doc)."""
+    global _open_scopes
     _current.reset(token)
     _install_lock.acquire()
     try:
         _open_scopes -= 1
-        if _open_scopes == 0:
-            Autotuner.run = _triton_run  # type: ignore[method-assign]
-            _triton_run = None
     finally:
         _install_lock.release()
 

@@ -56,7 +56,13 @@ def key_of(x):
 
 # -- 1. interception is scoped -------------------------------------------------------------------
 
-def test_hook_is_installed_only_while_the_function_runs(tmp_path):
+def assert_no_scope_left() -> None:
+    """Every scope was closed: Triton's ``run`` can come back (the hook leaves lazily, see intercept's doc)."""
+    assert intercept.restore_triton_run(), "a scope was left open"
+    assert Autotuner.run is STOCK_RUN
+
+
+def test_hook_intercepts_only_inside_the_function_and_leaves_at_the_first_launch_outside(tmp_path):
     kernel = make_kernel()
     seen = []
 
@@ -68,11 +74,16 @@ def test_hook_is_installed_only_while_the_function_runs(tmp_path):
         return y
 
     assert Autotuner.run is STOCK_RUN
-    step(torch.randn(64, device=DEV))
+    x = torch.randn(64, device=DEV)
+    step(x)
     assert seen and all(seen)
-    assert Autotuner.run is STOCK_RUN
-    step(torch.randn(64, device=DEV))  # fast path also scopes the hook
-    assert Autotuner.run is STOCK_RUN
+    step(x)  # the fast path
+    assert seen[-1] and intercept.hook_installed(), "a tuned function called in a loop installs the hook once"
+    outside = make_kernel(do_bench=host_bench)
+    y = torch.empty_like(x)
+    launch_add(outside, x, y)  # outside every scope: stock Triton tunes it, and the hook goes
+    assert outside.cache, "the launch outside the scope was not Triton's own"
+    assert torch.equal(y, x + 16) and Autotuner.run is STOCK_RUN
 
 
 def test_hook_restored_after_exception_and_keyboard_interrupt(tmp_path):
@@ -91,12 +102,12 @@ def test_hook_restored_after_exception_and_keyboard_interrupt(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         step()
-    assert Autotuner.run is STOCK_RUN
+    assert_no_scope_left()
     assert kernel.cache == {} and not step.tuned, "an interrupted tuning must leave no winner behind"
     runs["interrupt_at"] = -1
     y = step()  # tunes again from scratch, correctly
     assert step.tuned and torch.equal(y, x + 16)
-    assert Autotuner.run is STOCK_RUN
+    assert_no_scope_left()
 
     @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
     def broken():
@@ -106,7 +117,7 @@ def test_hook_restored_after_exception_and_keyboard_interrupt(tmp_path):
     with pytest.raises(disttune.TuningError, match="ValueError: user bug") as info:
         broken()
     assert isinstance(info.value.__cause__, ValueError)
-    assert Autotuner.run is STOCK_RUN
+    assert_no_scope_left()
 
 
 def test_launches_on_other_threads_are_not_intercepted(tmp_path):
@@ -723,7 +734,7 @@ def test_tuned_wrapper_called_from_several_threads_at_once(tmp_path):
     assert not any(worker.is_alive() for worker in workers) and errors == []
     assert recorder.blocks == [32] * (4 * 200 * 2)
     assert step.tuned and len(step.report.results) == 2
-    assert Autotuner.run is STOCK_RUN
+    assert_no_scope_left()
 
 
 @pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
@@ -770,4 +781,4 @@ def test_fast_path_follows_calls_that_depart_from_the_learned_launch_order(tmp_p
     with pytest.warns(RuntimeWarning, match="not tuned for"):
         launched(n=32)  # a new key: first config now, retuned on the next call
     assert not step.tuned
-    assert Autotuner.run is STOCK_RUN
+    assert_no_scope_left()
