@@ -5,7 +5,8 @@
 Every variant is ``moe.moe_gemm_jit`` with the same arguments but for the constexprs that shape
 its loop: persistent or one program per tile, the flattened loop nest, and weights through TMA
 descriptors or pointer loads. Each variant runs every config of a small space (the Hopper space's
-usual winners) and keeps its fastest (``triton.testing.do_bench``, median ms); ``torch._grouped_mm``
+usual winners) and keeps its fastest (``triton.testing.do_bench``: mean ms, L2 flushed before each
+call, so no back-to-back power throttling either); ``torch._grouped_mm``
 on the same pre-permuted (sorted) A and the same weights is the reference in the same run.
 """
 
