@@ -16,6 +16,9 @@ Variants (``--variant``):
   all       parallel compile + early stopping (writes the winner store)
   split     all + ``split=True``: in each tuning run every rank times a different config (the GEMM
             runs after the all-gather, not beside it, so its time does not depend on the peers' configs)
+  share     all + ``compile_split=True`` (disttune's default; every other variant turns it off, as
+            measured before it existed): each rank compiles its share of the configs, then loads the
+            peers' from the Triton cache they share (same node, same TRITON_CACHE_DIR)
   untuned   a fresh process running the same step with the "all" run's winner fixed and no tuner at all
             (a one-config ``triton.autotune`` kernel, which Triton launches without benchmarking)
   warm      a second process: the winner store from the "all" run is present
@@ -56,7 +59,7 @@ from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=["baseline", "parallel", "early", "all", "split", "untuned", "warm"], required=True)
+    parser.add_argument("--variant", choices=["baseline", "parallel", "early", "all", "split", "share", "untuned", "warm"], required=True)
     parser.add_argument("--winner", default=None,
                         help="untuned: the config to fix, as describe_config prints it (default: the 'all' row's)")
     parser.add_argument("--M", type=int, default=8192)
@@ -90,8 +93,8 @@ def main() -> None:
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, verbose=False,
                                   compile_threads=0 if options.variant in ("baseline", "early") else None,
-                                  early_stop=options.variant in ("early", "all", "split"),
-                                  split=options.variant == "split",
+                                  early_stop=options.variant in ("early", "all", "split", "share"),
+                                  split=options.variant == "split", compile_split=options.variant == "share",
                                   store=options.variant in ("all", "warm"))
     def step():
         return body(kernel)

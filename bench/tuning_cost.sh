@@ -13,7 +13,7 @@ run() {  # variant triton-cache [extra args]
     TRITON_CACHE_DIR="$cache" DISTTUNE_CACHE_DIR="$store" DISTTUNE_LOG_DIR="$out/logs-$variant" \
         bash scripts/launch.sh --nproc_per_node="$nproc" bench/tuning_cost.py --variant "$variant" --out "$rows" "$@"
 }
-for variant in baseline parallel early split all; do  # "all" last: untuned and warm reuse its Triton cache
+for variant in baseline parallel early split share all; do  # "all" last: untuned and warm reuse its Triton cache
     cache="$(mktemp -d)"  # a cold Triton cache for each cold variant
     run "$variant" "$cache" "$@"
 done
@@ -26,7 +26,7 @@ base = rows["baseline"]
 step = {"gemm": "AG-GEMM step", "moe": "AG + MoE grouped GEMM step"}[base.get("workload", "gemm")]
 print(f"\ntuning cost, {step}, {base['world']} x {base['device']} (torch {base['torch']}, {base['date']})")
 print(f"{'variant':<10} {'first call s':>12} {'vs baseline':>11} {'runs':>5} {'source':>7} {'step ms (100)':>13}  winner")
-for name in ("baseline", "parallel", "early", "all", "split", "untuned", "warm"):
+for name in ("baseline", "parallel", "early", "all", "split", "share", "untuned", "warm"):
     r = rows[name]
     print(f"{name:<10} {r['first_call_s']:12.3f} {r['first_call_s'] / base['first_call_s']:10.2f}x {r['function_runs']:5d} "
           f"{r['source']:>7} {r['step_ms_median_of_100']:13.4f}  {r['winner']}")

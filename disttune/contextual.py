@@ -101,11 +101,14 @@ class _Session:
     """The launch handler of one call of the wrapped function: discover, tune, final or fast mode."""
 
     def __init__(self, timer: Timer, rank: int, always_tune: bool, compile_pool: Any = None,
-                 lookup: Optional[Callable[[Site], Optional[int]]] = None) -> None:
+                 lookup: Optional[Callable[[Site], Optional[int]]] = None,
+                 compile_share: Optional[tuple[int, int]] = None) -> None:
         self.timer = timer
         self.lookup = lookup  # this rank's stored/pinned winner for a new site, if any
         self.compile_pool = compile_pool
+        self.compile_share = compile_share  # (rank, ranks): compile configs rank, rank + ranks, ... first
         self._compiles: dict[SiteId, list] = {}
+        self._compile_later: dict[SiteId, tuple] = {}
         self.rank = rank
         self.always_tune = always_tune
         self.sites: dict[SiteId, Site] = {}
@@ -183,7 +186,7 @@ class _Session:
             if index in site.failures:
                 continue
             try:
-                if compiles:
+                if compiles and compiles[index] is not None:
                     compiles[index].result()  # this config compiled (the rest go on in the background)
                 result = _hook.launch_config(autotuner, args, kwargs, config)
             except Exception as err:  # a config that fails here is scored inf, not fatal
@@ -194,19 +197,49 @@ class _Session:
         return None  # nothing launches on this rank; agreement fails the site on every rank
 
     def _start_compiles(self, ident: SiteId, autotuner: Any, configs: list, args: tuple, kwargs: dict) -> list:
-        """Compile every candidate in the pool (JITFunction.warmup: no launch); [] when not pooled."""
+        """Compile the candidates in the pool (JITFunction.warmup: no launch): every one, or with a
+        compile share ``(r, w)`` configs ``r, r + w, ...`` now and the rest in :meth:`finish_compiles`.
+        Returns a future per config (None: later); [] when not pooled."""
         if self.compile_pool is None or not _hook.can_precompile(autotuner):
             return []
         device = _hook.current_cuda_device()
-        futures = [self.compile_pool.submit(_hook.precompile, autotuner, args, kwargs, config, device)
-                   for config in configs]
+        first, step = self.compile_share or (0, 1)
+        futures = self._submit_compiles(autotuner, args, kwargs, configs, device, range(first, len(configs), step))
         self._compiles[ident] = futures
+        if self.compile_share is not None:
+            self._compile_later[ident] = (autotuner, args, kwargs, configs, device)
         return futures
 
-    def finish_compiles(self) -> None:
-        """Wait for the compile pool; a config that did not compile fails on this rank (inf)."""
+    def _submit_compiles(self, autotuner: Any, args: tuple, kwargs: dict, configs: list, device: Optional[int],
+                         indices: Any) -> list:
+        futures: list = [None] * len(configs)
+        for index in indices:
+            futures[index] = self.compile_pool.submit(_hook.precompile, autotuner, args, kwargs, configs[index], device)
+        return futures
+
+    def finish_compiles(self, comm: Communicator) -> None:
+        """Wait for the compile pool; a config that did not compile fails on this rank (inf).
+
+        With a compile share (a collective then: every rank calls this): after this rank's share, a
+        barrier, so every peer's share is in Triton's cache (shared by the ranks of a node), then the
+        rest, which loads from there (or compiles, where the cache is not shared)."""
+        self._wait_compiles()
+        if self.compile_share is None:
+            return
+        comm.barrier("compile share")
+        for ident, (autotuner, args, kwargs, configs, device) in self._compile_later.items():
+            first, step = self.compile_share
+            failed = self.sites[ident].failures
+            rest = [i for i in range(len(configs)) if (i - first) % step and i not in failed]
+            self._compiles[ident] = self._submit_compiles(autotuner, args, kwargs, configs, device, rest)
+        self._compile_later.clear()
+        self._wait_compiles()
+
+    def _wait_compiles(self) -> None:
         for ident, futures in self._compiles.items():
             for index, future in enumerate(futures):
+                if future is None:
+                    continue
                 try:
                     future.result()
                 except Exception as err:
@@ -326,6 +359,7 @@ class ContextualAutotuner:
         store_writer: str = "global",
         pinned: Optional[str | os.PathLike] = None,
         compile_threads: Optional[int] = None,
+        compile_split: bool = True,
         split: SplitSpec = False,
     ) -> None:
         _check_count("n_repeat", n_repeat, minimum=1)
@@ -368,6 +402,7 @@ class ContextualAutotuner:
         if compile_threads is not None:
             _check_count("compile_threads", compile_threads, minimum=0)
         self.compile_threads = compile_threads
+        self.compile_split = bool(compile_split)
         self.split = split
         self._splits = _split_predicate(split)
         self.report: Optional[TuningReport] = None
@@ -446,13 +481,15 @@ class ContextualAutotuner:
         pool = concurrent.futures.ThreadPoolExecutor(threads, "disttune-compile") if threads > 0 else None
         winners_store = self._open_store(comm)
         table = _store.load_table(self.pinned) if self.pinned else None
+        # every rank decides alike (same options, same backend), so all or none of them meet at the barrier
+        share = (comm.rank, comm.world_size) if self.compile_split and pool is not None and comm.world_size > 1 else None
         session = _Session(self.timer or default_timer(), comm.rank, self.always_tune, pool,
-                           self._lookup_function(winners_store, table))
+                           self._lookup_function(winners_store, table), share)
         log = RankLog(self.log_dir, _global_rank(comm), self.__qualname__)
         try:
             with _hook.intercept(session):
                 result, error = self._guarded_run(session, "discover", -1, args, kwargs)
-                session.finish_compiles()
+                session.finish_compiles(comm)
                 session.finish_run()
                 self._consensus(comm, session, error, [s.local_answer for s in session.sites.values()], table)
                 tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
@@ -903,7 +940,11 @@ def contextual_autotune(
     (``"strict"`` or ``"warn"``) / ``store_writer`` (``"global"`` or ``"node"``) for the
     persistent winner store, ``pinned`` (a winners table: never tune), and
     ``compile_threads`` (candidates compiled up front; default up to 16 per rank on
-    GPUs, 0 under the interpreter), ``early_stop`` (screen every config with one
+    GPUs, 0 under the interpreter), ``compile_split`` (default on; with several ranks and a compile
+    pool, rank ``r`` compiles configs ``r, r + w, ...`` first, then, after a barrier, loads the rest
+    from Triton's cache, which the ranks of one node share unless ``TRITON_CACHE_DIR`` differs
+    between them: each config is compiled once per node, not once per rank; where the cache is not
+    shared the rest is compiled as before), ``early_stop`` (screen every config with one
     warm-up and one timed run, agree, and give the full ``n_warmup + n_repeat`` runs
     only to the fastest quarter (at least two): ``2C + K(n_warmup+n_repeat)`` tuning
     runs instead of ``C(n_warmup+n_repeat)``). With a store or pinned hit the first call runs the

@@ -479,6 +479,60 @@ def case_compile_fault_every_config_one_rank(ctx):
     return _compile_fault_case(ctx, lambda rank: 16 if rank == 0 else 1024)
 
 
+def case_compile_split(ctx):
+    """``compile_split=True`` over 5 configs: which configs each rank compiled before and after the barrier.
+
+    On GPUs the real compiler runs, wrapped to record each call. Under the interpreter nothing is
+    compiled, so a recording stand-in takes the compiler's place (its only job: say which configs were
+    asked for, when) and fails BLOCK 64, as a compile fault would: the fake timer makes BLOCK 64 the
+    fastest, so only the recorded failure keeps it from winning."""
+    from disttune import intercept
+
+    blocks = (16, 32, 64, 128, 256)
+    kernel = make_kernel(blocks=blocks)
+    table = [5.0, 2.0, 1.0, 3.0, 4.0]
+    timer = TableTimer(lambda info: table[info.config_index])
+    calls: list = []
+    real_precompile, real_can = intercept.precompile, intercept.can_precompile
+    interpreted = not torch.cuda.is_available()
+
+    def recording_precompile(autotuner, args, kwargs, config, device):
+        started = time.monotonic()
+        try:
+            if interpreted:
+                time.sleep(0.05 + 0.1 * ctx.rank)  # later ranks compile slower: only a barrier keeps the order
+                if config.kwargs["BLOCK"] == 64:
+                    raise RuntimeError("injected compile fault for BLOCK 64")
+                return None
+            return real_precompile(autotuner, args, kwargs, config, device)
+        finally:
+            calls.append((config.kwargs["BLOCK"], started, time.monotonic()))
+
+    intercept.precompile = recording_precompile
+    if interpreted:
+        intercept.can_precompile = lambda autotuner: True
+    x = torch.randn(256, device=ctx.device)
+    try:
+        @disttune.contextual_autotune(**ctx.tuner_options("compile_split", timer=timer, store=False,
+                                                          compile_threads=2, compile_split=True))
+        def step():
+            y = torch.full_like(x, float("nan"))
+            launch_add(kernel, x, y)
+            return y
+
+        y = step()
+    finally:
+        intercept.precompile, intercept.can_precompile = real_precompile, real_can
+    (result,) = step.report.results
+    mine = [b for i, b in enumerate(blocks) if i % ctx.world == ctx.rank]
+    share = [c for c in calls if c[0] in mine]
+    rest = [c for c in calls if c[0] not in mine]
+    return {"share": sorted(c[0] for c in share), "rest": sorted(c[0] for c in rest), "expected_share": mine,
+            "share_ended": max((c[2] for c in share), default=0.0), "rest_started": min((c[1] for c in rest), default=0.0),
+            "winner_block": result.config.kwargs["BLOCK"], "agreed_ms": list(result.agreed_ms),
+            "output_ok": bool(torch.equal(y, x + result.config.kwargs["BLOCK"])), "interpreted": interpreted}
+
+
 def _raise_at(ctx, name: str, failing_run: int) -> dict:
     kernel = make_kernel()
     runs = {"n": 0}

@@ -21,7 +21,7 @@ CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
 COMMON_CASES = ["agree_max", "agree_mean", "agree_min", "fail_one_rank", "mismatch_configs", "keys_differ",
                 "all_fail", "raise_in_run", "second_call", "early_stop"]
-SPLIT_CASES = ["split", "split_early", "split_compile_fault", "split_store"]
+SPLIT_CASES = ["split", "split_early", "split_compile_fault", "split_store", "compile_split"]
 
 
 def _launch(out: Path, launcher: list[str], cases: list[str]) -> dict:
@@ -290,11 +290,32 @@ def check_split_store(per_rank: list[dict]) -> None:
         assert second["output_ok"]
 
 
+def check_compile_split(per_rank: list[dict]) -> None:
+    """Each rank compiled its share (configs r, r+w, ...) first; nobody took the rest before every share was done."""
+    blocks = [16, 32, 64, 128, 256]
+    for result in per_rank:
+        assert "error" not in result, result.get("traceback")
+        assert result["share"] == sorted(result["expected_share"])
+        # the rest: every other config, but not the discovery's stand-in where it ran on the main thread
+        # instead (config 0 on ranks that do not own it), nor, on GPUs, nothing else
+        assert set(result["rest"]) | set(result["share"]) | {16} == set(blocks)
+        assert not set(result["rest"]) & set(result["share"])
+    if len(per_rank) > 1:
+        assert max(r["share_ended"] for r in per_rank) <= min(r["rest_started"] for r in per_rank if r["rest"])
+    for result in per_rank:
+        if result["interpreted"]:  # the injected fault: BLOCK 64 (fastest in the table) failed on every rank
+            assert math.isinf(result["agreed_ms"][2]) and result["winner_block"] == 32
+        else:
+            assert result["winner_block"] == 64
+        assert result["output_ok"]
+
+
 def check_all_split_cases(results: dict) -> None:
     check_split(results["split"])
     check_split_early(results["split_early"])
     check_split_compile_fault(results["split_compile_fault"])
     check_split_store(results["split_store"])
+    check_compile_split(results["compile_split"])
 
 
 def test_split_sites_on_two_ranks(gloo2):
