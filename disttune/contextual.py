@@ -28,7 +28,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
 
 from . import intercept as _hook
 from . import store as _store
@@ -198,16 +198,20 @@ class _Session:
 
     def _start_compiles(self, ident: SiteId, autotuner: Any, configs: list, args: tuple, kwargs: dict) -> list:
         """Compile the candidates in the pool (JITFunction.warmup: no launch): every one, or with a
-        compile share ``(r, w)`` configs ``r, r + w, ...`` now and the rest in :meth:`finish_compiles`.
-        Returns a future per config (None: later); [] when not pooled."""
+        compile share ``(r, n)`` config 0 (the discovery run's, needed at once) and configs ``i >= 1``
+        with ``(i - 1) % n == r``, the rest in :meth:`compile_rest`. Returns a future per config
+        (None: later); [] when not pooled."""
         if self.compile_pool is None or not _hook.can_precompile(autotuner):
             return []
         device = _hook.current_cuda_device()
-        first, step = self.compile_share or (0, 1)
-        futures = self._submit_compiles(autotuner, args, kwargs, configs, device, range(first, len(configs), step))
+        if self.compile_share is None:
+            mine = range(len(configs))
+        else:
+            first, step = self.compile_share
+            mine = [0, *range(1 + first, len(configs), step)]
+            self._compile_later[ident] = (autotuner, args, kwargs, configs, device, set(mine))
+        futures = self._submit_compiles(autotuner, args, kwargs, configs, device, mine)
         self._compiles[ident] = futures
-        if self.compile_share is not None:
-            self._compile_later[ident] = (autotuner, args, kwargs, configs, device)
         return futures
 
     def _submit_compiles(self, autotuner: Any, args: tuple, kwargs: dict, configs: list, device: Optional[int],
@@ -217,21 +221,22 @@ class _Session:
             futures[index] = self.compile_pool.submit(_hook.precompile, autotuner, args, kwargs, configs[index], device)
         return futures
 
-    def finish_compiles(self, comm: Communicator) -> None:
-        """Wait for the compile pool; a config that did not compile fails on this rank (inf).
-
-        With a compile share (a collective then: every rank calls this): after this rank's share, a
-        barrier, so every peer's share is in Triton's cache (shared by the ranks of a node), then the
-        rest, which loads from there (or compiles, where the cache is not shared)."""
+    def finish_compiles(self) -> None:
+        """Wait for the compile pool; a config that did not compile fails on this rank (inf)."""
         self._wait_compiles()
-        if self.compile_share is None:
-            return
-        comm.barrier("compile share")
-        for ident, (autotuner, args, kwargs, configs, device) in self._compile_later.items():
-            first, step = self.compile_share
-            failed = self.sites[ident].failures
-            rest = [i for i in range(len(configs)) if (i - first) % step and i not in failed]
-            self._compiles[ident] = self._submit_compiles(autotuner, args, kwargs, configs, device, rest)
+
+    def compile_rest(self, tuned: Sequence[Site]) -> None:
+        """With a compile share: the configs of the ``tuned`` sites left to the peers, once every rank has
+        finished its share (call it after a collective that follows :meth:`finish_compiles` on every rank).
+        They load from Triton's cache where the ranks share it (the ranks of one node, by default) and
+        compile here otherwise. Sites decided without tuning (store, pinned, cached) need nothing more."""
+        for site in tuned:
+            later = self._compile_later.get(site.id)
+            if later is None:
+                continue
+            autotuner, args, kwargs, configs, device, done = later
+            rest = [i for i in range(len(configs)) if i not in done and i not in site.failures]
+            self._compiles[site.id] = self._submit_compiles(autotuner, args, kwargs, configs, device, rest)
         self._compile_later.clear()
         self._wait_compiles()
 
@@ -481,15 +486,14 @@ class ContextualAutotuner:
         pool = concurrent.futures.ThreadPoolExecutor(threads, "disttune-compile") if threads > 0 else None
         winners_store = self._open_store(comm)
         table = _store.load_table(self.pinned) if self.pinned else None
-        # every rank decides alike (same options, same backend), so all or none of them meet at the barrier
-        share = (comm.rank, comm.world_size) if self.compile_split and pool is not None and comm.world_size > 1 else None
+        share = _compile_share(comm) if self.compile_split and pool is not None and comm.world_size > 1 else None
         session = _Session(self.timer or default_timer(), comm.rank, self.always_tune, pool,
                            self._lookup_function(winners_store, table), share)
         log = RankLog(self.log_dir, _global_rank(comm), self.__qualname__)
         try:
             with _hook.intercept(session):
                 result, error = self._guarded_run(session, "discover", -1, args, kwargs)
-                session.finish_compiles(comm)
+                session.finish_compiles()
                 session.finish_run()
                 self._consensus(comm, session, error, [s.local_answer for s in session.sites.values()], table)
                 tuned = [s for s in session.sites.values() if s.preset is None and s.decided is None]
@@ -497,6 +501,8 @@ class ContextualAutotuner:
                     for site in tuned:
                         if self._splits(site):
                             site.share = (comm.rank, comm.world_size)
+                # every rank finished its compile share before the consensus: the peers' are in the cache
+                session.compile_rest(tuned)
                 tuning_runs = 0
                 if self.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
                     screening = Schedule(max(s.slots() for s in tuned), 1, 1)
@@ -886,6 +892,17 @@ def _local_rank() -> int:
     return 0
 
 
+def _compile_share(comm: Communicator) -> tuple[int, int]:
+    """(this rank's index, ranks) among the ranks that share a Triton cache: the node's, where the
+    launcher says (LOCAL_RANK / LOCAL_WORLD_SIZE or MPI's), else the communicator's."""
+    local_world = _local_world_size()
+    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) < local_world:
+            return int(value), local_world
+    return comm.rank, comm.world_size
+
+
 def _local_world_size() -> int:
     for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
         if os.environ.get(name, "").isdigit():
@@ -941,10 +958,11 @@ def contextual_autotune(
     persistent winner store, ``pinned`` (a winners table: never tune), and
     ``compile_threads`` (candidates compiled up front; default up to 16 per rank on
     GPUs, 0 under the interpreter), ``compile_split`` (default on; with several ranks and a compile
-    pool, rank ``r`` compiles configs ``r, r + w, ...`` first, then, after a barrier, loads the rest
-    from Triton's cache, which the ranks of one node share unless ``TRITON_CACHE_DIR`` differs
-    between them: each config is compiled once per node, not once per rank; where the cache is not
-    shared the rest is compiled as before), ``early_stop`` (screen every config with one
+    pool, local rank ``r`` of ``n`` compiles config 0, which the discovery run launches at once, and
+    configs ``i >= 1`` with ``(i - 1) % n == r``; after the consensus, when every rank has finished
+    its share, it loads the rest of the tuned sites' configs from Triton's cache, which the ranks of
+    one node share unless ``TRITON_CACHE_DIR`` differs between them, or compiles them where it is not
+    shared), ``early_stop`` (screen every config with one
     warm-up and one timed run, agree, and give the full ``n_warmup + n_repeat`` runs
     only to the fastest quarter (at least two): ``2C + K(n_warmup+n_repeat)`` tuning
     runs instead of ``C(n_warmup+n_repeat)``). With a store or pinned hit the first call runs the

@@ -3,12 +3,15 @@
 While at least one scope is open, ``Autotuner.run`` is replaced by a thin function
 that looks up the *current thread's* handler in a context variable. Launches on
 other threads, or on this thread outside the scope, go to Triton's own ``run``.
-Triton's method is put back by the first launch made while no scope is open (or by
-:func:`restore_triton_run`), not when the last scope closes: a tuned function called
-in a loop then installs the hook once rather than on every call (assigning a class
-attribute costs little itself, but it invalidates every specialized lookup on the
-class, about 0.25 us per call in all), and code outside a scope pays one forwarding
-call, once, before it runs on stock Triton again.
+Triton's method is put back by the first launch made while no scope is open on any
+thread (or by :func:`restore_triton_run`), not when the last scope closes: a tuned
+function called in a loop then installs the hook once rather than on every call
+(assigning a class attribute costs little itself, but it invalidates every specialized
+lookup on the class, about 0.25 us per call in all). A launch outside every scope pays
+one forwarding call before stock Triton runs it. Other code that patches
+``Autotuner.run`` meanwhile is respected: a ``functools.wraps`` wrapper around the hook
+is kept (launches reach the hook through it), and a method put in its place makes the
+next scope install the hook again over it.
 
 ``launch_config`` reproduces what Triton does for one tuning launch
 (``Config.pre_hook``, the tuner's ``pre_hook``/``reset_to_zero``/``restore_value``,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -34,9 +38,18 @@ class LaunchHandler(Protocol):
 _current: contextvars.ContextVar[Optional[LaunchHandler]] = contextvars.ContextVar(
     "disttune_launch_handler", default=None
 )
-_install_lock = threading.Lock()
+_install_lock = threading.RLock()  # re-entrant: a launch from a finalizer may come while this thread holds it
 _open_scopes = 0
 _triton_run: Optional[Callable[..., Any]] = None
+
+
+def _reset_after_fork() -> None:
+    global _install_lock
+    _install_lock = threading.RLock()  # a fork while another thread held it must not leave the child locked
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _hooked_run(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
@@ -58,11 +71,25 @@ def hook_installed() -> bool:
     return Autotuner.run is _hooked_run
 
 
+def _reaches_hook(run: Any) -> bool:
+    """Whether ``run`` is the hook or a ``functools.wraps`` wrapper around it (a profiler's, say)."""
+    for _ in range(8):
+        if run is _hooked_run:
+            return True
+        run = getattr(run, "__wrapped__", None)
+        if run is None:
+            return False
+    return False
+
+
 def restore_triton_run() -> bool:
-    """Put Triton's ``Autotuner.run`` back if no scope is open; returns whether it is back."""
+    """Put back the ``Autotuner.run`` the hook replaced, if no scope is open; returns whether none is.
+
+    Where something else has replaced or wrapped the hook since, its method stays (a wrapper still
+    reaches the hook, which forwards to the saved method)."""
     global _triton_run
     with _install_lock:
-        if _open_scopes == 0 and _triton_run is not None:
+        if _open_scopes == 0 and _triton_run is not None and Autotuner.run is _hooked_run:
             Autotuner.run = _triton_run  # type: ignore[method-assign]
             _triton_run = None
         return _open_scopes == 0
@@ -87,8 +114,9 @@ def open_scope(handler: LaunchHandler) -> contextvars.Token:
     global _open_scopes, _triton_run
     _install_lock.acquire()  # acquire/release rather than ``with``: this runs on every tuned call
     try:
-        if _triton_run is None:
-            _triton_run = Autotuner.run
+        current = Autotuner.run
+        if current is not _hooked_run and not _reaches_hook(current):  # not installed, or replaced since
+            _triton_run = current
             Autotuner.run = _hooked_run  # type: ignore[method-assign]
         _open_scopes += 1
     finally:

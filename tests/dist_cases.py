@@ -480,15 +480,17 @@ def case_compile_fault_every_config_one_rank(ctx):
 
 
 def case_compile_split(ctx):
-    """``compile_split=True`` over 5 configs: which configs each rank compiled before and after the barrier.
+    """``compile_split=True`` over 5 configs: which configs each rank compiled before and after the consensus.
 
     On GPUs the real compiler runs, wrapped to record each call. Under the interpreter nothing is
     compiled, so a recording stand-in takes the compiler's place (its only job: say which configs were
-    asked for, when) and fails BLOCK 64, as a compile fault would: the fake timer makes BLOCK 64 the
-    fastest, so only the recorded failure keeps it from winning."""
+    asked for, when). It fails BLOCK 64 on every rank but the one whose share holds it, as a compile
+    fault would; so only a failure recorded in the second pass keeps BLOCK 64 (the fastest in the fake
+    timer's table) from winning."""
     from disttune import intercept
 
     blocks = (16, 32, 64, 128, 256)
+    owner_of_64 = (2 - 1) % ctx.world
     kernel = make_kernel(blocks=blocks)
     table = [5.0, 2.0, 1.0, 3.0, 4.0]
     timer = TableTimer(lambda info: table[info.config_index])
@@ -500,8 +502,8 @@ def case_compile_split(ctx):
         started = time.monotonic()
         try:
             if interpreted:
-                time.sleep(0.05 + 0.1 * ctx.rank)  # later ranks compile slower: only a barrier keeps the order
-                if config.kwargs["BLOCK"] == 64:
+                time.sleep(0.05 + 0.1 * ctx.rank)  # later ranks compile slower: only a collective keeps the order
+                if config.kwargs["BLOCK"] == 64 and ctx.rank != owner_of_64:
                     raise RuntimeError("injected compile fault for BLOCK 64")
                 return None
             return real_precompile(autotuner, args, kwargs, config, device)
@@ -524,12 +526,13 @@ def case_compile_split(ctx):
     finally:
         intercept.precompile, intercept.can_precompile = real_precompile, real_can
     (result,) = step.report.results
-    mine = [b for i, b in enumerate(blocks) if i % ctx.world == ctx.rank]
+    mine = [blocks[0]] + [b for i, b in enumerate(blocks) if i >= 1 and (i - 1) % ctx.world == ctx.rank]
     share = [c for c in calls if c[0] in mine]
     rest = [c for c in calls if c[0] not in mine]
     return {"share": sorted(c[0] for c in share), "rest": sorted(c[0] for c in rest), "expected_share": mine,
-            "share_ended": max((c[2] for c in share), default=0.0), "rest_started": min((c[1] for c in rest), default=0.0),
+            "share_ended": max(c[2] for c in share), "rest_started": min((c[1] for c in rest), default=float("inf")),
             "winner_block": result.config.kwargs["BLOCK"], "agreed_ms": list(result.agreed_ms),
+            "per_rank_ms_64": [row[2] for row in result.per_rank_ms],
             "output_ok": bool(torch.equal(y, x + result.config.kwargs["BLOCK"])), "interpreted": interpreted}
 
 

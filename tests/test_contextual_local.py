@@ -6,6 +6,7 @@ Kernels run under TRITON_INTERPRET=1 on the CPU (see conftest.py). Fake timers f
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -84,6 +85,52 @@ def test_hook_intercepts_only_inside_the_function_and_leaves_at_the_first_launch
     launch_add(outside, x, y)  # outside every scope: stock Triton tunes it, and the hook goes
     assert outside.cache, "the launch outside the scope was not Triton's own"
     assert torch.equal(y, x + 16) and Autotuner.run is STOCK_RUN
+
+
+def test_hook_is_installed_again_where_other_code_put_tritons_run_back(tmp_path):
+    x = torch.randn(64, device=DEV)
+    first, _ = counting_step(tmp_path, make_kernel(), timer=TableTimer(lambda i: 1.0), store=False)
+    first(x)
+    assert intercept.hook_installed()
+    Autotuner.run = STOCK_RUN  # another tool restores what it saved before disttune's hook went in
+    try:
+        second, runs = counting_step(tmp_path, make_kernel(), timer=TableTimer(lambda i: 3.0 - i.config_index),
+                                     store=False)
+        y = second(x)
+        assert second.tuned and len(second.report.results) == 1, "the tuning call intercepted nothing"
+        assert runs["n"] > 2 and torch.equal(y, x + 64)  # tuned in place: BLOCK 64 is the fastest
+    finally:
+        assert_no_scope_left()
+
+
+def test_a_wrapper_around_the_hook_is_kept_and_still_reaches_it(tmp_path):
+    """A profiler that wraps ``Autotuner.run`` (with functools.wraps) between tuned calls keeps its
+    patch: the first launch outside leaves it in place, and tuned calls are still intercepted through it."""
+    kernel = make_kernel()
+    step, _ = counting_step(tmp_path, kernel, timer=TableTimer(lambda i: 1.0))
+    x = torch.randn(64, device=DEV)
+    step(x)
+    assert intercept.hook_installed()
+    seen = []
+    inner = Autotuner.run
+
+    @functools.wraps(inner)
+    def profiler(self, *args, **kwargs):
+        seen.append(self)
+        return inner(self, *args, **kwargs)
+
+    Autotuner.run = profiler
+    try:
+        outside = make_kernel(do_bench=host_bench)
+        y = torch.empty_like(x)
+        launch_add(outside, x, y)
+        assert Autotuner.run is profiler, "the profiler's patch was overwritten"
+        assert outside.cache and torch.equal(y, x + 16)  # stock Triton ran it, through the wrapper
+        y = step(x)
+        assert step.tuned and torch.equal(y, x + 16) and seen == [outside, kernel]
+    finally:
+        Autotuner.run = STOCK_RUN
+        assert_no_scope_left()
 
 
 def test_hook_restored_after_exception_and_keyboard_interrupt(tmp_path):
