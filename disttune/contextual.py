@@ -199,16 +199,18 @@ class _Session:
     def _start_compiles(self, ident: SiteId, autotuner: Any, configs: list, args: tuple, kwargs: dict) -> list:
         """Compile the candidates in the pool (JITFunction.warmup: no launch): every one, or with a
         compile share ``(r, n)`` config 0 (the discovery run's, needed at once) and configs ``i >= 1``
-        with ``(i - 1) % n == r``, the rest in :meth:`compile_rest`. Returns a future per config
-        (None: later); [] when not pooled."""
+        with ``(i - 1 + s) % n == r`` for the ``s``-th site so shared (small sites spread over the
+        ranks), the rest in :meth:`compile_rest`. Returns a future per config (None: later); []
+        when not pooled."""
         if self.compile_pool is None or not _hook.can_precompile(autotuner):
             return []
         device = _hook.current_cuda_device()
         if self.compile_share is None:
-            mine = range(len(configs))
+            mine: Sequence[int] = range(len(configs))
         else:
-            first, step = self.compile_share
-            mine = [0, *range(1 + first, len(configs), step)]
+            rank, ranks = self.compile_share
+            offset = len(self._compile_later)
+            mine = [0, *(i for i in range(1, len(configs)) if (i - 1 + offset) % ranks == rank)]
             self._compile_later[ident] = (autotuner, args, kwargs, configs, device, set(mine))
         futures = self._submit_compiles(autotuner, args, kwargs, configs, device, mine)
         self._compiles[ident] = futures
