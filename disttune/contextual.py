@@ -106,7 +106,7 @@ class _Session:
         self.timer = timer
         self.lookup = lookup  # this rank's stored/pinned winner for a new site, if any
         self.compile_pool = compile_pool
-        self.compile_share = compile_share  # (rank, ranks): compile configs rank, rank + ranks, ... first
+        self.compile_share = compile_share  # (rank, ranks) of the node: this rank's share of each site's compiles
         self._compiles: dict[SiteId, list] = {}
         self._compile_later: dict[SiteId, tuple] = {}
         self.rank = rank
@@ -223,10 +223,6 @@ class _Session:
             futures[index] = self.compile_pool.submit(_hook.precompile, autotuner, args, kwargs, configs[index], device)
         return futures
 
-    def finish_compiles(self) -> None:
-        """Wait for the compile pool; a config that did not compile fails on this rank (inf)."""
-        self._wait_compiles()
-
     def compile_rest(self, tuned: Sequence[Site]) -> None:
         """With a compile share: the configs of the ``tuned`` sites left to the peers, once every rank has
         finished its share (call it after a collective that follows :meth:`finish_compiles` on every rank).
@@ -240,9 +236,10 @@ class _Session:
             rest = [i for i in range(len(configs)) if i not in done and i not in site.failures]
             self._compiles[site.id] = self._submit_compiles(autotuner, args, kwargs, configs, device, rest)
         self._compile_later.clear()
-        self._wait_compiles()
+        self.finish_compiles()
 
-    def _wait_compiles(self) -> None:
+    def finish_compiles(self) -> None:
+        """Wait for the compile pool; a config that did not compile fails on this rank (inf)."""
         for ident, futures in self._compiles.items():
             for index, future in enumerate(futures):
                 if future is None:
@@ -887,21 +884,19 @@ def _triton_prints_autotuning() -> bool:
         return os.environ.get("TRITON_PRINT_AUTOTUNING", "0") == "1"
 
 
-def _local_rank() -> int:
+def _local_rank(default: int = 0) -> int:
     for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
-    return 0
+    return default
 
 
 def _compile_share(comm: Communicator) -> tuple[int, int]:
     """(this rank's index, ranks) among the ranks that share a Triton cache: the node's, where the
     launcher says (LOCAL_RANK / LOCAL_WORLD_SIZE or MPI's), else the communicator's."""
-    local_world = _local_world_size()
-    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) < local_world:
-            return int(value), local_world
+    local_world, local_rank = _local_world_size(), _local_rank(default=-1)
+    if 0 <= local_rank < local_world:
+        return local_rank, local_world
     return comm.rank, comm.world_size
 
 
@@ -961,7 +956,7 @@ def contextual_autotune(
     ``compile_threads`` (candidates compiled up front; default up to 16 per rank on
     GPUs, 0 under the interpreter), ``compile_split`` (default on; with several ranks and a compile
     pool, local rank ``r`` of ``n`` compiles config 0, which the discovery run launches at once, and
-    configs ``i >= 1`` with ``(i - 1) % n == r``; after the consensus, when every rank has finished
+    configs ``i >= 1`` with ``(i - 1 + s) % n == r`` for the ``s``-th site; after the consensus, when every rank has finished
     its share, it loads the rest of the tuned sites' configs from Triton's cache, which the ranks of
     one node share unless ``TRITON_CACHE_DIR`` differs between them, or compiles them where it is not
     shared), ``early_stop`` (screen every config with one
