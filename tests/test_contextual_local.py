@@ -829,3 +829,35 @@ def test_fast_path_follows_calls_that_depart_from_the_learned_launch_order(tmp_p
         launched(n=32)  # a new key: first config now, retuned on the next call
     assert not step.tuned
     assert_no_scope_left()
+
+
+def test_single_config_kernels_keep_the_fast_path_on_its_learned_sequence(tmp_path):
+    """A kernel with one config is never a site (nothing to choose): after tuning its launches go to
+    Triton's own ``run`` between the planned ones, with no fallback session and without leaving the
+    learned sequence (before, each call built a fallback and cost more than stock Triton)."""
+    tuned_recorder, single_recorder = RecordingKernel(), RecordingKernel(_other_recorded_body)
+    tuned = triton.autotune([triton.Config({"BLOCK": b}) for b in (16, 32, 64)], key=["n"])(tuned_recorder)
+    single = triton.autotune([triton.Config({"BLOCK": 128})], key=["n"])(single_recorder)
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: {0: 3.0, 1: 1.0, 2: 2.0}[i.config_index]))
+    def step(x, n):
+        tuned[grid(n)](x, n)
+        single[grid(n)](x, n)
+        tuned[grid(n)](x, n)
+
+    x = torch.randn(64, device=DEV)
+    step(x, 64)
+    step(x, 64)  # the first clean call: learns the sequence
+    plan = step._plan
+    assert plan.sequence is not None and len(plan.sequence) == 2
+    fallbacks = []
+    make_fallback = plan.make_fallback
+    plan.make_fallback = lambda *a: fallbacks.append(1) or make_fallback(*a)
+    tuned_recorder.blocks.clear()
+    single_recorder.blocks.clear()
+    for _ in range(3):
+        step(x, 64)
+    assert tuned_recorder.blocks == [32] * 6 and single_recorder.blocks == [128] * 3
+    assert fallbacks == [] and len(plan.spare) == 1 and plan.spare[0].following
+    assert step.tuned
+    assert_no_scope_left()
