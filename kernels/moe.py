@@ -466,6 +466,8 @@ def _moe_gemm_body(
 
 #: The jitted kernel without a tuner (an InterpretedFunction under TRITON_INTERPRET=1).
 moe_gemm_jit = triton.jit(_moe_gemm_body, do_not_specialize=["first_group", "epoch"])
+#: Whether it runs in the interpreter (fixed when ``triton.jit`` ran, as Triton decides it then).
+INTERPRETED = interpreting()
 
 #: Tuning key: shapes, expert count, top-k, bucketed total rows and the load/store modes.
 MOE_KEY = ["N", "K", "E", "B_EXPERTS", "TOP_K", "ROWS_BUCKET", "WAIT", "A_MODE", "C_FLAT", "MUL_WEIGHT", "A_TMA",
@@ -488,8 +490,9 @@ moe_gemm_kernel = make_moe_kernel()
 # --------------------------------------------------------------------------- host side
 
 
-def _span(t: torch.Tensor) -> int:
-    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+def _span(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements between a tensor's first and last element (0 when empty)."""
+    return sum((n - 1) * abs(st) for n, st in zip(shape, stride) if n > 0)
 
 
 def _check_float(where: str, name: str, t: torch.Tensor) -> None:
@@ -519,33 +522,37 @@ def _check_routing(where: str, routing: MoeRouting, device: torch.device) -> Non
 def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
     """Validate a grouped-GEMM call; returns (out, kernel args up to TOP_K, strides, constexpr kwargs).
 
-    ``wait``: ``(flags, epoch)`` for a rank-stacked routing whose tokens are still arriving."""
-    if a_order not in A_ORDERS:
+    ``wait``: ``(flags, epoch)`` for a rank-stacked routing whose tokens are still arriving.
+    Cost: about 10 µs of Python per call (each tensor's shape and strides are read once)."""
+    a_mode = _A_MODE.get(a_order)
+    if a_mode is None:
         raise ValueError(f"{where}: a_order must be one of {A_ORDERS}, got {a_order!r}")
     if out_order not in OUT_ORDERS:
         raise ValueError(f"{where}: out_order must be one of {OUT_ORDERS}, got {out_order!r}")
     _check_float(where, "a", a)
     _check_float(where, "w", w)
-    if a.dim() != 2:
-        raise ValueError(f"{where}: a must be 2-D, got shape {tuple(a.shape)}")
-    if w.dim() != 3:
-        raise ValueError(f"{where}: w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
-    if a.dtype != w.dtype:
-        raise TypeError(f"{where}: a and w must have the same dtype, got {a.dtype} and {w.dtype}")
-    if a.dtype == torch.bfloat16 and interpreting():
+    a_shape, w_shape = a.shape, w.shape
+    if len(a_shape) != 2:
+        raise ValueError(f"{where}: a must be 2-D, got shape {tuple(a_shape)}")
+    if len(w_shape) != 3:
+        raise ValueError(f"{where}: w must be 3-D [E, K, N], got shape {tuple(w_shape)}")
+    dtype = a.dtype
+    if w.dtype != dtype:
+        raise TypeError(f"{where}: a and w must have the same dtype, got {dtype} and {w.dtype}")
+    if dtype == torch.bfloat16 and INTERPRETED:
         raise TypeError(f"{where}: bf16 is not supported under TRITON_INTERPRET=1. " + BF16_INTERPRETER_NOTE)
     _check_routing(where, routing, a.device)
     _check_device(where, a, w=w, out=out, weights=weights)
-    E, K, N = w.shape
+    E, K, N = w_shape
     if E != routing.num_experts:
         raise ValueError(f"{where}: w has {E} experts but the routing was built for {routing.num_experts}")
-    if a.shape[1] != K:
-        raise ValueError(f"{where}: a has {a.shape[1]} columns but w is [E, K={K}, N={N}]")
+    if a_shape[1] != K:
+        raise ValueError(f"{where}: a has {a_shape[1]} columns but w is [E, K={K}, N={N}]")
     R, T = routing.num_rows, routing.num_tokens
-    want_rows = {"token": T, "flat": R, "sorted": R}[a_order]
-    if a.shape[0] != want_rows:
+    want_rows = T if a_mode == 0 else R
+    if a_shape[0] != want_rows:
         raise ValueError(f"{where}: a_order={a_order!r} needs a with {want_rows} rows "
-                         f"({'tokens' if a_order == 'token' else 'tokens * top_k'}), got {a.shape[0]}")
+                         f"({'tokens' if a_order == 'token' else 'tokens * top_k'}), got {a_shape[0]}")
     if weights is not None:
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
             raise TypeError(f"{where}: weights must be a floating-point tensor [tokens, top_k]")
@@ -553,43 +560,48 @@ def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
             raise ValueError(f"{where}: weights must have shape {(T, routing.top_k)}, got {tuple(weights.shape)}")
         weights = weights.contiguous()
     if out is None:
-        out = _empty((R, N), a.dtype, a.device)
+        out = _empty((R, N), dtype, a.device)
     else:
         _check_float(where, "out", out)
         if tuple(out.shape) != (R, N):
             raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(R, N)}")
         if out.numel() and a.numel() and out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
             raise ValueError(f"{where}: out shares storage with a; in-place grouped GEMM is not supported")
-    for name, t in (("a", a), ("w", w), ("out", out)):
-        if _span(t) > _INT32_MAX:
+    a_stride, w_stride, out_stride = a.stride(), w.stride(), out.stride()
+    for name, shape, stride in (("a", a_shape, a_stride), ("w", w_shape, w_stride), ("out", (R, N), out_stride)):
+        if _span(shape, stride) > _INT32_MAX:
             raise ValueError(f"{where}: {name} spans more than 2**31-1 elements; the kernel uses 32-bit offsets")
     if wait is not None and not routing.rank_tokens:
         raise ValueError(f"{where}: waiting on arrival flags needs a rank-stacked routing (moe_align_stacked)")
+    groups = routing.groups
     args = (a, w, out, weights if weights is not None else a, routing.sorted_ids, routing.expert_offs,
-            routing.expert_offs if wait is None else wait[0], R, N, K, routing.groups, E, routing.top_k)
-    strides = (a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
-    meta = dict(E_POW2=max(2, next_power_of_2(routing.groups)), WAIT=wait is not None, A_MODE=_A_MODE[a_order], C_FLAT=out_order == "flat",
-                MUL_WEIGHT=weights is not None, A_TMA=a_order == "sorted" and _descriptor_ready(a, a.dim() - 1),
-                B_TMA=_weight_layout(w), NUM_SMS=num_sms(a.device), PERSISTENT=PERSISTENT, FLATTEN=FLATTEN)
-    if a.device.type == "cuda" and (meta["A_TMA"] or meta["B_TMA"]):
+            routing.expert_offs if wait is None else wait[0], R, N, K, groups, E, routing.top_k)
+    strides = (*a_stride, *w_stride, *out_stride)
+    elem = a.element_size()
+    a_tma = a_mode == 2 and _descriptor_ready(a, a_stride, 1, elem)
+    b_tma = _weight_layout(w, w_stride, elem)
+    meta = dict(E_POW2=max(2, next_power_of_2(groups)), WAIT=wait is not None, A_MODE=a_mode,
+                C_FLAT=out_order == "flat", MUL_WEIGHT=weights is not None, A_TMA=a_tma, B_TMA=b_tma,
+                NUM_SMS=num_sms(a.device), PERSISTENT=PERSISTENT, FLATTEN=FLATTEN)
+    if (a_tma or b_tma) and a.device.type == "cuda":
         ensure_descriptor_allocator()
     return out, args, strides, meta
 
 
-def _descriptor_ready(t: torch.Tensor, inner: int) -> bool:
-    """Whether ``t`` can be read through a tensor descriptor with dimension ``inner`` innermost
-    (unit stride there, every other stride and the start 16-byte aligned)."""
-    elem = t.element_size()
-    return (t.stride(inner) == 1 and t.data_ptr() % 16 == 0
-            and all((t.stride(d) * elem) % 16 == 0 for d in range(t.dim()) if d != inner))
+def _descriptor_ready(t: torch.Tensor, stride: Sequence[int], inner: int, elem: int) -> bool:
+    """Whether ``t`` (strides ``stride``, ``elem`` bytes per element) can be read through a tensor
+    descriptor with dimension ``inner`` innermost (unit stride there, every other stride and the
+    start 16-byte aligned)."""
+    return (stride[inner] == 1 and t.data_ptr() % 16 == 0
+            and all((st * elem) % 16 == 0 for d, st in enumerate(stride) if d != inner))
 
 
-def _weight_layout(w: torch.Tensor) -> int:
+def _weight_layout(w: torch.Tensor, stride: Sequence[int], elem: int) -> int:
     """The kernel's ``B_TMA``: 1 for a descriptor-ready row-major ``[E, K, N]``, 2 for the transpose
     of a descriptor-ready ``[E, N, K]`` (``torch._grouped_mm``'s favourite), 0 (pointer loads) otherwise."""
-    if _descriptor_ready(w, 2):
+    if _descriptor_ready(w, stride, 2, elem):
         return 1
-    if _descriptor_ready(w, 1):
+    if _descriptor_ready(w, stride, 1, elem):
         return 2
     return 0
 
