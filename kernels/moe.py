@@ -69,6 +69,7 @@ import triton.language as tl
 from .matmul import (
     BF16_INTERPRETER_NOTE,
     SUPPORTED_DTYPES,
+    cdiv,
     config_is_valid,
     gemm_config,
     interpreting,
@@ -612,7 +613,7 @@ def _grid(R: int, N: int, routing: MoeRouting, sms: int):
     E = routing.groups
 
     def grid(META):
-        bound = (triton.cdiv(R, META["BLOCK_M"]) + min(E, R)) * triton.cdiv(N, META["BLOCK_N"])
+        bound = (cdiv(R, META["BLOCK_M"]) + min(E, R)) * cdiv(N, META["BLOCK_N"])
         return (max(1, min(sms, bound) if META["PERSISTENT"] else bound),)
 
     return grid

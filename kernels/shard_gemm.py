@@ -46,6 +46,7 @@ from .matmul import (
     CPU_GEMM_CONFIGS,
     HOPPER_GEMM_CONFIGS,
     SUPPORTED_DTYPES,
+    cdiv,
     config_is_valid,
     interpreting,
     make_autotuner,
@@ -335,7 +336,7 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     slots = 0 if addend is None else addend.shape[0]
 
     def grid(meta):
-        tiles = sum(triton.cdiv(r, meta["BLOCK_M"]) for r in rows) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) * cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
     kern[grid](a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
