@@ -269,7 +269,7 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_
     if topk_ids.shape[1] < 1:
         raise ValueError(f"{where}: top_k (topk_ids.shape[1]) must be >= 1")
     if check_range and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())  # one host sync on a GPU
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host sync on a GPU (min() and max() took two)
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"{where}: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]; "
                              "check the router's output and num_experts")
