@@ -1,7 +1,7 @@
 """CPU-side cost of one call of a tuned function: disttune's fast path against the same body with the winner fixed.
 
     python bench/fast_path.py                  # GPU: null and tiny kernels, 10,000 calls, best of 7 rounds
-    python bench/fast_path.py --smoke          # quick CPU check (2,000 calls, 3 rounds, null kernel only)
+    python bench/fast_path.py --smoke          # quick CPU check (2,000 calls, 3 rounds, null kernels only)
 
 Issue 6's target: after tuning, one call of the wrapped function costs at most 2 us more than calling
 its body with the winners fixed. Every variant below runs the same body (one launch of the same
@@ -19,6 +19,8 @@ the median is printed too).
 
 Kernels (``--kernels``):
   null   a ``KernelInterface`` whose ``run`` returns at once: the pure Python dispatch cost, on CPUs and GPUs alike
+  null-kw  the null kernel launched with its key argument by keyword (``kernel[grid](x, y, n=N)``), as
+         launches that pass constexprs or sizes by name do
   tiny   ``add_block`` on 16 elements, a real launch (GPU only: under ``TRITON_INTERPRET=1`` a launch takes
          milliseconds, which would hide microseconds)
 
@@ -106,7 +108,8 @@ def grid(meta: dict) -> tuple:
 
 def build(kind: str, workdir: Path) -> dict[str, Callable[[], Any]]:
     """The variants' bodies for one kernel kind, every tuner already tuned on the same winner."""
-    jitted = NullKernel() if kind == "null" else add_block
+    jitted = NullKernel() if kind.startswith("null") else add_block
+    keyword = kind.endswith("-kw")
     configs = [triton.Config({"BLOCK": b}, num_warps=1) for b in BLOCKS]
     x = torch.randn(N, device="cuda" if GPU else "cpu")
     y = torch.empty_like(x)
@@ -120,15 +123,21 @@ def build(kind: str, workdir: Path) -> dict[str, Callable[[], Any]]:
     options = dict(timer=PreferTimer(winner), n_warmup=1, n_repeat=1, verbose=False,
                    log_dir=workdir / "logs", cache_dir=workdir / "store")
 
+    def launch(kernel: Any, **extra: Any) -> None:
+        if keyword:
+            kernel[grid](x, y, n=N, **extra)
+        else:
+            kernel[grid](x, y, N, **extra)
+
     def direct() -> None:
-        jitted[grid](x, y, N, **fixed)
+        launch(jitted, **fixed)
 
     def stock() -> None:
-        stock_kernel[grid](x, y, N)
+        launch(stock_kernel)
 
     @disttune.contextual_autotune(**options)
     def contextual() -> None:
-        ours[grid](x, y, N)
+        launch(ours)
 
     def fn_body(x: torch.Tensor, y: torch.Tensor, *, BLOCK: int) -> None:  # noqa: N803
         jitted[grid](x, y, N, BLOCK=BLOCK, num_warps=1)
@@ -202,14 +211,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--kernels", default=None, help="comma-separated: null,tiny (default: both on GPU, null on CPU)")
+    parser.add_argument("--kernels", default=None, help="comma-separated: null,null-kw,tiny (default: all on GPU, null and null-kw on CPU)")
     parser.add_argument("--smoke", action="store_true", help="a quick CPU check: 2,000 calls, 3 rounds")
     parser.add_argument("--profile", action="store_true", help="cProfile the contextual fast path (null kernel)")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
     if options.smoke:
         options.calls, options.rounds = min(options.calls, 2000), min(options.rounds, 3)
-    kinds = (options.kernels or ("null,tiny" if GPU else "null")).split(",")
+    kinds = (options.kernels or ("null,null-kw,tiny" if GPU else "null,null-kw")).split(",")
     if "tiny" in kinds and not GPU:
         sys.exit("bench/fast_path.py: the tiny kernel needs a GPU (an interpreted launch takes milliseconds); "
                  "use --kernels null on CPUs")

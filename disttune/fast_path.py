@@ -45,11 +45,13 @@ class FastKernel:
 
     ``key(args, kwargs)`` equals :func:`~disttune.intercept.tuning_key` (Triton's cache key: the
     ``key`` arguments, then every argument's ``str(dtype)``). The first call generates a reader for
-    that call's positional count and exact argument types (``kernel[grid](a, b, n)`` with tensors and
-    Python scalars); a launch with other types or keyword arguments takes :meth:`general_key`.
+    that call's signature: its positional count, its keyword names in order, and the exact types of
+    its arguments (tensors and Python scalars, as in ``kernel[grid](a, b, n, ACTIVATION="relu")``);
+    a launch with another signature, or with arguments of other types, takes :meth:`general_key`.
     """
 
-    __slots__ = ("autotuner", "name", "run", "positions", "arg_names", "n_names", "needed", "key", "spec")
+    __slots__ = ("autotuner", "name", "run", "positions", "arg_names", "n_names", "needed", "key", "spec",
+                 "key_reads", "tensor_reads")
 
     def __init__(self, autotuner: Autotuner) -> None:
         self.autotuner = autotuner
@@ -60,7 +62,12 @@ class FastKernel:
         self.arg_names = frozenset(names)
         self.n_names = len(names)
         self.needed = max(self.positions, default=-1) + 1  # fewer positional arguments: the general path
-        self.spec: Optional[tuple] = None  # the exact argument types the generated reader is for
+        # The signature the generated reader is for: (positional types, keyword names in order, their
+        # value types, None for keywords that are not kernel arguments); and where it reads the key's
+        # values and the tensors whose dtypes end the key (``a3``: positional 3, ``k1``: keyword 1).
+        self.spec: Optional[tuple] = None
+        self.key_reads: list[str] = []
+        self.tensor_reads: list[str] = []
         self.key: Callable[[tuple, dict], tuple] = self._first_key
 
     def _first_key(self, args: tuple, kwargs: dict) -> tuple:
@@ -68,61 +75,76 @@ class FastKernel:
         return self.key(args, kwargs)
 
     def _specialize(self, args: tuple, kwargs: dict) -> Optional[Callable[[tuple, dict], tuple]]:
-        """A key reader for launches with ``len(args)`` positional arguments of exactly these types."""
+        """A key reader for launches with this launch's signature (see the class doc)."""
         count = len(args)
-        if (not count or count > self.n_names or count < self.needed
-                or not self.arg_names.isdisjoint(kwargs)):
+        if (not count and not kwargs) or count > self.n_names:
             return None
+        positional = list(self.autotuner.arg_names)[:count]
+        if not set(positional).isdisjoint(kwargs):
+            return None  # an argument given twice: Triton's own error, on the general path
         types = tuple(type(arg) for arg in args)
-        if not all(kind in _NO_DTYPE or issubclass(kind, _Tensor) for kind in types):
+        kw_types = tuple(type(v) if k in self.arg_names else None for k, v in kwargs.items())
+        if not all(kind in _NO_DTYPE or issubclass(kind, _Tensor) for kind in types + kw_types if kind is not None):
             return None  # something with a dtype of its own making: keep the general reader
-        self.spec = types
-        parts = [f"a{i}" for i in self.positions]
-        parts += [f"_dt[a{i}.dtype]" for i in self._tensor_positions()]
+        reads = {name: f"a{i}" for i, name in enumerate(positional)}
+        reads.update({k: f"k{j}" for j, (k, kind) in enumerate(zip(kwargs, kw_types)) if kind is not None})
+        self.key_reads = [reads[k] for k in self.autotuner.keys if k in reads]
+        # Triton's order: positional arguments, then keywords as given
+        self.tensor_reads = ([f"a{i}" for i, kind in enumerate(types) if kind not in _NO_DTYPE]
+                             + [f"k{j}" for j, kind in enumerate(kw_types) if kind is not None and kind not in _NO_DTYPE])
+        self.spec = (types, tuple(kwargs), kw_types)
+        parts = self.key_reads + [f"_dt[{read}.dtype]" for read in self.tensor_reads]
         return self._generate("key", f"return ({', '.join(parts)},)", "return _general(args, kwargs)")
 
     def planned_launch(self, key: tuple, run: Callable, config_kwargs: dict,
                        pre_hook: Optional[Callable]) -> Callable[[tuple, dict], Any]:
         """``launch(args, kwargs)``: the winner's launch if this launch has ``key``, else :data:`DEPARTED`.
 
-        Where the launch has the specialized argument types the key's values are compared in place
-        (no key tuple is built); elsewhere the key is read and compared.
+        Where the launch has the specialized signature the key's values are compared in place (no key
+        tuple is built); elsewhere the key is read and compared.
         """
         hook = "_pre({**dict(zip(_arg_list, args)), **kwargs, **_ckw}); " if pre_hook is not None else ""
         launch = f"{hook}return _run(*args, **kwargs, **_ckw)"
         constants = {"_run": run, "_ckw": config_kwargs, "_pre": pre_hook, "_expected": key,
                      "_arg_list": list(self.autotuner.arg_names), "DEPARTED": DEPARTED}
-        tensors = self._tensor_positions()
-        dtypes = [_DTYPES_BY_NAME.get(name) for name in key[len(self.positions):]]
-        if self.spec is None or any(i in tensors for i in self.positions) or None in dtypes:
+        values = len(self.key_reads)
+        dtypes = [_DTYPES_BY_NAME.get(name) for name in key[values:]]
+        if (self.spec is None or len(key) != values + len(self.tensor_reads) or None in dtypes
+                or any(read in self.tensor_reads for read in self.key_reads)):
             return self._generate("planned", "pass", f"if _key(args, kwargs) != _expected: return DEPARTED\n"
                                   f"    {launch}", **constants)
-        tests = [f"a{i} == _k{i}" for i in self.positions] + [f"a{i}.dtype is _d{i}" for i in tensors]
-        constants.update({f"_k{i}": value for i, value in zip(self.positions, key)})
-        constants.update({f"_d{i}": dtype for i, dtype in zip(tensors, dtypes)})
+        tests = ([f"{read} == _k{n}" for n, read in enumerate(self.key_reads)]
+                 + [f"{read}.dtype is _d{n}" for n, read in enumerate(self.tensor_reads)])
+        constants.update({f"_k{n}": value for n, value in enumerate(key[:values])})
+        constants.update({f"_d{n}": dtype for n, dtype in enumerate(dtypes)})
         return self._generate(
             "planned", f"if not ({' and '.join(tests) or 'True'}): return DEPARTED\n            {launch}",
             f"if _key(args, kwargs) != _expected: return DEPARTED\n    {launch}", **constants)
 
-    def _tensor_positions(self) -> list[int]:
-        return [i for i, kind in enumerate(self.spec or ()) if kind not in _NO_DTYPE]
-
     def _generate(self, name: str, specialized: str, otherwise: str, **constants: Any) -> Callable:
-        """Compile ``name(args, kwargs)``: ``specialized`` where the launch has the specialized count and exact
-        types (bound as ``a0, a1, ...``), ``otherwise`` elsewhere."""
-        types = self.spec or ()
-        names = [f"a{i}" for i in range(len(types))]
-        guard = " and ".join(f"type({n}) is _t{i}" for i, n in enumerate(names))
-        source = (
-            f"def {name}(args, kwargs):\n"
-            f"    if len(args) == {len(types)} and _names.isdisjoint(kwargs):\n"
-            f"        ({', '.join(names)},) = args\n"
-            f"        if {guard}:\n"
-            f"            {specialized}\n"
-            f"    {otherwise}\n"
-        ) if types else f"def {name}(args, kwargs):\n    {otherwise}\n"
-        scope = {"_names": self.arg_names, "_dt": _DTYPE_NAMES, "_general": self.general_key, "_key": self.key,
-                 **{f"_t{i}": kind for i, kind in enumerate(types)}, **constants}
+        """Compile ``name(args, kwargs)``: ``specialized`` where the launch has the specialized signature
+        and exact types (positional arguments bound as ``a0, a1, ...``, keyword values as ``k0, k1, ...``),
+        ``otherwise`` elsewhere."""
+        if self.spec is None:
+            return self._compile(name, f"def {name}(args, kwargs):\n    {otherwise}\n", constants)
+        types, kw_names, kw_types = self.spec
+        positional = [f"a{i}" for i in range(len(types))]
+        keywords = [f"k{j}" for j in range(len(kw_names))]
+        checks = [f"type(a{i}) is _t{i}" for i in range(len(types))]
+        checks += [f"type(k{j}) is _u{j}" for j, kind in enumerate(kw_types) if kind is not None]
+        lines = [f"def {name}(args, kwargs):",
+                 f"    if len(args) == {len(types)} and {'tuple(kwargs) == _kw' if kw_names else 'not kwargs'}:"]
+        if positional:
+            lines.append(f"        ({', '.join(positional)},) = args")
+        if keywords:
+            lines.append(f"        ({', '.join(keywords)},) = kwargs.values()")
+        lines += [f"        if {' and '.join(checks) or 'True'}:", f"            {specialized}", f"    {otherwise}", ""]
+        constants = {"_kw": kw_names, **{f"_t{i}": kind for i, kind in enumerate(types)},
+                     **{f"_u{j}": kind for j, kind in enumerate(kw_types) if kind is not None}, **constants}
+        return self._compile(name, "\n".join(lines), constants)
+
+    def _compile(self, name: str, source: str, constants: dict) -> Callable:
+        scope = {"_dt": _DTYPE_NAMES, "_general": self.general_key, "_key": self.key, **constants}
         exec(compile(source, f"<disttune {name} of {self.name}>", "exec"), scope)  # noqa: S102 - generated above
         return scope[name]
 
