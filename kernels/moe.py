@@ -297,7 +297,8 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
         raise ValueError(f"moe_align_stacked: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
                          f"{sum(rank_tokens)}")
     T, k = topk_ids.shape
-    keys = topk_ids.reshape(-1) + _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
+    bases = _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
+    keys = (topk_ids + bases.view(T, k)).view(-1)  # one op, also from a strided view of the ids
     sorted_ids, offs = _sort_by_group(keys, num_experts * len(rank_tokens))
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
 
@@ -770,7 +771,8 @@ class AgMoeResult:
     each chunk in the sorted order of ``routings[r]`` (``routings[r].unsort(chunk)`` gives flat
     (token, choice) order). ``routing`` is the rank-stacked routing of all of them (one group per
     source rank and expert); ``routings`` its per-rank views, built on first use.
-    ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order.
+    ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order
+    (``topk_ids`` a strided view into the gathered rows).
     """
 
     out: torch.Tensor
@@ -881,7 +883,7 @@ def _gather_routing(dist, topk_ids: torch.Tensor, topk_weights: Optional[torch.T
     _all_gather(dist, metas, meta, group)
     if any(t != max_t for t in tpr):
         metas = torch.cat([metas[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
-    ids_all = metas[:, :k].contiguous().view(torch.int32)
+    ids_all = metas[:, :k].view(torch.int32)  # a strided view: moe_align_stacked reads it as it is
     weights_all = metas[:, k:].to(topk_weights.dtype) if topk_weights is not None else None
     return ids_all, weights_all
 

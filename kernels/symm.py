@@ -253,6 +253,8 @@ class ShardPusher:
         self._n_streams = streams
         self._sides: list = []
         self._handles: list = []
+        self._device_index = 0
+        self._ready = self._pushed = None  # events joining the streams, reused every call
         self._plans: dict = {}
         self._plan = None
 
@@ -266,6 +268,10 @@ class ShardPusher:
             self._signals = SignalBoard(self.group, device)
             self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
             self._handles = [stream_handle(side) for side in self._sides]
+            # current_stream(None) looks the device up through several Python layers each call
+            self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+            self._ready = torch.cuda.Event()
+            self._pushed = [torch.cuda.Event() for _ in self._sides]
         buf = self._buffer
         if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
             if buf is not None:  # peers may still push into or read the old buffer: quiesce everyone
@@ -313,9 +319,10 @@ class ShardPusher:
         self._plan = plan
         if not local.is_contiguous():
             local = local.contiguous()
-        current = torch.cuda.current_stream()
+        current = torch.cuda.current_stream(self._device_index)
+        self._ready.record(current)  # (a wait uses the event as recorded when it is enqueued)
         for side in self._sides:
-            side.wait_stream(current)
+            side.wait_event(self._ready)
         if local_work is not None:
             local_work()
         source = local.data_ptr()
@@ -332,9 +339,10 @@ class ShardPusher:
     def finish(self) -> None:
         """After the last reader of the workspace: the current stream waits for this rank's pushes
         (``local`` may be reused) and then tells every peer that this half is free."""
-        current = torch.cuda.current_stream()
-        for side in self._sides:
-            current.wait_stream(side)
+        current = torch.cuda.current_stream(self._device_index)
+        for side, pushed in zip(self._sides, self._pushed):
+            pushed.record(side)
+            current.wait_event(pushed)
         for address in self._plan.frees:
             write_flag_at(current, address, self.epoch)
 
