@@ -1,0 +1,196 @@
+"""Host time of AllGather-MoE per call, and of its pieces: is a step host-bound?
+
+    torchrun --nproc_per_node=1 bench/moe_host.py             # one GPU: the host path alone (NCCL, 1 rank)
+    torchrun --nproc_per_node=2 bench/moe_host.py --profile   # two GPUs, plus a cProfile of ag_moe on rank 0
+
+A step whose host needs longer per call than its GPU work runs at the host's pace however fast its
+kernels are. Each row calls its function ``--calls`` times back to back and synchronizes once, in
+interleaved rounds (best round counts); *host* is the time to issue the calls, *wall* includes the
+final synchronization, and *GPU* is the same calls timed between two CUDA events. When host ~ wall
+the step is host-bound. Rows (every rank holds ``T / world`` tokens of the shape, as in
+``bench/moe.py`` part b; max over ranks):
+
+  ag_moe                 ``kernels.moe.ag_moe`` with a stock ``triton.autotune`` kernel (what part b times)
+  ag_moe, contextual     the same under ``disttune.contextual_autotune`` (tuned first; the fast path)
+  sequential             all_gather of tokens and ids, routing, permutation, ``torch._grouped_mm``
+  _gather_routing        the routing's all-gather and its unpacking
+  moe_align_stacked      the rank-stacked sort
+  moe_gemm               the grouped GEMM launch, arrival flags already set
+  pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
+
+GPU only (NCCL); JSON lines go to ``$OUT/moe_host.jsonl`` or ``bench/results/moe_host.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import disttune
+import disttune.dist as dt_dist
+from disttune.kernels import moe
+
+SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
+
+
+def rounds(fns: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """(host µs, wall µs) per call of each function: best of ``repeats`` interleaved rounds."""
+    best = {name: (float("inf"), float("inf")) for name in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            done = time.perf_counter()
+            sample = ((issued - started) / calls * 1e6, (done - started) / calls * 1e6)
+            best[name] = min(best[name], sample, key=lambda s: s[1])
+    return best
+
+
+def gpu_ms(fn: Callable[[], Any], calls: int = 10) -> float:
+    """Median of 5 samples of ``calls`` calls between two CUDA events, ms per call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(5):
+        dist.barrier()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return sorted(samples)[2]
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> list[dict]:
+    T, E, k, H, I = s["T"], s["E"], s["k"], s["H"], s["I"]
+    T_r, N = T // world, I // world
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T_r, H, generator=g).to("cuda", torch.bfloat16)
+    weights, ids = torch.rand(T_r, E, generator=g).topk(k, dim=1)
+    ids, weights = ids.to("cuda", torch.int32), (weights / weights.sum(1, keepdim=True)).to("cuda")
+    w = (torch.randn(E, H, N, generator=g) / H ** 0.5).to("cuda", torch.bfloat16)
+    tpr = [T_r] * world
+    kernel, ctx_kernel = moe.make_moe_kernel(), moe.make_moe_kernel()
+
+    def ag() -> Any:
+        return moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel, check_ids=False)
+
+    @disttune.contextual_autotune(is_dist=True, n_warmup=1, n_repeat=2, verbose=False, store=False)
+    def ag_contextual() -> Any:
+        return moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=ctx_kernel, check_ids=False)
+
+    result = ag()
+    ag_contextual()
+    x_all = torch.empty(T, H, device="cuda", dtype=x.dtype)
+    ids_all = torch.empty(T, k, device="cuda", dtype=ids.dtype)
+
+    def sequential() -> Any:
+        dist.all_gather_into_tensor(x_all, x)
+        dist.all_gather_into_tensor(ids_all, ids)
+        routing = moe.moe_align(ids_all, E, check_range=False)
+        return torch._grouped_mm(routing.permute(x_all), w, offs=routing.expert_offs[1:], out_dtype=x.dtype)
+
+    arrived = (torch.ones(world, dtype=torch.int32, device="cuda"), 1)
+    x_gathered = torch.zeros(T, H, device="cuda", dtype=x.dtype)
+    pusher = moe._pusher(None)
+
+    def push() -> None:
+        pusher.gather(x, tpr, include_own=True)
+        pusher.finish()
+
+    fns = {
+        "ag_moe": ag,
+        "ag_moe, contextual": ag_contextual,
+        "sequential": sequential,
+        "_gather_routing": lambda: moe._gather_routing(dist, ids, weights, tuple(tpr), None),
+        "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
+        "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
+                                         kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),
+                                         first_group=rank * E, wait=arrived),
+        "pusher": push,
+    }
+    timed = rounds(fns, options.calls, options.rounds)
+    gpu = {name: gpu_ms(fns[name]) for name in ("ag_moe", "ag_moe, contextual", "sequential", "moe_gemm")}
+    names = list(fns)
+    host = max_over_ranks([timed[n][0] for n in names])
+    wall = max_over_ranks([timed[n][1] for n in names])
+    gpu_max = dict(zip(gpu, max_over_ranks(list(gpu.values()))))
+    if options.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(options.calls):
+            ag()
+        profiler.disable()
+        torch.cuda.synchronize()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"\n#### cProfile of ag_moe, {options.calls} calls, rank 0\n{text.getvalue()}")
+    rows = []
+    if rank == 0:
+        print(f"\n### world {world}: T={T} E={E} top-{k} H={H} N={N} per rank, bf16, {torch.cuda.get_device_name()}; "
+              f"µs per call ({options.calls} calls back to back, best of {options.rounds} rounds, max over ranks)\n")
+        print("| step | host µs | wall µs | GPU ms back to back |\n| --- | ---: | ---: | ---: |")
+        for name, h, wl in zip(names, host, wall):
+            g_ms = f"{gpu_max[name]:.3f}" if name in gpu_max else ""
+            print(f"| {name} | {h:.1f} | {wl:.1f} | {g_ms} |")
+            rows.append(dict(bench="moe_host", world=world, shape=s, step=name, host_us=h, wall_us=wl,
+                             gpu_ms=gpu_max.get(name), device=torch.cuda.get_device_name(),
+                             torch=torch.__version__, date=time.strftime("%Y-%m-%d")))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shapes", default="64,8", help="expert counts of the shapes to run (64 and/or 8)")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of ag_moe on rank 0")
+    parser.add_argument("--out", default=None)
+    options = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/moe_host.py needs CUDA GPUs (NCCL, symmetric memory); CPU runs of ag_moe are in tests/")
+    info = dt_dist.init()
+    rank, world = info.rank, info.world_size
+    wanted = {int(e) for e in options.shapes.split(",")}
+    rows = [row for s in SHAPES if s["E"] in wanted for row in bench_shape(s, rank, world, options)]
+    if rank == 0:
+        out = Path(options.out or (Path(os.environ["OUT"]) / "moe_host.jsonl" if os.environ.get("OUT")
+                                   else Path(__file__).with_name("results") / "moe_host.jsonl"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+        print(f"\nrows appended to {out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
