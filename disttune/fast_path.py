@@ -40,6 +40,12 @@ except ImportError:  # pragma: no cover - torch is a dependency
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
+def _plain(kind: type) -> bool:
+    """Whether arguments of exactly this type have a dtype the generated readers know how to read: none
+    (Python scalars, None, strings) or a tensor's own (a subclass that overrides ``dtype`` does not)."""
+    return kind in _NO_DTYPE or (issubclass(kind, _Tensor) and kind.dtype is _Tensor.dtype)
+
+
 class FastKernel:
     """What the fast path needs of one autotuner, computed once: its name, its launcher and a key reader.
 
@@ -61,10 +67,11 @@ class FastKernel:
         self.positions = tuple(names.index(k) for k in autotuner.keys if k in names)
         self.arg_names = frozenset(names)
         self.n_names = len(names)
-        self.needed = max(self.positions, default=-1) + 1  # fewer positional arguments: the general path
+        self.needed = max(self.positions, default=-1) + 1  # general_key: fewer positional arguments, Triton's way
         # The signature the generated reader is for: (positional types, keyword names in order, their
-        # value types, None for keywords that are not kernel arguments); and where it reads the key's
-        # values and the tensors whose dtypes end the key (``a3``: positional 3, ``k1``: keyword 1).
+        # value types, where a keyword that is not a kernel argument (``num_warps=``) has None: it is
+        # neither in the key nor type-checked); and where the reader finds the key's values and the
+        # tensors whose dtypes end the key (``a3``: positional argument 3, ``k1``: keyword value 1).
         self.spec: Optional[tuple] = None
         self.key_reads: list[str] = []
         self.tensor_reads: list[str] = []
@@ -84,7 +91,7 @@ class FastKernel:
             return None  # an argument given twice: Triton's own error, on the general path
         types = tuple(type(arg) for arg in args)
         kw_types = tuple(type(v) if k in self.arg_names else None for k, v in kwargs.items())
-        if not all(kind in _NO_DTYPE or issubclass(kind, _Tensor) for kind in types + kw_types if kind is not None):
+        if not all(_plain(kind) for kind in types + kw_types if kind is not None):
             return None  # something with a dtype of its own making: keep the general reader
         reads = {name: f"a{i}" for i, name in enumerate(positional)}
         reads.update({k: f"k{j}" for j, (k, kind) in enumerate(zip(kwargs, kw_types)) if kind is not None})
@@ -94,7 +101,7 @@ class FastKernel:
                              + [f"k{j}" for j, kind in enumerate(kw_types) if kind is not None and kind not in _NO_DTYPE])
         self.spec = (types, tuple(kwargs), kw_types)
         parts = self.key_reads + [f"_dt[{read}.dtype]" for read in self.tensor_reads]
-        return self._generate("key", f"return ({', '.join(parts)},)", "return _general(args, kwargs)")
+        return self._generate("key", f"return ({''.join(part + ', ' for part in parts)})", "return _general(args, kwargs)")
 
     def planned_launch(self, key: tuple, run: Callable, config_kwargs: dict,
                        pre_hook: Optional[Callable]) -> Callable[[tuple, dict], Any]:

@@ -268,7 +268,8 @@ class ShardPusher:
             self._signals = SignalBoard(self.group, device)
             self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
             self._handles = [stream_handle(side) for side in self._sides]
-            # current_stream(None) looks the device up through several Python layers each call
+            # the pusher serves one device (its streams, events and buffers live there); current_stream(None)
+            # would look the current device up through several Python layers on every call
             self._device_index = device.index if device.index is not None else torch.cuda.current_device()
             self._ready = torch.cuda.Event()
             self._pushed = [torch.cuda.Event() for _ in self._sides]
@@ -334,7 +335,7 @@ class ShardPusher:
         """Make the current stream wait (on the GPU) until every piece of ``shard`` has arrived."""
         address = self._plan.last_piece[shard]
         if address is not None:
-            wait_flag_at(torch.cuda.current_stream(), address, self.epoch)
+            wait_flag_at(torch.cuda.current_stream(self._device_index), address, self.epoch)
 
     def finish(self) -> None:
         """After the last reader of the workspace: the current stream waits for this rank's pushes

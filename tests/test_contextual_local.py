@@ -675,6 +675,11 @@ def test_fast_key_equals_tritons_key_for_every_way_of_passing_arguments():
     class DtypeLike:
         dtype = "custom"
 
+    class OwnDtype(torch.Tensor):
+        @property
+        def dtype(self):
+            return "own"
+
     cases = [((x, h, 8), {"grid": None, "warmup": False}),  # positional (the fast case)
              ((x, h), {"n": 8, "grid": None}),               # the key argument by keyword
              ((x,), {"y_ptr": h, "n": 8}),                    # more by keyword
@@ -688,7 +693,10 @@ def test_fast_key_equals_tritons_key_for_every_way_of_passing_arguments():
              ((), {"x_ptr": x, "y_ptr": h, "n": 8}),          # everything by keyword
              ((), {"y_ptr": h, "x_ptr": x, "n": 8}),          # ... tensors in another order: dtype order
              ((x,), {"n": 8, "y_ptr": DtypeLike()}),          # a keyword with a dtype of its own
-             ((x,), {"n": 8, "y_ptr": x, "BLOCK": 16})]       # a constexpr by keyword
+             ((x,), {"n": 8, "y_ptr": x, "BLOCK": 16}),       # a constexpr by keyword
+             ((), {"BLOCK": 16}),                             # an empty key (no key value, no tensor)
+             ((8,), {"num_warps": 4}),                        # ... and a keyword that is no kernel argument
+             ((x,), {"y_ptr": x.as_subclass(OwnDtype), "n": 8})]  # a tensor subclass with a dtype of its own
     for first_args, first_kwargs in cases:
         fast = FastKernel(kernel)
         assert fast.key(first_args, first_kwargs) == intercept.tuning_key(kernel, first_args, first_kwargs)
