@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import disttune
 import disttune.dist as dt_dist
+from ag_gemm import steady_ms  # bench/ag_gemm.py: 10 calls between two events, median of runs, max over ranks
 from disttune.kernels import moe
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
@@ -63,23 +64,6 @@ def rounds(fns: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[
             sample = ((issued - started) / calls * 1e6, (done - started) / calls * 1e6)
             best[name] = min(best[name], sample, key=lambda s: s[1])
     return best
-
-
-def gpu_ms(fn: Callable[[], Any], calls: int = 10) -> float:
-    """Median of 5 samples of ``calls`` calls between two CUDA events, ms per call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(5):
-        dist.barrier()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / calls)
-    return sorted(samples)[2]
 
 
 def max_over_ranks(values: list[float]) -> list[float]:
@@ -137,11 +121,11 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "pusher": push,
     }
     timed = rounds(fns, options.calls, options.rounds)
-    gpu = {name: gpu_ms(fns[name]) for name in ("ag_moe", "ag_moe, contextual", "sequential", "moe_gemm")}
+    gpu_max = {name: steady_ms(fns[name], samples=15)  # max over ranks
+               for name in ("ag_moe", "ag_moe, contextual", "sequential", "moe_gemm")}
     names = list(fns)
     host = max_over_ranks([timed[n][0] for n in names])
     wall = max_over_ranks([timed[n][1] for n in names])
-    gpu_max = dict(zip(gpu, max_over_ranks(list(gpu.values()))))
     if options.profile:
         profiler = cProfile.Profile()
         profiler.enable()
