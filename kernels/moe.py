@@ -278,28 +278,34 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_
 def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> MoeRouting:
     """Sort the (token, choice) rows by expert: a stable sort and a binary search for each expert's start.
 
-    Cost: three torch ops (sort, index cast, ``searchsorted``), no host sync unless ``check_range``
+    Cost: four torch ops (the ids cast to the narrowest key type, a stable sort, which makes one radix
+    pass per key byte, the index cast, ``searchsorted``), no host sync unless ``check_range``
     (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
     """
     _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape
-    sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1), num_experts)
+    keys = topk_ids.reshape(-1)
+    narrow = _key_dtype(num_experts)
+    sorted_ids, offs = _sort_by_group(keys if keys.dtype == narrow else keys.to(narrow), num_experts)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
 
 
 def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int]) -> MoeRouting:
     """The rank-stacked routing of ``topk_ids [sum(rank_tokens), top_k]`` (every rank's ids, in rank
     order): rows sorted by (source rank, expert), stable. Expert ids are not range-checked here (each
-    rank checks its own before they are gathered). Cost: one add and :func:`moe_align`'s three ops."""
+    rank checks its own before they are gathered). Cost: one add (written in the narrow key type) and
+    :func:`moe_align`'s sort, cast and search."""
     _check_topk_ids(topk_ids, num_experts, "moe_align_stacked", check_range=False)
     rank_tokens = tuple(int(t) for t in rank_tokens)
     if sum(rank_tokens) != topk_ids.shape[0]:
         raise ValueError(f"moe_align_stacked: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
                          f"{sum(rank_tokens)}")
     T, k = topk_ids.shape
+    groups = num_experts * len(rank_tokens)
     bases = _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
-    keys = (topk_ids + bases.view(T, k)).view(-1)  # one op, also from a strided view of the ids
-    sorted_ids, offs = _sort_by_group(keys, num_experts * len(rank_tokens))
+    # one op, also from a strided view of the ids, written in the sort's narrow key type
+    keys = torch.add(topk_ids, bases.view(T, k), out=torch.empty(T, k, dtype=_key_dtype(groups), device=topk_ids.device))
+    sorted_ids, offs = _sort_by_group(keys.view(-1), groups)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
 
 
@@ -307,8 +313,15 @@ _aranges: dict = {}
 _bases: dict = {}
 
 
+def _key_dtype(groups: int) -> torch.dtype:
+    """The narrowest integer type holding 0..groups: the stable radix sort makes one pass per byte of
+    its keys (one pass for up to 255 groups, where int32 ids took four)."""
+    return torch.uint8 if groups <= 255 else torch.int16 if groups <= 32767 else torch.int32
+
+
 def _sort_by_group(keys: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 stable sort order of ``keys``, int32 start of every group 0..groups and the end)."""
+    """(int32 stable sort order of ``keys``, int32 start of every group 0..groups and the end).
+    ``keys`` (group of each row) should be of :func:`_key_dtype` ``(groups)``."""
     values, order = torch.sort(keys, stable=True)
     cache_key = (groups, keys.device, keys.dtype)
     bounds = _aranges.get(cache_key)

@@ -73,6 +73,27 @@ def test_moe_align_sorts_stably_by_expert(E, k):
     assert torch.equal(rt.token_rows(), sid // k)
 
 
+@pytest.mark.parametrize("groups", [1, 200, 255, 256, 40_000])
+def test_routing_sorts_like_a_stable_argsort_for_every_key_width(groups):
+    """The sort keys are narrowed to one byte (up to 255 groups), two, or kept: the order and the group
+    starts must be a stable argsort's whatever the width, for int64 ids (what torch.topk gives) and for
+    the rank-stacked routing, whose groups are ranks x experts."""
+    g = torch.Generator().manual_seed(groups)
+    ids = torch.randint(0, groups, (301, 3), generator=g).to(DEVICE)
+    flat = ids.reshape(-1)
+    rt = moe.moe_align(ids, groups)
+    assert torch.equal(rt.sorted_ids.long(), torch.sort(flat, stable=True).indices)
+    assert rt.expert_offs.tolist() == [0] + torch.cumsum(torch.bincount(flat, minlength=groups), 0).tolist()
+    if groups % 2 == 0:  # the same ids as two ranks' of groups / 2 experts each
+        experts, tokens = groups // 2, (150, 151)
+        local = ids % experts
+        stacked = moe.moe_align_stacked(local.to(torch.int32), experts, tokens)
+        keys = local.reshape(-1) + torch.repeat_interleave(torch.tensor([0, experts], device=DEVICE),
+                                                          torch.tensor(tokens, device=DEVICE) * 3)
+        assert torch.equal(stacked.sorted_ids.long(), torch.sort(keys, stable=True).indices)
+        assert stacked.expert_offs.tolist() == [0] + torch.cumsum(torch.bincount(keys, minlength=groups), 0).tolist()
+
+
 def test_moe_align_block_size_layout():
     E, k, bm = 8, 2, 16
     ids, _ = _routing(30, E, k, seed=5, empty=2)
