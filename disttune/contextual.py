@@ -148,7 +148,7 @@ class _Session:
 
     # -- the hook ----------------------------------------------------------------------------
     def launch(self, autotuner: Any, args: tuple, kwargs: dict) -> Any:
-        if len(autotuner.configs) <= 1:
+        if not _hook.has_choice(autotuner):
             return _hook.triton_run(autotuner, *args, **kwargs)
         key = _hook.tuning_key(autotuner, args, kwargs)
         name = _hook.kernel_name(autotuner)

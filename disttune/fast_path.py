@@ -273,9 +273,7 @@ class FastLaunch:
 
     def _launch_by_site(self, autotuner: Autotuner, args: tuple, kwargs: dict) -> Any:
         """The general way: find the site by kernel, key and occurrence; what the plan lacks goes to the fallback."""
-        if len(autotuner.configs) <= 1:
-            # Nothing to choose, so never a site (as in the tuning call): Triton's own launch, and the
-            # learned sequence, which never holds such launches, goes on.
+        if not _hook.has_choice(autotuner):  # never a site: Triton's own launch; the learned sequence goes on
             return _hook.triton_run(autotuner, *args, **kwargs)
         if self.following:
             self._leave_sequence()

@@ -67,6 +67,12 @@ def active_handler() -> Optional[LaunchHandler]:
     return _current.get()
 
 
+def has_choice(autotuner: Autotuner) -> bool:
+    """Whether the autotuner has configs to choose between; one with a single config is never a site
+    (its launches are Triton's own, in tuning and fast calls alike)."""
+    return len(autotuner.configs) > 1
+
+
 def hook_installed() -> bool:
     return Autotuner.run is _hooked_run
 

@@ -284,9 +284,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True
     """
     _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape
-    keys = topk_ids.reshape(-1)
-    narrow = _key_dtype(num_experts)
-    sorted_ids, offs = _sort_by_group(keys if keys.dtype == narrow else keys.to(narrow), num_experts)
+    sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
 
 
@@ -304,7 +302,8 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
     groups = num_experts * len(rank_tokens)
     bases = _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
     # one op, also from a strided view of the ids, written in the sort's narrow key type
-    keys = torch.add(topk_ids, bases.view(T, k), out=torch.empty(T, k, dtype=_key_dtype(groups), device=topk_ids.device))
+    keys = torch.empty(T, k, dtype=_key_dtype(groups), device=topk_ids.device)
+    torch.add(topk_ids, bases.view(T, k), out=keys)
     sorted_ids, offs = _sort_by_group(keys.view(-1), groups)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
 
@@ -522,7 +521,7 @@ def _check_device(where: str, ref: torch.Tensor, **tensors: Optional[torch.Tenso
         if t is not None and t.device != ref.device:
             raise ValueError(f"{where}: {name} is on {t.device} but the input is on {ref.device}; "
                              "move every tensor to one device")
-    if ref.device.type != "cuda" and not interpreting():
+    if ref.device.type != "cuda" and not INTERPRETED:
         raise ValueError(f"{where}: tensors are on {ref.device}; Triton needs CUDA tensors unless "
                          "TRITON_INTERPRET=1 was set before triton was imported")
 
