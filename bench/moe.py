@@ -19,7 +19,9 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
    ``moe.ag_moe`` / ``moe.moe_rs`` vs the sequential forms (NCCL all_gather of tokens and
    routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
-   weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks.
+   weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks. On GPUs
+   a second table times the same steps captured in CUDA graphs and replayed (``ag_moe`` with
+   ``graph_safe=True``): no host work per call, so the overlap alone decides.
 c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down) with the
    winners of ``disttune.contextual_autotune`` (tuned inside the layer, agreed by all ranks)
    vs the winners of stock ``triton.autotune`` tuned alone (each GEMM by itself, outside the
@@ -289,9 +291,9 @@ class Bench:
                 else:
                     dist.all_gather(list(out.chunk(w)), inp)
 
-            def ag_fused():
+            def ag_fused(graph_safe: bool = False):
                 return moe.ag_moe(p["x"], p["ids"], p["w_up"], topk_weights=p["wts"], tokens_per_rank=tpr,
-                                  kernel=kernel, check_ids=False)
+                                  kernel=kernel, check_ids=False, graph_safe=graph_safe)
 
             def ag_comm():
                 gather(x_all, p["x"])
@@ -374,6 +376,46 @@ class Bench:
                 print("\ncomm / compute / limit: steady state on GPUs (median with a barrier on CPUs); the best "
                       "possible speed-up divides the steady sequential time by the limit.")
                 print(f"\nMoE-RS rel. err vs sequential: {err:.1e}")
+            if self.gpu:
+                self.part_b_graphs(s, [("AG-MoE", ag_seq, lambda: ag_fused(graph_safe=True)), ("MoE-RS", rs_seq, rs_fused)])
+
+    def part_b_graphs(self, s: dict, steps: list) -> None:
+        """Part b with each step captured in a CUDA graph and replayed: no host time per call, so the
+        GPU work (and the overlap) alone decides; what a serving engine that captures its layers sees."""
+        rows = []
+        for label, seq, fused in steps:
+            times = {}
+            for form, fn in (("sequential", seq), ("disttune", fused)):
+                replay = self.graphed(fn)
+                times[form] = (self.time_ms(replay, collective=True), self.steady_ms(replay))
+                self.record("b", s, f"{label}: {form} (CUDA graph)", times[form][0], steady_ms=times[form][1])
+            rows.append((label, times))
+        if self.rank == 0:
+            print(f"\n### (b, CUDA graphs) world {self.world}: each step captured once and replayed, max over ranks\n")
+            print("| step | sequential ms | disttune ms | speed-up | steady: sequential | steady: disttune | steady speed-up |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for label, t in rows:
+                (seq, seq_steady), (fused, fused_steady) = t["sequential"], t["disttune"]
+                print(f"| {label} | {seq:.3f} | {fused:.3f} | {seq / fused:.2f}x | {seq_steady:.3f} | {fused_steady:.3f} "
+                      f"| {seq_steady / fused_steady:.2f}x |")
+
+    def graphed(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch.cuda.graph asks); returns
+        the replay. Every rank captures the same steps in the same order (collectives are captured too)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        dist.barrier()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        self._graphs = getattr(self, "_graphs", []) + [graph]  # keep it (and its memory pool) alive
+        return graph.replay
 
     # -- part c -----------------------------------------------------------------------------
     def part_c(self) -> None:

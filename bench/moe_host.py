@@ -12,7 +12,9 @@ the step is host-bound. Rows (every rank holds ``T / world`` tokens of the shape
 
   ag_moe                 ``kernels.moe.ag_moe`` with a stock ``triton.autotune`` kernel (what part b times)
   ag_moe, contextual     the same under ``disttune.contextual_autotune`` (tuned first; the fast path)
+  ag_moe, CUDA graph     ``ag_moe(graph_safe=True)`` captured once in a CUDA graph, the graph replayed
   sequential             all_gather of tokens and ids, routing, permutation, ``torch._grouped_mm``
+  sequential, CUDA graph the same captured and replayed
   _gather_routing        the routing's all-gather and its unpacking
   moe_align_stacked      the rank-stacked sort
   moe_gemm               the grouped GEMM launch, arrival flags already set
@@ -72,6 +74,22 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph after a warm-up on a side stream (every rank in the same order)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    dist.barrier()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
 def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> list[dict]:
     T, E, k, H, I = s["T"], s["E"], s["k"], s["H"], s["I"]
     T_r, N = T // world, I // world
@@ -101,6 +119,8 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         routing = moe.moe_align(ids_all, E, check_range=False)
         return torch._grouped_mm(routing.permute(x_all), w, offs=routing.expert_offs[1:], out_dtype=x.dtype)
 
+    ag_graph, seq_graph = capture(lambda: moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel,
+                                                     check_ids=False, graph_safe=True)), capture(sequential)
     arrived = (torch.ones(world, dtype=torch.int32, device="cuda"), 1)
     x_gathered = torch.zeros(T, H, device="cuda", dtype=x.dtype)
     pusher = moe._pusher(None)
@@ -112,7 +132,9 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
     fns = {
         "ag_moe": ag,
         "ag_moe, contextual": ag_contextual,
+        "ag_moe, CUDA graph": ag_graph.replay,
         "sequential": sequential,
+        "sequential, CUDA graph": seq_graph.replay,
         "_gather_routing": lambda: moe._gather_routing(dist, ids, weights, tuple(tpr), None),
         "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
@@ -122,7 +144,8 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
     }
     timed = rounds(fns, options.calls, options.rounds)
     gpu_max = {name: steady_ms(fns[name], samples=15)  # max over ranks
-               for name in ("ag_moe", "ag_moe, contextual", "sequential", "moe_gemm")}
+               for name in ("ag_moe", "ag_moe, contextual", "ag_moe, CUDA graph", "sequential", "sequential, CUDA graph",
+                            "moe_gemm")}
     names = list(fns)
     host = max_over_ranks([timed[n][0] for n in names])
     wall = max_over_ranks([timed[n][1] for n in names])

@@ -64,6 +64,18 @@ class TuningError(RuntimeError):
     """Tuning could not complete; raised with the same message on every rank."""
 
 
+def _refuse_graph_capture(name: str) -> None:
+    """Tuning synchronizes (CUDA events, the peers' agreement), which a CUDA graph capture forbids:
+    a clear error instead of an invalidated capture."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TuningError(f"{name} is being captured in a CUDA graph but is not tuned: tuning runs the function "
+                          "many times and synchronizes with the GPU and the peers. Call it once before the capture "
+                          "(the warm-up torch.cuda.graph asks for anyway); the captured call then takes the tuned "
+                          "fast path")
+
+
 @dataclass(frozen=True)
 class SiteResult:
     """The outcome of one site: candidates, agreed times (ms, inf = failed), the winner.
@@ -479,6 +491,7 @@ class ContextualAutotuner:
         return self._communicator
 
     def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
+        _refuse_graph_capture(self.__qualname__)
         comm = self._get_communicator()
         started = time.perf_counter()
         threads = _hook.default_compile_threads() if self.compile_threads is None else self.compile_threads

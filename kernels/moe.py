@@ -806,7 +806,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
            topk_weights: Optional[torch.Tensor] = None, group=None,
            tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
            out: Optional[torch.Tensor] = None, check_ids: bool = True,
-           bucket: Callable[[int], int] = next_power_of_2) -> AgMoeResult:
+           bucket: Callable[[int], int] = next_power_of_2, graph_safe: bool = False) -> AgMoeResult:
     """AllGather-MoE: gather every rank's tokens ``x [T_r, H]`` and routing, then the grouped GEMM
     ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
 
@@ -824,9 +824,16 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     waiting. The tuning key holds the bucket of the *global* row count, the same on every rank.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the local id range check
     (unless ``check_ids=False``).
+
+    ``graph_safe=True``: the call can be captured in a CUDA graph (``torch.cuda.graph``) and
+    replayed. It needs ``tokens_per_rank`` and ``check_ids=False`` (no host sync), pushes with
+    fixed flag values (``ShardPusher(graph_safe=True)``, its own workspace) and must run once
+    eagerly with the same shapes before capture (the workspace is allocated then). A replay costs
+    the host a few µs where an eager call costs hundreds (docs/moe.md, "CUDA graphs").
     """
     dist, rank, world = _group_info(group)
     where = "ag_moe"
+    _check_graph_safe(where, graph_safe, tokens_per_rank, check_ids)
     _check_float(where, "x", x)
     _check_float(where, "w", w)
     if x.dim() != 2 or w.dim() != 3:
@@ -850,7 +857,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
                              "(sum of tokens over ranks * top_k, w's N)")
 
     # 1. tokens first: pushed on the copy engines (GPUs) or all-gathered (elsewhere)
-    pusher = _pusher(group) if x.is_cuda and uses_nccl(group) else None
+    pusher = _pusher(group, graph_safe) if x.is_cuda and uses_nccl(group) else None
     if pusher is not None:
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
     else:
@@ -900,19 +907,33 @@ def _gather_routing(dist, topk_ids: torch.Tensor, topk_weights: Optional[torch.T
     return ids_all, weights_all
 
 
+def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:
+    """A call being captured in a CUDA graph must be graph-safe and must not synchronize with the host."""
+    if not graph_safe:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{where} is being captured in a CUDA graph: pass graph_safe=True (its arrival "
+                               "flags otherwise carry a per-call epoch that every replay would repeat)")
+        return
+    if tokens_per_rank is None or check_ids:
+        raise ValueError(f"{where}(graph_safe=True) must not synchronize with the host: pass tokens_per_rank "
+                         f"(got {tokens_per_rank!r}) and check_ids=False (got {check_ids!r}); check the expert ids "
+                         "once outside the graph instead")
+
+
 _pushers: dict = {}
 
 
-def _pusher(group):
-    """The cached ``kernels.symm.ShardPusher`` of ``group`` (symmetric-memory token gather)."""
+def _pusher(group, graph_safe: bool = False):
+    """The cached ``kernels.symm.ShardPusher`` of ``group`` (symmetric-memory token gather); the
+    graph-safe one is a separate pusher with its own workspace and flags."""
     from .symm import ShardPusher, overlap_support
 
-    key = id(group)
+    key = (id(group), graph_safe)
     if key not in _pushers:
         ok, why = overlap_support(group)
         if not ok:
             raise RuntimeError(f"ag_moe: the overlapped GPU token gather is unavailable: {why}")
-        _pushers[key] = ShardPusher(group)
+        _pushers[key] = ShardPusher(group, graph_safe=graph_safe)
     return _pushers[key]
 
 
@@ -989,16 +1010,18 @@ def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Option
 def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, *, group=None,
                  tokens_per_rank: Optional[Sequence[int]] = None, kernel=None, check_ids: bool = True,
-                 bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+                 bucket: Callable[[int], int] = next_power_of_2, graph_safe: bool = False) -> torch.Tensor:
     """Tensor-parallel MoE MLP: :func:`ag_moe` (gate-up) -> SiLU-gating -> :func:`moe_rs` (down).
 
     Each rank: its tokens ``x [T_r, H]`` with routing, its slice of every expert
     ``w_gate_up [E, H, 2 * I_r]`` (its gate columns then its up columns) and
     ``w_down [E, I_r, H]``. Returns ``[T_r, H]``: what :func:`moe_mlp` gives on the full weights.
+    ``graph_safe``: as :func:`ag_moe` (the whole layer can then be captured in a CUDA graph).
     """
     _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "tp_moe_layer")
     gathered = ag_moe(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
-                      tokens_per_rank=tokens_per_rank, kernel=kernel, check_ids=check_ids, bucket=bucket)
+                      tokens_per_rank=tokens_per_rank, kernel=kernel, check_ids=check_ids, bucket=bucket,
+                      graph_safe=graph_safe)
     g = silu_and_mul(gathered.out)
     return moe_rs(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel, bucket=bucket)
 

@@ -172,9 +172,10 @@ class SignalBoard:
     #: Slots per row.
     SLOTS = 1024
 
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, freed: int = 0) -> None:
         self.buffer = SymmetricBuffer((2, self.SLOTS), torch.int32, group, device)
         self.buffer.local.zero_()
+        self.buffer.local[self.FREED].fill_(freed)
         torch.cuda.current_stream().synchronize()
         self.buffer.barrier()  # every rank's flags are zero before anyone signals
         torch.cuda.current_stream().synchronize()
@@ -206,12 +207,19 @@ def pieces_of(rows: int, dest: int, row_bytes: int, step_rows: int, flag_of: Cal
              flag_of(c)) for c, first in enumerate(range(0, rows, step_rows))]
 
 
-def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=None) -> None:
+def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=None, graph_safe: bool = False) -> None:
     """On ``stream`` (a ``CUstream``): wait until ``free`` (the destination's "read it" flag for this
     target, if any) holds ``epoch - 2``, then copy each piece from ``source`` and set its arrival flag
-    to ``epoch``. The double-buffered pattern shared by :class:`ShardPusher` and GEMM-ReduceScatter."""
-    if free is not None and epoch > 2:  # the destination has read what was put in this half two calls ago
-        wait_flag_at(stream, free, epoch - 2)
+    to ``epoch``. The double-buffered pattern shared by :class:`ShardPusher` and GEMM-ReduceScatter.
+
+    ``graph_safe``: fixed values instead of epochs (``epoch`` is then 1): wait until ``free`` is 1
+    (the destination has read the last push), set it back to 0, then copy and flag as above."""
+    if free is not None:
+        if graph_safe:
+            wait_flag_at(stream, free, 1)
+            write_flag_at(stream, free, 0)
+        elif epoch > 2:  # the destination has read what was put in this half two calls ago
+            wait_flag_at(stream, free, epoch - 2)
     for offset, dest, size, flag in pieces:
         copy_async(stream, dest, source + offset, size)
         write_flag_at(stream, flag, epoch)
@@ -243,10 +251,24 @@ class ShardPusher:
     regrowth is a collective) and a small int32 signal buffer. Cost per call: ``w - 1`` copies
     on the copy engines, ~``3 (w - 1)`` stream memory operations and no local copy; on the
     host, a few driver calls per peer (the addresses are computed once per shape).
+
+    ``graph_safe=True``: every value written is fixed, so a CUDA graph that captured calls
+    (``torch.cuda.graph``) can replay them. Epochs would be baked into the graph and repeat on
+    replay, letting a reader pass a flag set by the previous replay. Instead:
+
+    * a sender waits until the destination's "read it" flag is 1 and sets it back to 0 before it
+      pushes, then sets the arrival flags to 1 (:attr:`epoch` stays 1);
+    * :meth:`finish` (after the readers) sets this rank's arrival flags back to 0, *then* sets
+      the "read it" flag of each peer to 1, so a peer's next arrival can only land after the reset.
+
+    One half of the workspace serves every call (a sender waits until the last push was read),
+    and the workspace must be allocated before capture: run the call once eagerly first, the
+    usual warm-up before ``torch.cuda.graph``. Cost: ``w`` more stream memory operations per call.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1, graph_safe: bool = False) -> None:
         self.group = group
+        self.graph_safe = graph_safe
         self.epoch = 0
         self._buffer: Optional[SymmetricBuffer] = None
         self._signals: Optional[SignalBoard] = None
@@ -264,8 +286,15 @@ class ShardPusher:
         return self._signals.arrived
 
     def _setup(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
+        buf = self._buffer
+        grow = buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype
+        if (self._signals is None or grow) and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"ShardPusher: the symmetric workspace for {total} rows x {width} {dtype} must be allocated "
+                "before CUDA graph capture (allocating it is a collective with host synchronization); run the "
+                "call once eagerly with the same shapes before capturing it")
         if self._signals is None:
-            self._signals = SignalBoard(self.group, device)
+            self._signals = SignalBoard(self.group, device, freed=1 if self.graph_safe else 0)
             self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
             self._handles = [stream_handle(side) for side in self._sides]
             # the pusher serves one device (its streams, events and buffers live there); current_stream(None)
@@ -273,8 +302,7 @@ class ShardPusher:
             self._device_index = device.index if device.index is not None else torch.cuda.current_device()
             self._ready = torch.cuda.Event()
             self._pushed = [torch.cuda.Event() for _ in self._sides]
-        buf = self._buffer
-        if buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype:
+        if grow:
             if buf is not None:  # peers may still push into or read the old buffer: quiesce everyone
                 torch.cuda.synchronize(device)
                 self._signals.buffer.barrier()
@@ -305,14 +333,20 @@ class ShardPusher:
         last_piece = [board.address(rank, board.ARRIVED, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
                       for s in range(world)]
         frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
-        return _PushPlan(pushes, last_piece, frees, buf.local[parity, :sum(rows)])
+        arrivals = [board.address(rank, board.ARRIVED, s * chunks + c)
+                    for s in range(world) if rows[s] and (s != rank or include_own)
+                    for c in range(-(-rows[s] // step_rows))]
+        return _PushPlan(pushes, last_piece, frees, arrivals, buf.local[parity, :sum(rows)])
 
     def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
                include_own: bool = False) -> torch.Tensor:
         rows = tuple(rows)
         self._setup(sum(rows), local.shape[1], local.dtype, local.device)
-        self.epoch += 1
-        epoch, parity = self.epoch, self.epoch % 2
+        if self.graph_safe:
+            self.epoch = 1
+        else:
+            self.epoch += 1
+        epoch, parity = self.epoch, 0 if self.graph_safe else self.epoch % 2
         key = (rows, chunks, parity, include_own)
         plan = self._plans.get(key)
         if plan is None:
@@ -328,7 +362,7 @@ class ShardPusher:
             local_work()
         source = local.data_ptr()
         for side, free, pieces in plan.pushes:
-            push_pieces(self._handles[side], source, pieces, epoch, free)
+            push_pieces(self._handles[side], source, pieces, epoch, free, self.graph_safe)
         return plan.workspace
 
     def wait_shard(self, shard: int) -> None:
@@ -339,11 +373,15 @@ class ShardPusher:
 
     def finish(self) -> None:
         """After the last reader of the workspace: the current stream waits for this rank's pushes
-        (``local`` may be reused) and then tells every peer that this half is free."""
+        (``local`` may be reused) and then tells every peer that this half is free (graph-safe: after
+        setting this rank's arrival flags back to 0)."""
         current = torch.cuda.current_stream(self._device_index)
         for side, pushed in zip(self._sides, self._pushed):
             pushed.record(side)
             current.wait_event(pushed)
+        if self.graph_safe:
+            for address in self._plan.arrivals:
+                write_flag_at(current, address, 0)
         for address in self._plan.frees:
             write_flag_at(current, address, self.epoch)
 
@@ -352,4 +390,5 @@ class _PushPlan(NamedTuple):
     pushes: list  # (side stream index, own free-flag address or None, [(offset, destination, bytes, flag)])
     last_piece: list  # per shard: the address of its last piece's arrival flag here (None: empty shard)
     frees: list  # the peers' free-flag addresses for this rank
+    arrivals: list  # every arrival flag here that a call of this plan sets (graph-safe finish resets them)
     workspace: torch.Tensor

@@ -176,7 +176,82 @@ def case_keys_differ(ctx: Context) -> dict:
     return {"raised": False}
 
 
-CASES = {"layer": case_layer, "agree_dp": case_agree_dp, "agree_tp": case_agree_tp, "keys_differ": case_keys_differ}
+def case_graph(ctx: Context) -> dict:
+    """``graph_safe=True``: the host-sync arguments are refused; eagerly it gives the default path's
+    result; on NCCL GPUs ag_moe and the whole TP layer (tuned in context first) are captured in CUDA
+    graphs and replayed on fresh inputs copied into the captured ones, with default-path (epoch) calls
+    in between, each replay checked against the per-expert reference."""
+    tokens = [12 + 4 * r for r in range(ctx.world)]
+    E, k, H, I = 8, 2, 32, 16 * ctx.world
+    kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
+    p = full_problem(ctx, tokens, E, k, H, I, seed=1200)
+    x, ids, wts = (p[n][p["mine"]].clone() for n in ("x", "ids", "weights"))
+    refused = []
+    for bad in (dict(tokens_per_rank=None, check_ids=False), dict(tokens_per_rank=tokens, check_ids=True)):
+        try:
+            moe.ag_moe(x, ids, p["w_gu_local"], topk_weights=wts, kernel=kernel, graph_safe=True, **bad)
+            refused.append("")
+        except ValueError as err:
+            refused.append(str(err))
+
+    def ag(graph_safe: bool) -> torch.Tensor:
+        return moe.ag_moe(x, ids, p["w_gu_local"], topk_weights=wts, kernel=kernel, tokens_per_rank=tokens,
+                          check_ids=False, graph_safe=graph_safe).out
+
+    eager_equal = bool(torch.equal(ag(True), ag(False)))
+    result = {"refused": refused, "eager_equal": eager_equal, "captured": False}
+    if not (GPU and dist.get_backend() == "nccl"):
+        return result
+
+    @disttune.contextual_autotune(**ctx.tuner_options("graph"))
+    def layer() -> torch.Tensor:
+        return moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel, tokens_per_rank=tokens,
+                                check_ids=False, graph_safe=True)
+
+    layer()  # tuned here, before capture; then the usual warm-up on a side stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(), ag(True)
+    torch.cuda.current_stream().wait_stream(side)
+    layer_graph, ag_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(layer_graph):
+        layer_out = layer()
+    with torch.cuda.graph(ag_graph):
+        ag_out = ag(True)
+    errors = []
+    for replay in range(6):  # fresh routing and tokens each replay, an eager (epoch) call in between
+        q = full_problem(ctx, tokens, E, k, H, I, seed=1300 + 10 * replay)
+        x.copy_(q["x"][q["mine"]]), ids.copy_(q["ids"][q["mine"]]), wts.copy_(q["weights"][q["mine"]])
+        layer_graph.replay()
+        ref = moe.moe_mlp_reference(q["x"], q["ids"], q["weights"], p["w_gate_up"], p["w_down"])[q["mine"]]
+        layer_err = rel_err(layer_out, ref)
+        eager = ag(False).clone()
+        ag_graph.replay()
+        errors.append({"layer_err": layer_err, "ag_equal": bool(torch.equal(ag_out, eager))})
+    result.update(captured=True, replays=errors)
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ag(False)
+        result["unsafe_capture"] = ""
+    except RuntimeError as err:
+        result["unsafe_capture"] = str(err)
+
+    @disttune.contextual_autotune(**ctx.tuner_options("graph_untuned"))
+    def untuned() -> torch.Tensor:
+        return ag(True)
+
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            untuned()
+        result["untuned_capture"] = ""
+    except disttune.TuningError as err:
+        result["untuned_capture"] = str(err)
+    return result
+
+
+CASES = {"layer": case_layer, "agree_dp": case_agree_dp, "agree_tp": case_agree_tp, "keys_differ": case_keys_differ,
+         "graph": case_graph}
 
 
 def main() -> int:

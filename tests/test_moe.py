@@ -292,12 +292,19 @@ def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ"])
+    return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ", "graph"])
 
 
 @pytest.fixture(scope="module")
 def gloo4(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("moe4"), 4, ["layer"])
+
+
+@pytest.fixture(scope="module")
+def nccl1(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graph capture needs a GPU (one rank under NCCL)")
+    return _launch(tmp_path_factory.mktemp("moe1"), 1, ["graph"])
 
 
 def _values(per_rank: list[dict]) -> list:
@@ -365,3 +372,29 @@ def test_per_rank_keys_are_a_clear_error(gloo2):
         assert "ranks [0]: kernel" in msg and "ranks [1]: kernel" in msg
         assert "(64, 32, 8, 8, 2, 32," in msg and "(64, 32, 8, 8, 2, 48," in msg  # rows 16*2 vs 24*2
         assert "rank-independent" in msg
+
+
+def _check_graph(per_rank, must_capture: bool):
+    for rank, value in enumerate(_values(per_rank)):
+        no_tokens, checked = value["refused"]
+        assert "tokens_per_rank" in no_tokens and "must not synchronize" in no_tokens, no_tokens
+        assert "check_ids=False" in checked and "got True" in checked, checked
+        assert value["eager_equal"], f"rank {rank}: graph_safe=True gave another result than the default path"
+        if not (must_capture or value["captured"]):
+            continue
+        assert value["captured"], f"rank {rank}: not captured on a GPU"
+        assert len(value["replays"]) == 6
+        for i, replay in enumerate(value["replays"]):
+            assert replay["layer_err"] < 2e-2, f"rank {rank} replay {i}: {replay}"
+            assert replay["ag_equal"], f"rank {rank} replay {i}: the replayed ag_moe differs from the eager one"
+        assert "pass graph_safe=True" in value["unsafe_capture"], value["unsafe_capture"]
+        assert "captured in a CUDA graph but is not tuned" in value["untuned_capture"], value["untuned_capture"]
+
+
+def test_graph_safe_ag_moe_2_ranks(gloo2):
+    """Argument checks and eager equality everywhere; capture and replays where the ranks run NCCL on GPUs."""
+    _check_graph(gloo2["graph"], must_capture=False)
+
+
+def test_graph_safe_ag_moe_and_layer_replay_on_one_gpu(nccl1):
+    _check_graph(nccl1["graph"], must_capture=True)
