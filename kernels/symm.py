@@ -164,7 +164,8 @@ class SignalBoard:
 
     Producers set a slot *in the consumer's memory* with :func:`write_flag_at` (after their
     copies, in stream order); consumers wait on their own slots with :func:`wait_flag_at` or
-    spin on them in a kernel. Values are epochs (call counters), so flags are never reset.
+    spin on them in a kernel. Values are epochs (call counters), so flags are never reset (except in
+    the graph-safe use below).
     Creating one is a collective (zeroed, then one barrier); 8 KB per rank.
     """
 
@@ -177,7 +178,7 @@ class SignalBoard:
         self.buffer.local.zero_()
         self.buffer.local[self.FREED].fill_(freed)
         torch.cuda.current_stream().synchronize()
-        self.buffer.barrier()  # every rank's flags are zero before anyone signals
+        self.buffer.barrier()  # every rank's flags hold their initial values before anyone signals
         torch.cuda.current_stream().synchronize()
         self.rank, self.world_size = self.buffer.rank, self.buffer.world_size
 
@@ -221,7 +222,8 @@ def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=N
         elif epoch > 2:  # the destination has read what was put in this half two calls ago
             wait_flag_at(stream, free, epoch - 2)
     for offset, dest, size, flag in pieces:
-        copy_async(stream, dest, source + offset, size)
+        if size:  # (a graph-safe sender without rows still signals: the handshake runs every call)
+            copy_async(stream, dest, source + offset, size)
         write_flag_at(stream, flag, epoch)
 
 
@@ -257,13 +259,19 @@ class ShardPusher:
     replay, letting a reader pass a flag set by the previous replay. Instead:
 
     * a sender waits until the destination's "read it" flag is 1 and sets it back to 0 before it
-      pushes, then sets the arrival flags to 1 (:attr:`epoch` stays 1);
-    * :meth:`finish` (after the readers) sets this rank's arrival flags back to 0, *then* sets
-      the "read it" flag of each peer to 1, so a peer's next arrival can only land after the reset.
+      pushes, then sets the arrival flags to 1 (:attr:`epoch` stays 1). A sender without rows still
+      does this (it sets its first arrival flag, copying nothing), so the handshake pairs up every call;
+    * :meth:`finish` (after the readers) waits until each arrival flag of the call is 1, sets it
+      back to 0, *then* sets the "read it" flag of each peer to 1, so a peer's next arrival can only
+      land after the reset;
+    * the own shard (``include_own``) is copied on the current stream, ahead of everything the caller
+      launches next: a kernel that occupies every SM and spins on its flag never waits for a copy
+      that CUDA might run as a kernel and that a graph would not order before it.
 
-    One half of the workspace serves every call (a sender waits until the last push was read),
-    and the workspace must be allocated before capture: run the call once eagerly first, the
-    usual warm-up before ``torch.cuda.graph``. Cost: ``w`` more stream memory operations per call.
+    One workspace serves every call (a sender waits until the last push was read), and it must be
+    allocated before capture: run the call once eagerly first, the usual warm-up before
+    ``torch.cuda.graph``. A workspace outgrown later is kept alive, since captured graphs still
+    point at it. Cost: about ``3 w`` more stream memory operations per call.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1, graph_safe: bool = False) -> None:
@@ -279,6 +287,7 @@ class ShardPusher:
         self._ready = self._pushed = None  # events joining the streams, reused every call
         self._plans: dict = {}
         self._plan = None
+        self._retired: list = []  # graph-safe: outgrown workspaces that captured graphs may still use
 
     @property
     def arrival_flags(self) -> torch.Tensor:
@@ -307,8 +316,11 @@ class ShardPusher:
                 torch.cuda.synchronize(device)
                 self._signals.buffer.barrier()
                 torch.cuda.synchronize(device)
+                if self.graph_safe:
+                    self._retired.append(buf)
             capacity = 1 << max(0, total - 1).bit_length()
-            buf = self._buffer = SymmetricBuffer((2, capacity, width), dtype, self.group, device)
+            halves = 1 if self.graph_safe else 2
+            buf = self._buffer = SymmetricBuffer((halves, capacity, width), dtype, self.group, device)
             self._plans.clear()
         return buf
 
@@ -322,20 +334,25 @@ class ShardPusher:
         step_rows = chunk_rows(rows, chunks)
         row_bytes = buf.shape[2] * buf.local.element_size()
         targets = ([rank] if include_own else []) + [(rank + i) % world for i in range(1, world)]
-        pushes = []
-        if rows[rank]:  # a rank without rows sends nothing, and nobody waits for its empty shard
-            for n, p in enumerate(targets):
+        safe = self.graph_safe
+        pushes = []  # (side stream index, None: the current stream; free flag; pieces)
+        for n, p in enumerate(targets):
+            arrival = lambda c, p=p: board.address(p, board.ARRIVED, rank * chunks + c)  # noqa: E731
+            free = board.address(rank, board.FREED, p) if p != rank else None
+            if rows[rank]:
                 dest = buf.peer(p)[parity].data_ptr() + starts[rank] * row_bytes
-                pieces = pieces_of(rows[rank], dest, row_bytes, step_rows,
-                                   lambda c, p=p: board.address(p, board.ARRIVED, rank * chunks + c))
-                free = board.address(rank, board.FREED, p) if p != rank else None
-                pushes.append((n % len(self._sides), free, pieces))
+                pieces = pieces_of(rows[rank], dest, row_bytes, step_rows, arrival)
+            elif safe and p != rank:  # the handshake still runs: a flag, no copy
+                pieces = [(0, 0, 0, arrival(0))]
+            else:  # a rank without rows sends nothing, and nobody waits for its empty shard
+                continue
+            pushes.append((None if safe and p == rank else n % len(self._sides), free, pieces))
         last_piece = [board.address(rank, board.ARRIVED, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
                       for s in range(world)]
         frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
         arrivals = [board.address(rank, board.ARRIVED, s * chunks + c)
-                    for s in range(world) if rows[s] and (s != rank or include_own)
-                    for c in range(-(-rows[s] // step_rows))]
+                    for s in range(world) if (s != rank or include_own) and (rows[s] or (safe and s != rank))
+                    for c in range(max(1, -(-rows[s] // step_rows)))]
         return _PushPlan(pushes, last_piece, frees, arrivals, buf.local[parity, :sum(rows)])
 
     def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
@@ -362,7 +379,8 @@ class ShardPusher:
             local_work()
         source = local.data_ptr()
         for side, free, pieces in plan.pushes:
-            push_pieces(self._handles[side], source, pieces, epoch, free, self.graph_safe)
+            handle = self._handles[side] if side is not None else stream_handle(current)
+            push_pieces(handle, source, pieces, epoch, free, self.graph_safe)
         return plan.workspace
 
     def wait_shard(self, shard: int) -> None:
@@ -380,7 +398,8 @@ class ShardPusher:
             pushed.record(side)
             current.wait_event(pushed)
         if self.graph_safe:
-            for address in self._plan.arrivals:
+            for address in self._plan.arrivals:  # (a reader may not have waited for every flag it got)
+                wait_flag_at(current, address, 1)
                 write_flag_at(current, address, 0)
         for address in self._plan.frees:
             write_flag_at(current, address, self.epoch)

@@ -199,7 +199,15 @@ def case_graph(ctx: Context) -> dict:
                           check_ids=False, graph_safe=graph_safe).out
 
     eager_equal = bool(torch.equal(ag(True), ag(False)))
-    result = {"refused": refused, "eager_equal": eager_equal, "captured": False}
+    # eager graph-safe calls whose rows change, one with ranks sending nothing: the handshake must still pair up
+    varied = []
+    for i, counts in enumerate((tokens, [tokens[0]] + [0] * (ctx.world - 1), tokens, [t + 3 for t in tokens])):
+        q = full_problem(ctx, counts, E, k, H, I, seed=1400 + i)
+        args = [q[n][q["mine"]] for n in ("x", "ids", "weights")]
+        outs = [moe.ag_moe(args[0], args[1], q["w_gu_local"], topk_weights=args[2], kernel=kernel,
+                           tokens_per_rank=counts, check_ids=False, graph_safe=safe).out for safe in (True, False)]
+        varied.append(bool(torch.equal(*outs)))
+    result = {"refused": refused, "eager_equal": eager_equal, "varied_equal": varied, "captured": False}
     if not (GPU and dist.get_backend() == "nccl"):
         return result
 

@@ -380,6 +380,7 @@ def _check_graph(per_rank, must_capture: bool):
         assert "tokens_per_rank" in no_tokens and "must not synchronize" in no_tokens, no_tokens
         assert "check_ids=False" in checked and "got True" in checked, checked
         assert value["eager_equal"], f"rank {rank}: graph_safe=True gave another result than the default path"
+        assert value["varied_equal"] == [True] * 4, f"rank {rank}: changing rows (one call with idle ranks): {value}"
         if not (must_capture or value["captured"]):
             continue
         assert value["captured"], f"rank {rank}: not captured on a GPU"
