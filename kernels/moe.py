@@ -78,6 +78,7 @@ from .matmul import (
     prune_configs,
     shared_memory_bytes,  # noqa: F401 - re-exported: moe.shared_memory_bytes sizes MoE configs
 )
+from .moe_routing import MAX_GROUPS, group_sort
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 from .symm import uses_nccl
 
@@ -276,23 +277,27 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> MoeRouting:
-    """Sort the (token, choice) rows by expert: a stable sort and a binary search for each expert's start.
+    """Sort the (token, choice) rows by expert (stable) and find each expert's first row.
 
-    Cost: four torch ops (the ids cast to the narrowest key type, a stable sort, which makes one radix
-    pass per key byte, the index cast, ``searchsorted``), no host sync unless ``check_range``
-    (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
+    Cost: on GPUs one Triton launch (``kernels.moe_routing.group_sort``, a counting sort); elsewhere,
+    or with :data:`ROUTING_KERNEL` off, four torch ops (the ids cast to the narrowest key type, a
+    stable sort, which makes one radix pass per key byte, the index cast, ``searchsorted``). No host
+    sync unless ``check_range`` (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
     """
     _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape
-    sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
+    if _routing_kernel(topk_ids, num_experts):
+        sorted_ids, offs = group_sort(topk_ids, num_experts)
+    else:
+        sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
 
 
 def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int]) -> MoeRouting:
     """The rank-stacked routing of ``topk_ids [sum(rank_tokens), top_k]`` (every rank's ids, in rank
     order): rows sorted by (source rank, expert), stable. Expert ids are not range-checked here (each
-    rank checks its own before they are gathered). Cost: one add (written in the narrow key type) and
-    :func:`moe_align`'s sort, cast and search."""
+    rank checks its own before they are gathered). Cost: as :func:`moe_align` (one Triton launch on
+    GPUs; else one add, written in the narrow key type, and the torch sort, cast and search)."""
     _check_topk_ids(topk_ids, num_experts, "moe_align_stacked", check_range=False)
     rank_tokens = tuple(int(t) for t in rank_tokens)
     if sum(rank_tokens) != topk_ids.shape[0]:
@@ -300,6 +305,9 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
                          f"{sum(rank_tokens)}")
     T, k = topk_ids.shape
     groups = num_experts * len(rank_tokens)
+    if _routing_kernel(topk_ids, groups):
+        sorted_ids, offs = group_sort(topk_ids, num_experts, rank_tokens)
+        return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
     bases = _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
     # one op, also from a strided view of the ids, written in the sort's narrow key type
     keys = torch.empty(T, k, dtype=_key_dtype(groups), device=topk_ids.device)
@@ -310,6 +318,14 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
 
 _aranges: dict = {}
 _bases: dict = {}
+
+#: Sort routings with ``kernels.moe_routing.group_sort`` on GPUs (one launch); False: torch's sort
+#: everywhere (what runs under the interpreter, where the kernel's per-program loops are slow).
+ROUTING_KERNEL = True
+
+
+def _routing_kernel(topk_ids: torch.Tensor, groups: int) -> bool:
+    return ROUTING_KERNEL and topk_ids.is_cuda and not INTERPRETED and groups <= MAX_GROUPS
 
 
 def _key_dtype(groups: int) -> torch.dtype:

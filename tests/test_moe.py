@@ -94,6 +94,30 @@ def test_routing_sorts_like_a_stable_argsort_for_every_key_width(groups):
         assert stacked.expert_offs.tolist() == [0] + torch.cumsum(torch.bincount(keys, minlength=groups), 0).tolist()
 
 
+@pytest.mark.parametrize("T,k,E,rank_tokens", [(301, 3, 8, None), (90, 6, 64, (40, 0, 50)), (1, 1, 1, None),
+                                                (0, 2, 4, None)])
+def test_group_sort_kernel_is_a_stable_argsort(T, k, E, rank_tokens):
+    """The routing kernel GPUs use (run here in the interpreter, which moe_align itself does not use):
+    several chunks, a rank without tokens, a strided int64 view, and two ids out of range, which go
+    after every group and leave the groups' starts as they are."""
+    from disttune.kernels.moe_routing import group_sort
+
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(0, E, (T, k + 2), generator=g)[:, 1:k + 1].to(DEVICE)  # int64, row stride k + 2
+    keys = ids.reshape(-1).clone()
+    if rank_tokens:
+        keys += torch.repeat_interleave(torch.arange(len(rank_tokens)) * E, torch.tensor(rank_tokens) * k).to(DEVICE)
+    groups = E * len(rank_tokens or (1,))
+    if T > 1:
+        ids[0, 0], ids[T - 1, k - 1] = -1, E  # out of range
+        keys[0], keys[-1] = groups, groups
+    sorted_ids, offs = group_sort(ids, E, rank_tokens)
+    assert sorted_ids.dtype == offs.dtype == torch.int32
+    assert torch.equal(sorted_ids.long(), torch.sort(keys, stable=True).indices)
+    counts = torch.bincount(keys, minlength=groups + 1)[:groups]
+    assert offs.tolist() == [0] + torch.cumsum(counts, 0).tolist()
+
+
 def test_moe_align_block_size_layout():
     E, k, bm = 8, 2, 16
     ids, _ = _routing(30, E, k, seed=5, empty=2)
