@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
-from .symm import uses_nccl
+from .symm import EPOCH_FLAGS, refuse_capture, uses_nccl
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
 __all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]
@@ -63,6 +63,8 @@ class GemmReduceScatter:
                  out_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         info = self.info
         check_matrices("GemmReduceScatter", a_local=a_local, b_local=b_local)
+        if a_local.is_cuda:
+            refuse_capture("GemmReduceScatter", EPOCH_FLAGS)
         M, N = a_local.shape[0], b_local.shape[1]
         rows = (check_rows(out_rows, M, info.world_size, "GemmReduceScatter") if out_rows is not None
                 else split_rows(M, info.world_size))

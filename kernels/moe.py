@@ -80,7 +80,7 @@ from .matmul import (
 )
 from .moe_routing import MAX_GROUPS, group_sort
 from .shard_gemm import ensure_descriptor_allocator, num_sms
-from .symm import uses_nccl
+from .symm import refuse_capture, uses_nccl
 
 __all__ = [
     "HOPPER_MOE_CONFIGS",
@@ -926,9 +926,8 @@ def _gather_routing(dist, topk_ids: torch.Tensor, topk_weights: Optional[torch.T
 def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:
     """A call being captured in a CUDA graph must be graph-safe and must not synchronize with the host."""
     if not graph_safe:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{where} is being captured in a CUDA graph: pass graph_safe=True (its arrival "
-                               "flags otherwise carry a per-call epoch that every replay would repeat)")
+        refuse_capture(where, "pass graph_safe=True (its arrival flags otherwise carry a per-call epoch that every "
+                              "replay would repeat)")
         return
     if tokens_per_rank is None or check_ids:
         raise ValueError(f"{where}(graph_safe=True) must not synchronize with the host: pass tokens_per_rank "

@@ -13,8 +13,9 @@ each group's start, the counts of the rows before its chunk give where its rows 
 ``start[group] + rows of the group in earlier chunks + rank in its chunk``. So the result equals
 a stable sort's, and every rank that sorts the same ids gets the same order.
 
-Cost on the GPU: two histograms per ``SCAN_ROWS`` rows in every program (at most about 32
-programs: ``BLOCK`` grows with ``R``) and one sort of ``BLOCK`` keys.
+Cost on the GPU: two histograms per ``SCAN_ROWS`` rows in every program and one sort of ``BLOCK``
+keys. Up to 131072 rows there are about 32 programs (``BLOCK`` grows with ``R``); beyond, the
+program count grows with ``R``, so the total work grows as ``R**2 / 4096``.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ def _keys(ids_ptr, token_starts_ptr, f, valid, stride_t, stride_k, E, dump,
     """Group of each flat row ``f = t * TOP_K + j``: ``rank(t) * E + ids[t, j]``; ids outside ``[0, E)``
     (and rows past the end) get the last bin, after every group, so no group ever reads them."""
     t = f // TOP_K
-    ids = tl.load(ids_ptr + t * stride_t + (f % TOP_K) * stride_k, mask=valid, other=-1).to(tl.int32)
+    raw = tl.load(ids_ptr + t.to(tl.int64) * stride_t + (f % TOP_K) * stride_k, mask=valid, other=-1)
+    in_range = (raw >= 0) & (raw < E)  # in the ids' own type: a wide id must not wrap into range
     rank = tl.zeros(f.shape, dtype=tl.int32)
     for r in tl.static_range(1, WORLD):
         rank += (t >= tl.load(token_starts_ptr + r)).to(tl.int32)
-    return tl.where((ids >= 0) & (ids < E), rank * E + ids, dump)
+    return tl.where(in_range, rank * E + raw.to(tl.int32), dump)
 
 
 @triton.jit
@@ -94,11 +96,14 @@ _starts_cache: dict = {}
 
 
 def _token_starts(rank_tokens: tuple, device) -> torch.Tensor:
+    """First token of each rank as an int32 device tensor, made once per layout and kept (never
+    evicted: a captured CUDA graph keeps reading the one it captured)."""
     key = (rank_tokens, device)
     starts = _starts_cache.get(key)
     if starts is None:
-        if len(_starts_cache) > 64:
-            _starts_cache.clear()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"group_sort: the token layout {list(rank_tokens)} is new inside a CUDA graph "
+                               "capture (its table is copied from the host); run the call once before capturing it")
         bounds = [0]
         for tokens in rank_tokens[:-1]:
             bounds.append(bounds[-1] + tokens)

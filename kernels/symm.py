@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .tp_common import row_starts
 
-__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available"]
+__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available", "refuse_capture"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +87,17 @@ def wait_flag_at(stream, address, value: int) -> None:
     """
     _check(_driver().cuStreamWaitValue32(stream_handle(stream), _pointer(address), value, _GEQ()),
            "cuStreamWaitValue32")
+
+
+#: Why the epoch-flagged GPU paths (AG-GEMM, GEMM-RS, ag_moe without graph_safe) refuse CUDA graph capture.
+EPOCH_FLAGS = "its arrival flags carry a per-call epoch that every replay would repeat; call it outside the graph"
+
+
+def refuse_capture(who: str, why: str) -> None:
+    """RuntimeError if the current CUDA stream is being captured into a graph: ``who`` cannot be replayed
+    correctly from one (``why``), and saying so beats an invalidated capture or a silently wrong replay."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{who} is being captured in a CUDA graph, which it does not support: {why}")
 
 
 def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:

@@ -245,6 +245,25 @@ def case_graph(ctx: Context) -> dict:
     except RuntimeError as err:
         result["unsafe_capture"] = str(err)
 
+    from disttune.kernels.ag_gemm import AllGatherGEMM
+    from disttune.kernels.gemm_rs import GemmReduceScatter
+    from disttune.kernels.matmul import gemm_config
+    from disttune.kernels.shard_gemm import make_shard_gemm_kernel
+
+    a, b = torch.randn(64, 64, device=ctx.device, dtype=DTYPE), torch.randn(64, 32, device=ctx.device, dtype=DTYPE)
+    refused_ops = []
+    one_config = [gemm_config(64, 64, 32, 1, 3, 4)]
+    for op in (AllGatherGEMM(kernel=make_shard_gemm_kernel(one_config)),
+               GemmReduceScatter(kernel=make_shard_gemm_kernel(one_config))):
+        op(a, b)  # warm-up outside the graph: fine
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                op(a, b)
+            refused_ops.append("")
+        except RuntimeError as err:
+            refused_ops.append(str(err))
+    result["refused_ops"] = refused_ops
+
     @disttune.contextual_autotune(**ctx.tuner_options("graph_untuned"))
     def untuned() -> torch.Tensor:
         return ag(True)

@@ -98,8 +98,8 @@ def test_routing_sorts_like_a_stable_argsort_for_every_key_width(groups):
                                                 (0, 2, 4, None)])
 def test_group_sort_kernel_is_a_stable_argsort(T, k, E, rank_tokens):
     """The routing kernel GPUs use (run here in the interpreter, which moe_align itself does not use):
-    several chunks, a rank without tokens, a strided int64 view, and two ids out of range, which go
-    after every group and leave the groups' starts as they are."""
+    several chunks, a rank without tokens, a strided int64 view, and three ids out of range (one in
+    range after a wrap to int32), which go after every group and leave the groups' starts as they are."""
     from disttune.kernels.moe_routing import group_sort
 
     g = torch.Generator().manual_seed(T + E)
@@ -108,9 +108,9 @@ def test_group_sort_kernel_is_a_stable_argsort(T, k, E, rank_tokens):
     if rank_tokens:
         keys += torch.repeat_interleave(torch.arange(len(rank_tokens)) * E, torch.tensor(rank_tokens) * k).to(DEVICE)
     groups = E * len(rank_tokens or (1,))
-    if T > 1:
-        ids[0, 0], ids[T - 1, k - 1] = -1, E  # out of range
-        keys[0], keys[-1] = groups, groups
+    if T > 2:  # out of range, one of them only after a wrap to int32
+        ids[0, 0], ids[T // 2, 0], ids[T - 1, k - 1] = -1, 2**32 + 1, E
+        keys[0], keys[T // 2 * k], keys[-1] = groups, groups, groups
     sorted_ids, offs = group_sort(ids, E, rank_tokens)
     assert sorted_ids.dtype == offs.dtype == torch.int32
     assert torch.equal(sorted_ids.long(), torch.sort(keys, stable=True).indices)
@@ -414,6 +414,8 @@ def _check_graph(per_rank, must_capture: bool):
             assert replay["ag_equal"], f"rank {rank} replay {i}: the replayed ag_moe differs from the eager one"
         assert "pass graph_safe=True" in value["unsafe_capture"], value["unsafe_capture"]
         assert "captured in a CUDA graph but is not tuned" in value["untuned_capture"], value["untuned_capture"]
+        for name, message in zip(("AllGatherGEMM", "GemmReduceScatter"), value["refused_ops"]):
+            assert message.startswith(f"{name} is being captured in a CUDA graph") and "epoch" in message, message
 
 
 def test_graph_safe_ag_moe_2_ranks(gloo2):
