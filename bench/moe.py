@@ -400,20 +400,11 @@ class Bench:
                       f"| {seq_steady / fused_steady:.2f}x |")
 
     def graphed(self, fn: Callable[[], object]) -> Callable[[], None]:
-        """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch.cuda.graph asks); returns
-        the replay. Every rank captures the same steps in the same order (collectives are captured too)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        dist.barrier()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+        """``fn`` captured in a CUDA graph (``bench/moe_host.py``'s ``capture``: a warm-up on a side stream,
+        every rank in the same order, collectives captured too); returns the replay."""
+        from moe_host import capture  # bench/moe_host.py, next to this script
+
+        graph = capture(fn)
         self._graphs = getattr(self, "_graphs", []) + [graph]  # keep it (and its memory pool) alive
         return graph.replay
 
