@@ -8,7 +8,8 @@ Pieces:
   :class:`MoeRouting`: ``sorted_ids`` (flat index ``t * top_k + j`` of each sorted row),
   ``expert_offs`` (``int32 [E + 1]``, row where each expert starts; ``offs[1:]`` is
   ``torch._grouped_mm``'s ``offs``) and ``counts``. No padding and no host sync: the
-  GEMM maps its M-tiles to experts itself, so BLOCK_M is freely tunable.
+  GEMM maps its M-tiles to experts itself, so BLOCK_M is freely tunable. On GPUs the sort is
+  one Triton launch (``kernels.moe_routing.group_sort``), elsewhere torch's stable sort.
   :func:`moe_align_block_size` is vLLM's padded form (sentinel-padded ``sorted_token_ids``,
   ``expert_ids`` per M-block, ``num_tokens_post_padded``) for one fixed block size, for
   kernels written against that layout (it syncs with the host).
@@ -39,7 +40,8 @@ Pieces:
   (each rank holds a slice of every expert's intermediate dimension and its own tokens,
   possibly uneven): all-gather tokens + routing, grouped GEMM per source rank (the local
   chunk first, overlapping the gather); grouped GEMM per destination rank, each chunk
-  reduced to its owner while the next one computes.
+  reduced to its owner while the next one computes. ``graph_safe=True`` makes AG-MoE and the
+  layer capturable in a CUDA graph (fixed-value flags, no host sync).
 * references: :func:`moe_gemm_reference`, :func:`moe_mlp_reference` (per-expert torch loops).
 
 Tuning key: ``N, K, E, TOP_K, ROWS_BUCKET`` and the A/C/weight modes (plus dtypes, as Triton

@@ -260,8 +260,8 @@ class ShardPusher:
     the last kernel that reads the workspace was launched: it tells every peer that this
     rank's half of the workspace is free again.
 
-    Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, grown as needed; a
-    regrowth is a collective) and a small int32 signal buffer. Cost per call: ``w - 1`` copies
+    Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, one half when graph-safe;
+    grown as needed, a regrowth is a collective) and a small int32 signal buffer. Cost per call: ``w - 1`` copies
     on the copy engines, ~``3 (w - 1)`` stream memory operations and no local copy; on the
     host, a few driver calls per peer (the addresses are computed once per shape).
 
@@ -417,7 +417,8 @@ class ShardPusher:
 
 
 class _PushPlan(NamedTuple):
-    pushes: list  # (side stream index, own free-flag address or None, [(offset, destination, bytes, flag)])
+    pushes: list  # (side stream index or None: the current stream, own free-flag address or None,
+                  #  [(offset, destination, bytes, flag)])
     last_piece: list  # per shard: the address of its last piece's arrival flag here (None: empty shard)
     frees: list  # the peers' free-flag addresses for this rank
     arrivals: list  # every arrival flag here that a call of this plan sets (graph-safe finish resets them)
