@@ -1,0 +1,116 @@
+"""The push plans of ``kernels.symm.ShardPusher``, checked across simulated ranks on the CPU.
+
+The pushes themselves need GPUs with symmetric memory (tests/test_moe.py -k graph and
+tests/test_tp.py run them there). What a CPU can check is the bookkeeping every rank derives
+from the same ``rows``: whatever each sender flags in a receiver's memory is exactly what that
+receiver waits for and resets, every (sender, receiver) pair of the graph-safe handshake has a
+push guarded by the right "read it" flag (a rank without rows included), and the copies land
+in the receiver's workspace at the sender's rows. Each rank's buffer is a CPU tensor standing in
+for its symmetric-memory copy, and each flag address is the tuple (owner, row, slot).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disttune.kernels.symm import ShardPusher, SignalBoard, chunk_rows
+
+WIDTH = 8
+ELEMENT = torch.empty((), dtype=torch.bfloat16).element_size()
+
+
+class _Board:
+    """The flag layout of a SignalBoard, as addresses (owner, row, slot)."""
+
+    ARRIVED, FREED = SignalBoard.ARRIVED, SignalBoard.FREED
+
+    def address(self, owner: int, row: int, index: int) -> tuple:
+        assert 0 <= index < SignalBoard.SLOTS
+        return owner, row, index
+
+
+class _Workspace:
+    """One rank's view of the group's workspaces: its own tensor and its peers'."""
+
+    def __init__(self, rank: int, tensors: list) -> None:
+        self.rank, self.world_size, self._tensors = rank, len(tensors), tensors
+        self.local = tensors[rank]
+        self.shape = tuple(self.local.shape)
+
+    def peer(self, rank: int) -> torch.Tensor:
+        return self._tensors[rank]
+
+
+def _plans(rows: tuple, chunks: int, include_own: bool, graph_safe: bool) -> list:
+    world, halves = len(rows), 1 if graph_safe else 2
+    tensors = [torch.zeros(halves, max(1, sum(rows)), WIDTH, dtype=torch.bfloat16) for _ in range(world)]
+    plans = []
+    for rank in range(world):
+        pusher = ShardPusher(None, graph_safe=graph_safe)
+        pusher._buffer, pusher._signals, pusher._sides = _Workspace(rank, tensors), _Board(), [None]
+        plans.append(pusher._make_plan(rows, chunks, 0, include_own))
+    return plans, tensors
+
+
+ROWS = [(5,), (0,), (3, 4), (4, 0), (0, 0), (300, 0, 17), (2, 2, 2, 2), (0, 600, 0, 1)]
+
+
+@pytest.mark.parametrize("graph_safe", [True, False])
+@pytest.mark.parametrize("include_own", [True, False])
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("rows", ROWS, ids=str)
+def test_every_flag_a_sender_sets_is_one_its_receiver_resets_and_copies_land_at_the_senders_rows(
+        rows, chunks, include_own, graph_safe):
+    plans, tensors = _plans(rows, chunks, include_own, graph_safe)
+    world = len(rows)
+    row_bytes = WIDTH * ELEMENT
+    step = chunk_rows(rows, chunks)
+    set_in = {r: [] for r in range(world)}  # flags each receiver gets, from every sender's plan
+    for sender, plan in enumerate(plans):
+        targets = set()
+        for side, free, pieces in plan.pushes:
+            receivers = {flag[0] for _, _, _, flag in pieces}
+            assert len(receivers) == 1
+            receiver = receivers.pop()
+            targets.add(receiver)
+            assert free == (None if receiver == sender else (sender, SignalBoard.FREED, receiver))
+            # graph-safe: the own shard is copied on the current stream (None), peers on a side stream
+            assert (side is None) == (graph_safe and receiver == sender)
+            start = tensors[receiver][0].data_ptr() + sum(rows[:sender]) * row_bytes
+            copied = [(dest - start, size) for _, dest, size, _ in pieces if size]
+            assert sum(size for _, size in copied) == rows[sender] * row_bytes
+            assert all(offset == c * step * row_bytes for c, (offset, _) in enumerate(copied))
+            set_in[receiver] += [flag for _, _, _, flag in pieces]
+        peers = {p for p in range(world) if p != sender}
+        expected = (peers if rows[sender] or graph_safe else set()) | ({sender} if include_own and rows[sender] else set())
+        assert targets == expected, f"rank {sender} pushes to {sorted(targets)}, expected {sorted(expected)}"
+        # the flags this rank sets in its peers after reading: exactly the ones its senders wait on
+        assert sorted(plan.frees) == sorted((p, SignalBoard.FREED, sender) for p in peers)
+    for receiver, plan in enumerate(plans):
+        flags = set_in[receiver]
+        assert len(flags) == len(set(flags)), f"rank {receiver}: a flag set twice in one call"
+        assert all(flag[:2] == (receiver, SignalBoard.ARRIVED) for flag in flags)
+        if graph_safe:  # what finish waits for and resets: every flag that arrives, no other
+            assert sorted(plan.arrivals) == sorted(flags)
+        for shard in range(world):  # the kernel's and wait_shard's flag: the shard's last piece
+            last = plan.last_piece[shard]
+            if rows[shard] == 0:
+                assert last is None
+            else:
+                pieces = -(-rows[shard] // step)
+                assert last == (receiver, SignalBoard.ARRIVED, shard * chunks + pieces - 1)
+                if shard != receiver or include_own:
+                    assert last in flags
+
+
+def test_a_rank_without_rows_keeps_the_graph_safe_handshake_paired():
+    """Rows (4, 0): rank 1 copies nothing but still waits for rank 0's "read it" flag, clears it and
+    flags its arrival, so rank 0's reset and rank 1's next push alternate every call."""
+    plans, _ = _plans((4, 0), 1, True, graph_safe=True)
+    (side, free, pieces), = plans[1].pushes
+    assert free == (1, SignalBoard.FREED, 0) and pieces == [(0, 0, 0, (0, SignalBoard.ARRIVED, 1))]
+    assert (0, SignalBoard.ARRIVED, 1) in plans[0].arrivals
+    epoch_plans, _ = _plans((4, 0), 1, True, graph_safe=False)
+    assert epoch_plans[1].pushes == []  # the epoch protocol needs no handshake from an idle rank
+
