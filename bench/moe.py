@@ -21,7 +21,7 @@ b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert col
    routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
    weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks. On GPUs
    a second table times the same steps captured in CUDA graphs and replayed (``ag_moe`` with
-   ``graph_safe=True``): no host work per call, so the overlap alone decides.
+   ``graph_safe=True``): a few µs of host per call, so the GPU work and the overlap decide.
 c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down) with the
    winners of ``disttune.contextual_autotune`` (tuned inside the layer, agreed by all ranks)
    vs the winners of stock ``triton.autotune`` tuned alone (each GEMM by itself, outside the
@@ -380,8 +380,8 @@ class Bench:
                 self.part_b_graphs(s, [("AG-MoE", ag_seq, lambda: ag_fused(graph_safe=True)), ("MoE-RS", rs_seq, rs_fused)])
 
     def part_b_graphs(self, s: dict, steps: list) -> None:
-        """Part b with each step captured in a CUDA graph and replayed: no host time per call, so the
-        GPU work (and the overlap) alone decides; what a serving engine that captures its layers sees."""
+        """Part b with each step captured in a CUDA graph and replayed: a few µs of host per call, so the
+        GPU work (and the overlap) decides; what a serving engine that captures its layers sees."""
         rows = []
         for label, seq, fused in steps:
             times = {}

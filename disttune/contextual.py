@@ -70,7 +70,7 @@ def _refuse_graph_capture(name: str) -> None:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise TuningError(f"{name} is being captured in a CUDA graph but is not tuned: tuning runs the function "
+        raise TuningError(f"disttune: {name} is being captured in a CUDA graph but is not tuned: tuning runs the function "
                           "many times and synchronizes with the GPU and the peers. Call it once before the capture "
                           "(the warm-up torch.cuda.graph asks for anyway); the captured call then takes the tuned "
                           "fast path")

@@ -281,8 +281,8 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_
 def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> MoeRouting:
     """Sort the (token, choice) rows by expert (stable) and find each expert's first row.
 
-    Cost: on GPUs one Triton launch (``kernels.moe_routing.group_sort``, a counting sort); elsewhere,
-    or with :data:`ROUTING_KERNEL` off, four torch ops (the ids cast to the narrowest key type, a
+    Cost: on GPUs one Triton launch (``kernels.moe_routing.group_sort``, a counting sort, up to
+    ``moe_routing.MAX_GROUPS`` experts); elsewhere, for more experts, or with :data:`ROUTING_KERNEL` off, four torch ops (the ids cast to the narrowest key type, a
     stable sort, which makes one radix pass per key byte, the index cast, ``searchsorted``). No host
     sync unless ``check_range`` (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
     """
@@ -928,8 +928,8 @@ def _gather_routing(dist, topk_ids: torch.Tensor, topk_weights: Optional[torch.T
 def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:
     """A call being captured in a CUDA graph must be graph-safe and must not synchronize with the host."""
     if not graph_safe:
-        refuse_capture(where, "pass graph_safe=True (its arrival flags otherwise carry a per-call epoch that every "
-                              "replay would repeat)")
+        refuse_capture(where, "pass graph_safe=True, tokens_per_rank and check_ids=False (without graph_safe its "
+                              "arrival flags carry a per-call epoch that every replay would repeat)")
         return
     if tokens_per_rank is None or check_ids:
         raise ValueError(f"{where}(graph_safe=True) must not synchronize with the host: pass tokens_per_rank "

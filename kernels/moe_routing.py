@@ -2,8 +2,9 @@
 
 :func:`group_sort` is what ``kernels.moe.moe_align`` / ``moe_align_stacked`` run on GPUs for up to
 :data:`MAX_GROUPS` groups. It replaces five torch launches (the key add or cast, the stable radix
-sort with its temporary storage, the index cast and ``searchsorted``) with one: on the host, one
-Triton launch instead of about 80 µs of torch calls per routing on the lent H200 hosts.
+sort with its temporary storage, the index cast and ``searchsorted``) with one. On one H200 host
+(A/B in one process) ``moe_align_stacked`` took 37 instead of 79 µs of host (E=64) and 52 instead
+of 73 (E=8); its GPU time 23 instead of 26 µs (E=64) and 8 instead of 28 (E=8).
 
 The kernel is a counting sort. The ``R = T * top_k`` (token, choice) rows are cut into chunks of
 ``BLOCK`` rows, one program per chunk. Every program reads all the ids (``SCAN_ROWS`` at a time,
@@ -14,7 +15,7 @@ each group's start, the counts of the rows before its chunk give where its rows 
 a stable sort's, and every rank that sorts the same ids gets the same order.
 
 Cost on the GPU: two histograms per ``SCAN_ROWS`` rows in every program and one sort of ``BLOCK``
-keys. Up to 131072 rows there are about 32 programs (``BLOCK`` grows with ``R``); beyond, the
+keys. Up to 131072 rows there are at most 32 programs (``BLOCK`` grows with ``R``); beyond, the
 program count grows with ``R``, so the total work grows as ``R**2 / 4096``.
 """
 
@@ -124,7 +125,8 @@ def group_sort(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Optional[S
     world = len(rank_tokens) if rank_tokens else 1
     groups = num_experts * world
     if groups > MAX_GROUPS:
-        raise ValueError(f"group_sort: {groups} groups exceed {MAX_GROUPS}; use torch's sort for this many")
+        raise ValueError(f"group_sort: {groups} groups exceed {MAX_GROUPS}; sort with torch instead (moe.moe_align "
+                         "and moe.moe_align_stacked fall back to it by themselves)")
     device = topk_ids.device
     R = T * k
     sorted_ids = torch.empty(R, dtype=torch.int32, device=device)

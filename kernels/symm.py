@@ -90,14 +90,15 @@ def wait_flag_at(stream, address, value: int) -> None:
 
 
 #: Why the epoch-flagged GPU paths (AG-GEMM, GEMM-RS, ag_moe without graph_safe) refuse CUDA graph capture.
-EPOCH_FLAGS = "its arrival flags carry a per-call epoch that every replay would repeat; call it outside the graph"
+EPOCH_FLAGS = ("its arrival flags carry a per-call epoch that every replay would repeat; call it outside the graph "
+               "(it has no graph-safe mode yet)")
 
 
 def refuse_capture(who: str, why: str) -> None:
     """RuntimeError if the current CUDA stream is being captured into a graph: ``who`` cannot be replayed
     correctly from one (``why``), and saying so beats an invalidated capture or a silently wrong replay."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{who} is being captured in a CUDA graph, which it does not support: {why}")
+        raise RuntimeError(f"{who} cannot be captured in a CUDA graph: {why}")
 
 
 def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -177,7 +178,7 @@ class SignalBoard:
     copies, in stream order); consumers wait on their own slots with :func:`wait_flag_at` or
     spin on them in a kernel. Values are epochs (call counters), so flags are never reset (except in
     the graph-safe use below).
-    Creating one is a collective (zeroed, then one barrier); 8 KB per rank.
+    Creating one is a collective (zeroed, the FREED row set to ``freed``, then one barrier); 8 KB per rank.
     """
 
     ARRIVED, FREED = 0, 1
@@ -222,7 +223,7 @@ def pieces_of(rows: int, dest: int, row_bytes: int, step_rows: int, flag_of: Cal
 def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=None, graph_safe: bool = False) -> None:
     """On ``stream`` (a ``CUstream``): wait until ``free`` (the destination's "read it" flag for this
     target, if any) holds ``epoch - 2``, then copy each piece from ``source`` and set its arrival flag
-    to ``epoch``. The double-buffered pattern shared by :class:`ShardPusher` and GEMM-ReduceScatter.
+    to ``epoch``. The double-buffered pattern (epoch mode) shared by :class:`ShardPusher` and GEMM-ReduceScatter.
 
     ``graph_safe``: fixed values instead of epochs (``epoch`` is then 1): wait until ``free`` is 1
     (the destination has read the last push), set it back to 0, then copy and flag as above."""
@@ -248,17 +249,18 @@ class ShardPusher:
     ``local`` is ready), runs ``local_work()`` if given (launch the GEMM on the local shard
     there: it needs nothing from the peers), then for each peer ``p`` (in the order rank+1,
     rank+2, ...) on a side stream: waits until ``p`` has finished reading what this rank
-    pushed into the same half of its workspace two calls ago, copies ``local`` into ``p``'s
+    pushed into the same half of its workspace two calls ago (epoch mode; graph-safe: below),
+    copies ``local`` into ``p``'s
     workspace in ``chunks`` pieces (multiples of 256 rows; ``cuMemcpyDtoDAsync``, copy
     engine), and after each piece sets the piece's arrival flag *in ``p``'s memory* to this
-    call's epoch. With ``include_own`` the local shard is also copied into the own workspace
+    call's epoch (1 when graph-safe). With ``include_own`` the local shard is also copied into the own workspace
     and flagged (for a kernel that reads every shard from the workspace). It returns the
     ``[sum(rows), H]`` workspace at once.
 
     Consume shard ``s`` after :meth:`wait_shard` (a stream wait, no host wait) or from a kernel
     that spins until ``arrival_flags[s * chunks + c] >= epoch``; call :meth:`finish` after
     the last kernel that reads the workspace was launched: it tells every peer that this
-    rank's half of the workspace is free again.
+    rank's half of the workspace (its only one, graph-safe) is free again.
 
     Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, one half when graph-safe;
     grown as needed, a regrowth is a collective) and a small int32 signal buffer. Cost per call: ``w - 1`` copies
@@ -282,7 +284,8 @@ class ShardPusher:
     One workspace serves every call (a sender waits until the last push was read), and it must be
     allocated before capture: run the call once eagerly first, the usual warm-up before
     ``torch.cuda.graph``. A workspace outgrown later is kept alive, since captured graphs still
-    point at it. Cost: about ``3 w`` more stream memory operations per call.
+    point at it. Cost: about ``4 w`` more stream memory operations per call (a wait and a clear of
+    each peer's "read it" flag before pushing, a wait and a clear of each arrival flag in :meth:`finish`).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, streams: int = 1, graph_safe: bool = False) -> None:
@@ -302,7 +305,8 @@ class ShardPusher:
 
     @property
     def arrival_flags(self) -> torch.Tensor:
-        """int32 flags of this rank: ``[s * chunks + c]`` holds the epoch of the last arrival."""
+        """int32 flags of this rank: ``[s * chunks + c]`` holds the epoch of the last arrival (graph-safe:
+        1 from an arrival until :meth:`finish` clears it)."""
         return self._signals.arrived
 
     def _setup(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
@@ -346,7 +350,7 @@ class ShardPusher:
         row_bytes = buf.shape[2] * buf.local.element_size()
         targets = ([rank] if include_own else []) + [(rank + i) % world for i in range(1, world)]
         safe = self.graph_safe
-        pushes = []  # (side stream index, None: the current stream; free flag; pieces)
+        pushes = []  # (side index or None = current stream, free flag, pieces)
         for n, p in enumerate(targets):
             arrival = lambda c, p=p: board.address(p, board.ARRIVED, rank * chunks + c)  # noqa: E731
             free = board.address(rank, board.FREED, p) if p != rank else None
@@ -417,8 +421,7 @@ class ShardPusher:
 
 
 class _PushPlan(NamedTuple):
-    pushes: list  # (side stream index or None: the current stream, own free-flag address or None,
-                  #  [(offset, destination, bytes, flag)])
+    pushes: list  # (side index or None = current stream, own free flag or None, [(offset, dest, bytes, flag)])
     last_piece: list  # per shard: the address of its last piece's arrival flag here (None: empty shard)
     frees: list  # the peers' free-flag addresses for this rank
     arrivals: list  # every arrival flag here that a call of this plan sets (graph-safe finish resets them)

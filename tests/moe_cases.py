@@ -237,7 +237,9 @@ def case_graph(ctx: Context) -> dict:
         eager = ag(False).clone()
         ag_graph.replay()
         errors.append({"layer_err": layer_err, "ag_equal": bool(torch.equal(ag_out, eager))})
-    result.update(captured=True, replays=errors)
+    torch.cuda.synchronize()
+    result.update(captured=True, replays=errors,
+                  flags_left_set=int(moe._pusher(None, True).arrival_flags.count_nonzero()))
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             ag(False)

@@ -1,12 +1,13 @@
 """The push plans of ``kernels.symm.ShardPusher``, checked across simulated ranks on the CPU.
 
-The pushes themselves need GPUs with symmetric memory (tests/test_moe.py -k graph and
-tests/test_tp.py run them there). What a CPU can check is the bookkeeping every rank derives
+The pushes themselves need GPUs with symmetric memory: tests/test_moe.py -k graph runs them at one
+rank (the own shard only) and tests/test_tp.py and the gloo2 cases of test_moe.py across 2 GPUs. What a CPU can check is the bookkeeping every rank derives
 from the same ``rows``: whatever each sender flags in a receiver's memory is exactly what that
 receiver waits for and resets, every (sender, receiver) pair of the graph-safe handshake has a
 push guarded by the right "read it" flag (a rank without rows included), and the copies land
-in the receiver's workspace at the sender's rows. Each rank's buffer is a CPU tensor standing in
-for its symmetric-memory copy, and each flag address is the tuple (owner, row, slot).
+in the receiver's workspace at the sender's rows (``tests/symm_standins.py``: each rank's buffer is a
+CPU tensor standing in for its symmetric-memory copy, each flag address the tuple (owner, row, slot)).
+``tests/test_symm_protocol.py`` runs the pushes and flags themselves against a simulated GPU.
 """
 
 from __future__ import annotations
@@ -14,55 +15,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disttune.kernels.symm import ShardPusher, SignalBoard, chunk_rows
+from disttune.kernels.symm import SignalBoard, chunk_rows
+from symm_standins import simulated_pusher, workspaces
 
 WIDTH = 8
 ELEMENT = torch.empty((), dtype=torch.bfloat16).element_size()
 
 
-class _Board:
-    """The flag layout of a SignalBoard, as addresses (owner, row, slot)."""
-
-    ARRIVED, FREED = SignalBoard.ARRIVED, SignalBoard.FREED
-
-    def address(self, owner: int, row: int, index: int) -> tuple:
-        assert 0 <= index < SignalBoard.SLOTS
-        return owner, row, index
-
-
-class _Workspace:
-    """One rank's view of the group's workspaces: its own tensor and its peers'."""
-
-    def __init__(self, rank: int, tensors: list) -> None:
-        self.rank, self.world_size, self._tensors = rank, len(tensors), tensors
-        self.local = tensors[rank]
-        self.shape = tuple(self.local.shape)
-
-    def peer(self, rank: int) -> torch.Tensor:
-        return self._tensors[rank]
-
-
-def _plans(rows: tuple, chunks: int, include_own: bool, graph_safe: bool) -> list:
-    world, halves = len(rows), 1 if graph_safe else 2
-    tensors = [torch.zeros(halves, max(1, sum(rows)), WIDTH, dtype=torch.bfloat16) for _ in range(world)]
-    plans = []
-    for rank in range(world):
-        pusher = ShardPusher(None, graph_safe=graph_safe)
-        pusher._buffer, pusher._signals, pusher._sides = _Workspace(rank, tensors), _Board(), [None]
-        plans.append(pusher._make_plan(rows, chunks, 0, include_own))
+def _plans(rows: tuple, chunks: int, include_own: bool, graph_safe: bool, parity: int = 0) -> list:
+    tensors = workspaces(len(rows), sum(rows), WIDTH, graph_safe, torch.bfloat16)
+    plans = [simulated_pusher(rank, tensors, graph_safe)._make_plan(rows, chunks, parity, include_own)
+             for rank in range(len(rows))]
     return plans, tensors
 
 
 ROWS = [(5,), (0,), (3, 4), (4, 0), (0, 0), (300, 0, 17), (2, 2, 2, 2), (0, 600, 0, 1)]
 
 
-@pytest.mark.parametrize("graph_safe", [True, False])
+@pytest.mark.parametrize("graph_safe,parity", [(True, 0), (False, 0), (False, 1)], ids=["graph-safe", "even", "odd"])
 @pytest.mark.parametrize("include_own", [True, False])
 @pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("rows", ROWS, ids=str)
 def test_every_flag_a_sender_sets_is_one_its_receiver_resets_and_copies_land_at_the_senders_rows(
-        rows, chunks, include_own, graph_safe):
-    plans, tensors = _plans(rows, chunks, include_own, graph_safe)
+        rows, chunks, include_own, graph_safe, parity):
+    plans, tensors = _plans(rows, chunks, include_own, graph_safe, parity)
     world = len(rows)
     row_bytes = WIDTH * ELEMENT
     step = chunk_rows(rows, chunks)
@@ -77,7 +53,7 @@ def test_every_flag_a_sender_sets_is_one_its_receiver_resets_and_copies_land_at_
             assert free == (None if receiver == sender else (sender, SignalBoard.FREED, receiver))
             # graph-safe: the own shard is copied on the current stream (None), peers on a side stream
             assert (side is None) == (graph_safe and receiver == sender)
-            start = tensors[receiver][0].data_ptr() + sum(rows[:sender]) * row_bytes
+            start = tensors[receiver][parity].data_ptr() + sum(rows[:sender]) * row_bytes
             copied = [(dest - start, size) for _, dest, size, _ in pieces if size]
             assert sum(size for _, size in copied) == rows[sender] * row_bytes
             assert all(offset == c * step * row_bytes for c, (offset, _) in enumerate(copied))
