@@ -282,9 +282,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True
     """Sort the (token, choice) rows by expert (stable) and find each expert's first row.
 
     Cost: on GPUs one Triton launch (``kernels.moe_routing.group_sort``, a counting sort, up to
-    ``moe_routing.MAX_GROUPS`` experts); elsewhere, for more experts, or with :data:`ROUTING_KERNEL` off, four torch ops (the ids cast to the narrowest key type, a
-    stable sort, which makes one radix pass per key byte, the index cast, ``searchsorted``). No host
-    sync unless ``check_range`` (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
+    ``moe_routing.MAX_GROUPS`` experts); elsewhere, for more experts, or with :data:`ROUTING_KERNEL`
+    off, four torch ops (the ids cast to the narrowest key type, a stable sort, which makes one radix
+    pass per key byte, the index cast, ``searchsorted``). No host sync unless ``check_range`` (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
     """
     _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape

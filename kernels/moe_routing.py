@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from .matmul import cdiv
+from .symm import capturing
+from .tp_common import row_starts
 
 __all__ = ["MAX_GROUPS", "group_sort", "group_sort_block"]
 
@@ -102,13 +104,10 @@ def _token_starts(rank_tokens: tuple, device) -> torch.Tensor:
     key = (rank_tokens, device)
     starts = _starts_cache.get(key)
     if starts is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError(f"group_sort: the token layout {list(rank_tokens)} is new inside a CUDA graph "
                                "capture (its table is copied from the host); run the call once before capturing it")
-        bounds = [0]
-        for tokens in rank_tokens[:-1]:
-            bounds.append(bounds[-1] + tokens)
-        starts = _starts_cache[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
+        starts = _starts_cache[key] = torch.tensor(row_starts(rank_tokens), dtype=torch.int32, device=device)
     return starts
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .tp_common import row_starts
 
-__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available", "refuse_capture"]
+__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available", "capturing", "refuse_capture"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,10 +94,15 @@ EPOCH_FLAGS = ("its arrival flags carry a per-call epoch that every replay would
                "(it has no graph-safe mode yet)")
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def refuse_capture(who: str, why: str) -> None:
     """RuntimeError if the current CUDA stream is being captured into a graph: ``who`` cannot be replayed
     correctly from one (``why``), and saying so beats an invalidated capture or a silently wrong replay."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise RuntimeError(f"{who} cannot be captured in a CUDA graph: {why}")
 
 
@@ -312,7 +317,7 @@ class ShardPusher:
     def _setup(self, total: int, width: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
         buf = self._buffer
         grow = buf is None or buf.shape[1] < total or buf.shape[2] != width or buf.dtype != dtype
-        if (self._signals is None or grow) and torch.cuda.is_current_stream_capturing():
+        if (self._signals is None or grow) and capturing():
             raise RuntimeError(
                 f"ShardPusher: the symmetric workspace for {total} rows x {width} {dtype} must be allocated "
                 "before CUDA graph capture (allocating it is a collective with host synchronization); run the "
