@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: every measurement behind the README's benchmark tables, in one call.
-# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|tests|gputests|moetests|all ...]
+# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|moegluon|tuning|tuning_moe|fast|tests|gputests|moetests|all ...]
 # NPROC defaults to the GPU count. Each step has its own time limit and logs to $OUT/<step>.log,
 # so one failing step does not hide the others; the last lines of each log are echoed.
 set -uo pipefail
@@ -39,6 +39,9 @@ if want moe; then
 fi
 if want moehost; then  # is AG-MoE host-bound? host, wall and GPU time per call, with a cProfile on rank 0
     TAIL=30 run moe_host 200 "${launch[@]}" bench/moe_host.py --profile --out "$OUT/moe_host.jsonl"
+fi
+if want moegluon; then  # the 8-expert grouped GEMM hand-pipelined in Gluon, against the tl kernel and _grouped_mm
+    TAIL=50 run moe_gluon 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/moe_gluon.py --out "$OUT/moe_gluon.jsonl"
 fi
 if want tuning; then
     run tuning_cost 300 env OUT="$OUT" bash bench/tuning_cost.sh "$nproc"
