@@ -57,6 +57,7 @@ host-clock ``do_bench`` under the interpreter; bf16 refused there, see
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import os
@@ -781,16 +782,68 @@ def _group_info(group):
     return dist, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _tokens_per_rank(dist, group, world, local: int, device, given) -> tuple[int, ...]:
-    if given is not None:
-        given = tuple(int(t) for t in given)
-        if len(given) != world:
-            raise ValueError(f"tokens_per_rank has {len(given)} entries but the group has {world} ranks")
+#: Codes of the float dtypes in the cross-rank signature (0: no tensor, -1: not known).
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+#: (group, signature) pairs whose inputs every rank has agreed on, for calls with ``tokens_per_rank``.
+_agreed: set = set()
+
+
+def _shape_of(t, dims: int) -> Optional[tuple]:
+    """``t``'s shape if it is a tensor with ``dims`` dimensions, else None (for messages and signatures)."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == dims else None
+
+
+def _dtype_code(t) -> int:
+    if t is None:
+        return 0
+    return _DTYPE_CODES.get(getattr(t, "dtype", None), -1)
+
+
+def _agree_on_inputs(where: str, group, rank: int, world: int, tokens: int, signature: tuple, described: dict,
+                     local_error: Optional[Exception], given: Optional[tuple], out_rows: int,
+                     top_k: int) -> tuple[int, ...]:
+    """Every rank's token count, after making sure every rank's input is valid and agrees with the others'.
+
+    One all-gather of a row of int64 per rank (token count, ``signature`` ints, ``out_rows``, an error
+    flag) and one host sync: the token-count gather AG-MoE needs anyway. If any rank's local checks
+    failed (``local_error``), the signatures differ, or an ``out`` buffer (``out_rows``, -1 for none)
+    does not have ``sum(tokens) * top_k`` rows, every rank raises the same ValueError, listing each
+    rank's inputs (one more, object all-gather, on that path only), instead of one rank raising
+    and the others waiting in the next collective. With ``given`` token counts (``tokens_per_rank``:
+    no host sync, as CUDA-graph capture needs) the gather runs only the first time a signature is
+    seen; later calls check locally only.
+    """
+    from .tp_common import GroupInfo, check_same_on_all_ranks
+
+    import torch.distributed as dist
+
+    key = (id(group), signature)
+    if given is not None and key in _agreed:
+        if local_error is not None:
+            raise local_error
         return given
-    counts = torch.tensor([local], dtype=torch.int64, device=device)
-    out = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_gather(out, counts, group=group)
-    return tuple(int(c) for c in torch.cat(out).tolist())  # one host sync
+    refuse_capture(where, "run it once eagerly with the same inputs first (the ranks check then that their inputs "
+                          "agree)")
+    device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
+    row = torch.tensor([tokens, *signature, out_rows, int(local_error is not None)], dtype=torch.int64,
+                       device=device)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row, group=group)
+    table = torch.stack(rows).tolist()  # one host sync
+    if any(r[-1] for r in table) or any(r[1:-2] != table[0][1:-2] for r in table):
+        info = GroupInfo(group, rank, world, dist.get_backend(group))
+        message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+        check_same_on_all_ranks(info, where, tuple(table[rank][1:-2]), described, message)
+        raise RuntimeError(f"{where}: the ranks' inputs disagree but the check found no difference")  # unreachable
+    tpr = given if given is not None else tuple(r[0] for r in table)
+    want = sum(tpr) * top_k
+    wrong = [r for r, entry in enumerate(table) if entry[-2] not in (-1, want)]
+    if wrong:
+        raise ValueError(f"{where}: out must have {want} rows (sum of tokens over ranks * top_k), but rank(s) "
+                         f"{wrong} passed " + ", ".join(str(table[r][-2]) for r in wrong) + " (every rank raises this)")
+    if given is not None:
+        _agreed.add(key)
+    return tpr
 
 
 @dataclass
@@ -840,8 +893,14 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest
     arrive. Elsewhere (gloo) the tokens are all-gathered first and the same kernel runs without
     waiting. The tuning key holds the bucket of the *global* row count, the same on every rank.
-    Host syncs: the token counts (unless ``tokens_per_rank``) and the local id range check
-    (unless ``check_ids=False``).
+    Host syncs: the token counts (unless ``tokens_per_rank``) and the id range check on every
+    rank's ids (unless ``check_ids=False``).
+
+    Inputs that are bad on one rank, or valid on each but inconsistent across ranks (hidden size,
+    dtypes, expert count, top-k, weights given or not, ``tokens_per_rank``, ``graph_safe``), raise
+    the same ValueError on every rank instead of a hang or a silently wrong result: the token-count
+    gather carries each rank's input signature (with ``tokens_per_rank``, only a signature's first
+    call gathers it; later calls check locally).
 
     ``graph_safe=True``: the call can be captured in a CUDA graph (``torch.cuda.graph``) and
     replayed. It needs ``tokens_per_rank`` and ``check_ids=False`` (no host sync), pushes with
@@ -849,30 +908,65 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     eagerly with the same shapes before capture (the workspace is allocated then). A replay costs
     the host a few µs where an eager call costs hundreds (docs/moe.md, "CUDA graphs").
     """
+    return _ag_moe(x, topk_ids, w, topk_weights=topk_weights, group=group, tokens_per_rank=tokens_per_rank,
+                   kernel=kernel, out=out, check_ids=check_ids, bucket=bucket, graph_safe=graph_safe)
+
+
+def _ag_moe(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, kernel, out, check_ids, bucket, graph_safe,
+            where: str = "ag_moe", extra_check: Optional[Callable[[], None]] = None) -> AgMoeResult:
+    """:func:`ag_moe`; ``extra_check`` (a caller's own input check, raising TypeError/ValueError) runs
+    with the local checks, so its error too is raised on every rank."""
     dist, rank, world = _group_info(group)
-    where = "ag_moe"
     _check_graph_safe(where, graph_safe, tokens_per_rank, check_ids)
-    _check_float(where, "x", x)
-    _check_float(where, "w", w)
-    if x.dim() != 2 or w.dim() != 3:
-        raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    given = None if tokens_per_rank is None else tuple(int(t) for t in tokens_per_rank)
+
+    def local_checks() -> None:
+        if extra_check is not None:
+            extra_check()
+        _check_float(where, "x", x)
+        _check_float(where, "w", w)
+        if x.dim() != 2 or w.dim() != 3:
+            raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+        if x.shape[1] != w.shape[1]:
+            raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={w.shape[1]}, N]")
+        # expert ids are range-checked after the routing gather, on every rank's ids at once
+        _check_token_routing(where, x, topk_ids, topk_weights, w.shape[0], check_range=False)
+        _check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
+        if given is not None:
+            if len(given) != world:
+                raise ValueError(f"{where}: tokens_per_rank has {len(given)} entries but the group has {world} ranks")
+            if given[rank] != x.shape[0]:
+                raise ValueError(f"{where}: tokens_per_rank[{rank}] = {given[rank]} but this rank has "
+                                 f"{x.shape[0]} tokens")
+        if out is not None:
+            _check_float(where, "out", out)
+            if out.dim() != 2 or out.shape[1] != w.shape[2]:
+                raise ValueError(f"{where}: out must be [sum of tokens over ranks * top_k, N={w.shape[2]}] "
+                                 f"(w's N), got {tuple(out.shape)}")
+            if given is not None and out.shape[0] != sum(given) * topk_ids.shape[1]:
+                raise ValueError(f"{where}: out has {out.shape[0]} rows, expected {sum(given) * topk_ids.shape[1]} "
+                                 "(sum of tokens over ranks * top_k)")
+
+    try:
+        local_checks()
+        local_error = None
+    except (TypeError, ValueError) as err:
+        local_error = err
+    xs, ws, ids_s = _shape_of(x, 2), _shape_of(w, 3), _shape_of(topk_ids, 2)
+    signature = (xs[1] if xs else -1, ids_s[1] if ids_s else -1, ws[0] if ws else -1, _dtype_code(x), _dtype_code(w),
+                 _dtype_code(topk_weights), int(graph_safe), int(given is not None),
+                 hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
+    described = {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
+                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
+                 "tokens_per_rank": given, "graph_safe": graph_safe}
+    out_rows = out.shape[0] if isinstance(out, torch.Tensor) and out.dim() == 2 else -1
+    tpr = _agree_on_inputs(where, group, rank, world, xs[0] if xs else -1, signature, described, local_error, given,
+                           out_rows, ids_s[1] if ids_s else 1)
     E, H, N = w.shape
-    if x.shape[1] != H:
-        raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={H}, N]")
-    _check_token_routing(where, x, topk_ids, topk_weights, E, check_range=check_ids)
-    _check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
     dev, k = x.device, topk_ids.shape[1]
-    tpr = _tokens_per_rank(dist, group, world, x.shape[0], dev, tokens_per_rank)
-    if tpr[rank] != x.shape[0]:
-        raise ValueError(f"{where}: tokens_per_rank[{rank}] = {tpr[rank]} but this rank has {x.shape[0]} tokens")
     row_offsets = tuple(itertools.accumulate((t * k for t in tpr), initial=0))
     if out is None:
         out = _empty((row_offsets[-1], N), x.dtype, dev)
-    else:
-        _check_float(where, "out", out)
-        if tuple(out.shape) != (row_offsets[-1], N):
-            raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(row_offsets[-1], N)} "
-                             "(sum of tokens over ranks * top_k, w's N)")
 
     # 1. tokens first: pushed on the copy engines (GPUs) or all-gathered (elsewhere)
     pusher = _pusher(group, graph_safe) if x.is_cuda and uses_nccl(group) else None
@@ -882,6 +976,8 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
         x_all = _gather_rows(dist, x, tpr, group)
     # 2. every rank's routing: one collective, then one sort by (source rank, expert)
     ids_all, weights_all = _gather_routing(dist, topk_ids, topk_weights, tpr, group)
+    if check_ids:
+        _check_gathered_ids(where, ids_all, E, tpr, pusher)
     routing = moe_align_stacked(ids_all, E, tpr)
     # 3. one GEMM over all ranks' tokens, own tokens first; other ranks' tiles wait for their arrival
     if row_offsets[-1]:
@@ -891,6 +987,23 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     if pusher is not None:
         pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
+
+
+def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple, pusher) -> None:
+    """Every rank's expert ids in ``[0, E)``: checked on the gathered ids, so every rank raises the same
+    error naming the ranks whose router gave bad ids (one host sync)."""
+    if not ids_all.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(ids_all)).tolist()
+    if lo >= 0 and hi < E:
+        return
+    bad_rows = ((ids_all < 0) | (ids_all >= E)).any(dim=1).nonzero().flatten().tolist()
+    starts = list(itertools.accumulate(tpr))
+    ranks = sorted({bisect.bisect_right(starts, row) for row in bad_rows})
+    if pusher is not None:
+        pusher.finish()  # the tokens were pushed: release them, or the next call waits for them forever
+    raise ValueError(f"{where}: expert ids must lie in [0, {E}), got values in [{lo}, {hi}] from rank(s) {ranks}; "
+                     "check the router's output and num_experts (every rank raises this)")
 
 
 def _gather_rows(dist, x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
@@ -1035,10 +1148,11 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
     ``w_down [E, I_r, H]``. Returns ``[T_r, H]``: what :func:`moe_mlp` gives on the full weights.
     ``graph_safe``: as :func:`ag_moe` (the whole layer can then be captured in a CUDA graph).
     """
-    _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "tp_moe_layer")
-    gathered = ag_moe(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
-                      tokens_per_rank=tokens_per_rank, kernel=kernel, check_ids=check_ids, bucket=bucket,
-                      graph_safe=graph_safe)
+    # the MLP check runs with ag_moe's own, so a bad input on one rank is an error on every rank
+    gathered = _ag_moe(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
+                       tokens_per_rank=tokens_per_rank, kernel=kernel, out=None, check_ids=check_ids, bucket=bucket,
+                       graph_safe=graph_safe, where="tp_moe_layer",
+                       extra_check=lambda: _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "tp_moe_layer"))
     g = silu_and_mul(gathered.out)
     return moe_rs(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel, bucket=bucket)
 

@@ -279,8 +279,83 @@ def case_graph(ctx: Context) -> dict:
     return result
 
 
+def case_inconsistent(ctx: Context) -> dict:
+    """Inputs valid on each rank but inconsistent across ranks, or bad on one rank only: every rank
+    must raise the same kind of error (no hang, no silently wrong result), and the group must still
+    work afterwards. Rank 1 is the odd one out in every scenario."""
+    tokens = [6 + 3 * r for r in range(ctx.world)]
+    E, k, H, I = 8, 2, 32, 16 * ctx.world
+    kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
+    p = full_problem(ctx, tokens, E, k, H, I, seed=1500)
+    x, ids, wts, w = p["x"][p["mine"]], p["ids"][p["mine"]], p["weights"][p["mine"]], p["w_gu_local"]
+    odd = ctx.rank == 1
+    other_dtype = torch.float32 if DTYPE == torch.float16 else torch.float16  # on GPUs: same size as bf16
+    wider = dict(x=torch.cat([x, x[:, :8]], dim=1), w=torch.cat([w, w[:, :8]], dim=1))
+    scenarios = {
+        "hidden size": lambda: moe.ag_moe(wider["x"] if odd else x, ids, wider["w"] if odd else w, topk_weights=wts,
+                                          kernel=kernel),
+        "dtype": lambda: moe.ag_moe(x.to(other_dtype) if odd else x, ids, w.to(other_dtype) if odd else w,
+                                    topk_weights=wts, kernel=kernel),
+        "weights on one rank": lambda: moe.ag_moe(x, ids, w, topk_weights=None if odd else wts, kernel=kernel),
+        "experts": lambda: moe.ag_moe(x, ids % 4 if odd else ids, w[:4] if odd else w, kernel=kernel),
+        "tokens_per_rank values": lambda: moe.ag_moe(
+            x, ids, w, kernel=kernel,
+            tokens_per_rank=[t + (1 if odd and r != ctx.rank else 0) for r, t in enumerate(tokens)]),
+        "tokens_per_rank on one rank": lambda: moe.ag_moe(x, ids, w, kernel=kernel,
+                                                          tokens_per_rank=None if odd else tokens),
+        "expert ids": lambda: moe.ag_moe(x, ids + E if odd else ids, w, kernel=kernel),
+        "local input": lambda: moe.ag_moe(x, ids[:-1] if odd else ids, w, kernel=kernel),
+        "out rows": lambda: moe.ag_moe(x, ids, w, kernel=kernel, out=torch.empty(
+            sum(tokens) * k + (1 if odd else 0), w.shape[2], device=ctx.device, dtype=DTYPE)),
+        "layer weights": lambda: moe.tp_moe_layer(x, ids, wts, w, p["w_d_local"][:, :, :-1] if odd else p["w_d_local"],
+                                                  kernel=kernel),
+    }
+    raised = {}
+    for name, call in scenarios.items():
+        try:
+            call()
+            raised[name] = None
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            raised[name] = f"{type(err).__name__}: {err}"
+    # the group still works: a valid call afterwards gives the right rows
+    ag = moe.ag_moe(x, ids, w, topk_weights=wts, kernel=kernel)
+    ref = moe.moe_gemm_reference(p["x"], p["ids"], w)
+    row, err = 0, 0.0
+    for r in range(ctx.world):
+        err = max(err, rel_err(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
+        row += tokens[r] * k
+    return {"raised": raised, "after_err": err}
+
+
+def case_recover(ctx: Context) -> dict:
+    """An error raised on every rank in the middle of ``ag_moe`` (expert ids out of range, found after the
+    tokens were pushed or gathered) leaves the next calls working and right: on NCCL GPUs the pusher's
+    handshake for those tokens is released before the error."""
+    tokens = [10 + 2 * r for r in range(ctx.world)]
+    E, k, H, I = 8, 2, 32, 16 * ctx.world
+    kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
+    p = full_problem(ctx, tokens, E, k, H, I, seed=1600)
+    x, ids, wts, w = p["x"][p["mine"]], p["ids"][p["mine"]], p["weights"][p["mine"]], p["w_gu_local"]
+    try:
+        moe.ag_moe(x, ids + E * (ctx.rank == ctx.world - 1), w, topk_weights=wts, kernel=kernel)
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    ref = moe.moe_gemm_reference(p["x"], p["ids"], w)
+    errs = []
+    for _ in range(3):
+        ag = moe.ag_moe(x, ids, w, topk_weights=wts, kernel=kernel)
+        row, err = 0, 0.0
+        for r in range(ctx.world):
+            err = max(err, rel_err(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
+            row += tokens[r] * k
+        errs.append(err)
+    return {"raised": raised, "errs": errs}
+
+
 CASES = {"layer": case_layer, "agree_dp": case_agree_dp, "agree_tp": case_agree_tp, "keys_differ": case_keys_differ,
-         "graph": case_graph}
+         "graph": case_graph, "inconsistent": case_inconsistent,
+         "recover": case_recover}
 
 
 def main() -> int:

@@ -316,7 +316,8 @@ def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ", "graph"])
+    return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ", "graph",
+                                                        "inconsistent", "recover"])
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +329,7 @@ def gloo4(tmp_path_factory):
 def nccl1(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("CUDA graph capture needs a GPU (one rank under NCCL)")
-    return _launch(tmp_path_factory.mktemp("moe1"), 1, ["graph"])
+    return _launch(tmp_path_factory.mktemp("moe1"), 1, ["graph", "recover"])
 
 
 def _values(per_rank: list[dict]) -> list:
@@ -417,6 +418,56 @@ def _check_graph(per_rank, must_capture: bool):
         assert "captured in a CUDA graph but is not tuned" in value["untuned_capture"], value["untuned_capture"]
         for name, message in zip(("AllGatherGEMM", "GemmReduceScatter"), value["refused_ops"]):
             assert message.startswith(f"{name} cannot be captured in a CUDA graph") and "epoch" in message, message
+
+
+#: What every rank's error must say, per scenario of ``case_inconsistent`` (rank 1 differs in each).
+INCONSISTENT = {
+    "hidden size": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "dtype": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "weights on one rank": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "experts": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "tokens_per_rank values": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "tokens_per_rank on one rank": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "expert ids": "expert ids must lie in [0, 8), got values in [0, 14] from rank(s) [1]",
+    "local input": "invalid input on rank(s) [1]:\n  rank 1: ValueError: ag_moe: topk_ids has",
+    "out rows": "but rank(s) [1] passed",
+    "layer weights": "invalid input on rank(s) [1]:\n  rank 1: ValueError: tp_moe_layer: w_down must be [E, I, H]",
+}
+
+
+def test_inputs_inconsistent_across_ranks_are_an_error_on_every_rank(gloo2):
+    """Valid on each rank, inconsistent across ranks (hidden size, dtype, weights given or not, expert
+    count, token counts), or bad on one rank only (expert ids, shapes, out buffer, the layer's
+    weights): every rank raises a ValueError saying which rank and what, none hangs, and a valid
+    call afterwards is right."""
+    values = _values(gloo2["inconsistent"])
+    for rank, value in enumerate(values):
+        assert set(value["raised"]) == set(INCONSISTENT)
+        for name, expected in INCONSISTENT.items():
+            got = value["raised"][name]
+            assert got is not None, f"rank {rank}, {name}: no error"
+            assert got.startswith("ValueError: "), f"rank {rank}, {name}: {got}"
+            assert expected in got, f"rank {rank}, {name}: {got}"
+        assert value["after_err"] < 2e-2
+    assert values[0]["raised"] == values[1]["raised"]  # the same message on both ranks
+
+
+
+def _check_recover(per_rank: list[dict], world: int) -> None:
+    for rank, value in enumerate(_values(per_rank)):
+        assert value["raised"] is not None, f"rank {rank}: the bad expert ids raised nothing"
+        assert "expert ids must lie in [0, 8)" in value["raised"] and f"from rank(s) [{world - 1}]" in value["raised"]
+        assert all(err < 2e-2 for err in value["errs"]), f"rank {rank}: calls after the error are wrong: {value}"
+
+
+def test_an_error_mid_call_leaves_ag_moe_usable_2_ranks(gloo2):
+    _check_recover(gloo2["recover"], 2)
+
+
+def test_an_error_mid_call_releases_the_pushed_tokens_on_one_gpu(nccl1):
+    """Under NCCL the tokens are already pushed when the ids are checked: the next three calls must
+    neither wait forever for the pusher's flags nor read stale rows."""
+    _check_recover(nccl1["recover"], 1)
 
 
 def test_graph_safe_ag_moe_2_ranks(gloo2):
