@@ -1088,9 +1088,23 @@ def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Option
     the epilogue and flat output, top-k sum in fp32, cast to h's dtype, then an asynchronous
     ``dist.reduce`` to the owner, which runs while the next destination's chunk computes.
     Uneven token counts need no padding. One GEMM key (bucket of the global rows) for all.
+
+    Inputs bad on one rank or inconsistent across ranks (H, expert count, dtypes, token counts,
+    weights given or not) raise the same ValueError on every rank: the first call with a given
+    signature (shapes, dtypes and every rank's token count) all-gathers it once (one small
+    collective and a host sync; not allowed during CUDA-graph capture, so run it eagerly first);
+    later calls with that signature check locally only. :func:`tp_moe_layer` skips this, its
+    :func:`ag_moe` has checked already.
     """
-    dist, rank, world = _group_info(group)
-    where = "moe_rs"
+    return _moe_rs(h, routings, topk_weights, w, group=group, kernel=kernel, bucket=bucket, check_across_ranks=True)
+
+
+#: Per group, the moe_rs signatures every rank has agreed on.
+_moe_rs_agreed: dict = {}
+
+
+def _check_moe_rs(where: str, h, routings, topk_weights, w, world: int) -> None:
+    """moe_rs's local input checks (TypeError/ValueError)."""
     _check_float(where, "h", h)
     _check_float(where, "w", w)
     if h.dim() != 2 or w.dim() != 3:
@@ -1104,14 +1118,47 @@ def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Option
         _check_routing(where, rt, h.device)
         if rt.num_experts != E:
             raise ValueError(f"{where}: routings[{r}] has {rt.num_experts} experts, w has {E}")
-    rows = [rt.num_rows for rt in routings]
-    if h.shape[0] != sum(rows):
-        raise ValueError(f"{where}: h has {h.shape[0]} rows but the routings cover {sum(rows)} (sum of T_r * top_k)")
-    tokens = [rt.num_tokens for rt in routings]
-    if topk_weights is not None and tuple(topk_weights.shape) != (sum(tokens), routings[0].top_k):
-        raise ValueError(f"{where}: topk_weights must be [{sum(tokens)}, {routings[0].top_k}], "
+    rows = sum(rt.num_rows for rt in routings)
+    if h.shape[0] != rows:
+        raise ValueError(f"{where}: h has {h.shape[0]} rows but the routings cover {rows} (sum of T_r * top_k)")
+    tokens = sum(rt.num_tokens for rt in routings)
+    if topk_weights is not None and tuple(topk_weights.shape) != (tokens, routings[0].top_k):
+        raise ValueError(f"{where}: topk_weights must be [{tokens}, {routings[0].top_k}], "
                          f"got {tuple(topk_weights.shape)}")
     _check_device(where, h, w=w, topk_weights=topk_weights)
+
+
+def _moe_rs_signature(h, routings, topk_weights, w) -> tuple[tuple, dict]:
+    """What every rank's moe_rs call must agree on (ints, for the cross-rank check) and its description."""
+    hs, ws = _shape_of(h, 2), _shape_of(w, 3)
+    tokens = tuple(getattr(rt, "num_tokens", -1) for rt in routings) if isinstance(routings, Sequence) else ()
+    top_k = tuple(getattr(rt, "top_k", -1) for rt in routings) if isinstance(routings, Sequence) else ()
+    # not K: each rank's slice of it may differ
+    signature = (hs[0] if hs else -1, ws[0] if ws else -1, ws[2] if ws else -1, _dtype_code(h), _dtype_code(w), _dtype_code(topk_weights), tokens, top_k)
+    described = {"h": hs, "h dtype": str(getattr(h, "dtype", None)), "w": ws,
+                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
+                 "tokens per rank": tokens, "top_k": top_k[:1]}
+    return signature, described
+
+
+def _moe_rs(h, routings, topk_weights, w, *, group, kernel, bucket, check_across_ranks: bool) -> torch.Tensor:
+    """:func:`moe_rs`; ``check_across_ranks=False`` when the caller has already made the ranks agree."""
+    from .tp_common import GroupInfo, check_inputs
+
+    dist, rank, world = _group_info(group)
+    where = "moe_rs"
+    if check_across_ranks:
+        signature, described = _moe_rs_signature(h, routings, topk_weights, w)
+        agreed = _moe_rs_agreed.setdefault(id(group), set())
+        if signature not in agreed:
+            refuse_capture(where, "run it once eagerly with the same inputs first (the ranks check then that their "
+                                  "inputs agree)")
+        check_inputs(GroupInfo(group, rank, world, dist.get_backend(group)), where, agreed, signature, described,
+                     lambda: _check_moe_rs(where, h, routings, topk_weights, w, world))
+    else:
+        _check_moe_rs(where, h, routings, topk_weights, w, world)
+    H = w.shape[2]
+    rows = [rt.num_rows for rt in routings]
     rows_bucket = int(bucket(sum(rows)))
     row_off, tok_off, works, mine = 0, 0, [], None
     for r, rt in enumerate(routings):
@@ -1154,7 +1201,8 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
                        graph_safe=graph_safe, where="tp_moe_layer",
                        extra_check=lambda: _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "tp_moe_layer"))
     g = silu_and_mul(gathered.out)
-    return moe_rs(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel, bucket=bucket)
+    return _moe_rs(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel, bucket=bucket,
+                   check_across_ranks=False)
 
 
 # --------------------------------------------------------------------------- references

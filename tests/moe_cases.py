@@ -291,6 +291,9 @@ def case_inconsistent(ctx: Context) -> dict:
     odd = ctx.rank == 1
     other_dtype = torch.float32 if DTYPE == torch.float16 else torch.float16  # on GPUs: same size as bf16
     wider = dict(x=torch.cat([x, x[:, :8]], dim=1), w=torch.cat([w, w[:, :8]], dim=1))
+    # moe_rs's inputs: the activation of a valid AG-MoE call (the ranks agree on its routings)
+    ag = moe.ag_moe(x, ids, w, topk_weights=wts, kernel=kernel)
+    g, w_d, routings, gathered_wts = moe.silu_and_mul(ag.out), p["w_d_local"], ag.routings, ag.topk_weights
     scenarios = {
         "hidden size": lambda: moe.ag_moe(wider["x"] if odd else x, ids, wider["w"] if odd else w, topk_weights=wts,
                                           kernel=kernel),
@@ -309,6 +312,13 @@ def case_inconsistent(ctx: Context) -> dict:
             sum(tokens) * k + (1 if odd else 0), w.shape[2], device=ctx.device, dtype=DTYPE)),
         "layer weights": lambda: moe.tp_moe_layer(x, ids, wts, w, p["w_d_local"][:, :, :-1] if odd else p["w_d_local"],
                                                   kernel=kernel),
+        "moe_rs hidden size": lambda: moe.moe_rs(g, routings, gathered_wts, w_d[:, :, :-1] if odd else w_d,
+                                                 kernel=kernel),
+        "moe_rs weights on one rank": lambda: moe.moe_rs(g, routings, None if odd else gathered_wts, w_d,
+                                                         kernel=kernel),
+        "moe_rs token counts": lambda: moe.moe_rs(g, routings[::-1] if odd else routings, gathered_wts, w_d,
+                                                  kernel=kernel),
+        "moe_rs local input": lambda: moe.moe_rs(g[:-1] if odd else g, routings, gathered_wts, w_d, kernel=kernel),
     }
     raised = {}
     for name, call in scenarios.items():
@@ -324,7 +334,9 @@ def case_inconsistent(ctx: Context) -> dict:
     for r in range(ctx.world):
         err = max(err, rel_err(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
         row += tokens[r] * k
-    return {"raised": raised, "after_err": err}
+    rs = moe.moe_rs(moe.silu_and_mul(ag.out), ag.routings, ag.topk_weights, p["w_d_local"], kernel=kernel)
+    ref_rs = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
+    return {"raised": raised, "after_err": err, "after_rs_err": rel_err(rs, ref_rs)}
 
 
 def case_recover(ctx: Context) -> dict:
