@@ -142,6 +142,12 @@ CPU_MOE_CONFIGS = [
 #: The tile loop's shape (``bench/moe_variants.py`` compares them on GPUs).
 PERSISTENT = True
 FLATTEN = True
+#: Tile order: bands of GROUP_M to 2 * GROUP_M - 1 M-tiles that never straddle two groups (experts),
+#: each band walking all its N-tiles, so one expert's weight column is read from DRAM once per band
+#: (False: Triton's GROUP_M raster over the M-tiles of all experts, whose bands straddle experts).
+#: Same cycles either way; a fifth less DRAM traffic on 8 experts, which counts at the power cap
+#: (``bench/moe_tile_order.py``, docs/gpu-runs/2026-11-25-h200x1.md).
+EXPERT_BANDS = True
 
 A_ORDERS = ("token", "flat", "sorted")
 OUT_ORDERS = ("sorted", "flat")
@@ -408,6 +414,7 @@ def _moe_gemm_body(
     NUM_SMS: tl.constexpr,
     PERSISTENT: tl.constexpr,   # NUM_SMS programs walk the tiles (else one program per tile of the bound)
     FLATTEN: tl.constexpr,      # persistent: flatten the tile and K loops (next tile's loads overlap the epilogue)
+    EXPERT_BANDS: tl.constexpr,  # tile order: GROUP_M bands inside each group (else across all M-tiles)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -439,13 +446,33 @@ def _moe_gemm_body(
     num_tiles = num_pid_m * num_pid_n
     stop = num_tiles if PERSISTENT else tl.minimum(pid + 1, num_tiles)
     for tile in tl.range(pid, stop, NUM_SMS if PERSISTENT else 1, flatten=FLATTEN and PERSISTENT and not WAIT):
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = (first_pid_m + ((tile % num_pid_in_group) % group_size_m) + first_m) % num_pid_m
-        pid_n = (tile % num_pid_in_group) // group_size_m
-
-        group = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+        if EXPERT_BANDS:
+            # group g owns tiles [(tile_end[g] - tiles[g]) * num_pid_n, tile_end[g] * num_pid_n), cut into
+            # bands of q or q + 1 M-tiles (q >= GROUP_M unless the group has fewer), N-minor inside a band
+            t = (tile + first_m * num_pid_n) % num_tiles
+            group = tl.sum((tile_end * num_pid_n <= t).to(tl.int32), axis=0)
+            sel = e_idx == group
+            g_tiles = tl.sum(tl.where(sel, tiles, 0), axis=0)
+            g_first = tl.sum(tl.where(sel, tile_end, 0), axis=0) - g_tiles
+            local = t - g_first * num_pid_n
+            bands = tl.maximum(g_tiles // GROUP_M, 1)
+            q = g_tiles // bands
+            tall = g_tiles - q * bands  # the first `tall` bands have q + 1 M-tiles
+            tall_tiles = tall * (q + 1) * num_pid_n
+            in_tall = local < tall_tiles  # no branch: an if here would keep the loop nest from flattening
+            band_size = tl.where(in_tall, q + 1, q)
+            rel = tl.where(in_tall, local, local - tall_tiles)
+            band_first = tl.where(in_tall, 0, tall * (q + 1)) + (rel // (band_size * num_pid_n)) * band_size
+            in_band = rel % (band_size * num_pid_n)
+            pid_m = g_first + band_first + in_band % band_size
+            pid_n = in_band // band_size
+        else:
+            group_id = tile // num_pid_in_group
+            first_pid_m = group_id * GROUP_M
+            group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+            pid_m = (first_pid_m + ((tile % num_pid_in_group) % group_size_m) + first_m) % num_pid_m
+            pid_n = (tile % num_pid_in_group) // group_size_m
+            group = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
         expert = group % B_EXPERTS
         if WAIT:  # the source rank's tokens arrive by copy-engine pushes, flagged with the call's epoch
             while tl.atomic_add(flags_ptr + group // B_EXPERTS, 0, sem="acquire", scope="sys") < epoch:
@@ -615,7 +642,8 @@ def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
     b_tma = _weight_layout(w, w_stride, elem)
     meta = dict(E_POW2=max(2, next_power_of_2(groups)), WAIT=wait is not None, A_MODE=a_mode,
                 C_FLAT=out_order == "flat", MUL_WEIGHT=weights is not None, A_TMA=a_tma, B_TMA=b_tma,
-                NUM_SMS=num_sms(a.device), PERSISTENT=PERSISTENT, FLATTEN=FLATTEN)
+                NUM_SMS=num_sms(a.device), PERSISTENT=PERSISTENT, FLATTEN=FLATTEN,
+                EXPERT_BANDS=EXPERT_BANDS)
     if (a_tma or b_tma) and a.device.type == "cuda":
         ensure_descriptor_allocator()
     return out, args, strides, meta
