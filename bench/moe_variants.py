@@ -1,10 +1,12 @@
 """Which tile loop and load path the MoE grouped GEMM should use: variants of one kernel, one GPU.
 
     python bench/moe_variants.py            # the two shapes of bench/moe.py part a, bf16
+    python bench/moe_variants.py --variants "persistent + flatten, TMA W" "persistent + flatten + expert bands, TMA W"
 
 Every variant is ``moe.moe_gemm_jit`` with the same arguments but for the constexprs that shape
-its loop: persistent or one program per tile, the flattened loop nest, and weights through TMA
-descriptors or pointer loads. Each variant runs every config of a small space (the Hopper space's
+its loop: persistent or one program per tile, the flattened loop nest, the tile order (GROUP_M
+bands across all experts' M-tiles, or bands inside each expert: ``moe.EXPERT_BANDS``) and weights
+through TMA descriptors or pointer loads. Each variant runs every config of a small space (the Hopper space's
 usual winners) and keeps its fastest (``triton.testing.do_bench``: mean ms, L2 flushed before each
 call, so no back-to-back power throttling either); ``torch._grouped_mm``
 on the same pre-permuted (sorted) A and the same weights is the reference in the same run.
@@ -23,21 +25,22 @@ SHAPES = [dict(T=4096, E=8, k=2, H=4096, I=7168), dict(T=4096, E=64, k=6, H=2048
 CONFIGS = [moe.gemm_config(128, 256, 64, 8, 3, 8), moe.gemm_config(128, 256, 64, 8, 4, 8),
            moe.gemm_config(128, 128, 64, 8, 4, 4), moe.gemm_config(128, 128, 128, 8, 3, 8),
            moe.gemm_config(64, 128, 64, 8, 4, 4)]
-# name: (PERSISTENT, FLATTEN, weights through descriptors)
+# name: (PERSISTENT, FLATTEN, weights through descriptors, EXPERT_BANDS)
 VARIANTS = {
-    "one program per tile, pointer W": (False, False, False),
-    "one program per tile, TMA W": (False, False, True),
-    "persistent, TMA W": (True, False, True),
-    "persistent + flatten, TMA W": (True, True, True),
+    "one program per tile, pointer W": (False, False, False, False),
+    "one program per tile, TMA W": (False, False, True, False),
+    "persistent, TMA W": (True, False, True, False),
+    "persistent + flatten, TMA W": (True, True, True, False),
+    "persistent + flatten + expert bands, TMA W": (True, True, True, True),
 }
 # (A, W) pairs timed: gathered A with both weight layouts, sorted A with the K-major one
 PAIRS = [("gathered", "row-major W"), ("gathered", "K-major W"), ("sorted", "K-major W")]
 
 
 def best_ms(a, w, rt, a_order: str, variant: tuple) -> tuple[float, str]:
-    persistent, flatten, tma = variant
+    persistent, flatten, tma, bands = variant
     out, args, strides, meta = moe._prepare(a, w, rt, a_order, None, "sorted", None, "moe_variants")
-    meta.update(PERSISTENT=persistent, FLATTEN=flatten)
+    meta.update(PERSISTENT=persistent, FLATTEN=flatten, EXPERT_BANDS=bands)
     if not tma:
         meta["B_TMA"] = 0
     R, N = out.shape
@@ -59,7 +62,10 @@ def best_ms(a, w, rt, a_order: str, variant: tuple) -> tuple[float, str]:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the variants to time (default: all)")
+    chosen = {name: VARIANTS[name] for name in parser.parse_args().variants}
     torch.manual_seed(0)
     for s in SHAPES:
         T, E, k, H, I = s["T"], s["E"], s["k"], s["H"], s["I"]
@@ -80,7 +86,7 @@ def main() -> None:
         operands = {"gathered": (x, "token"), "sorted": (x_sorted, "sorted")}
         for a_name, w_name in PAIRS:
             a, a_order = operands[a_name]
-            for name, variant in VARIANTS.items():
+            for name, variant in chosen.items():
                 ms, config = best_ms(a, weights[w_name], rt, a_order, variant)
                 print(f"| {name} | {a_name} | {w_name} | {ms:.3f} | {refs[w_name] / ms:.2f}x | {config} |",
                       flush=True)
