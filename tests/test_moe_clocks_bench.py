@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_clocks.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("moe_clocks_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_bench
 
 
 def test_summarize_takes_medians_and_the_share_of_each_clock_event_reason():
-    bench = load_bench()
+    bench = load_bench("moe_clocks")
     # sm MHz, mem MHz, power W, power cap W, temp C, active reasons: 0x4 sw power cap, 0x20 sw thermal
     rows = [["1425", "3201", "692.5", "700.00", "62", "0x0000000000000004"],
             ["1410", "3201", "690.0", "700.00", "63", "0x0000000000000024"],
@@ -31,4 +21,4 @@ def test_summarize_takes_medians_and_the_share_of_each_clock_event_reason():
 
 
 def test_summarize_of_no_samples_says_so():
-    assert load_bench().summarize([]) == {"samples": 0}
+    assert load_bench("moe_clocks").summarize([]) == {"samples": 0}

@@ -12,7 +12,6 @@ then fails.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import describe, repo_env, run_command, write_script
+from helpers import describe, load_bench, repo_env, run_command, write_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_gluon.py"
 
@@ -85,10 +84,7 @@ def test_gluon_kernel_compiles_to_wgmma_for_hopper(compiled, kind, k_major, flat
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("moe_gluon_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("moe_gluon")
 
 
 def test_weight_layouts_the_kernels_cannot_read_are_refused(bench):

@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_tile_order.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("moe_tile_order_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_bench
 
 
 def ncu_csv(bench, rows: int, units=("ns", "byte", "hz")) -> str:
@@ -35,7 +26,7 @@ def ncu_csv(bench, rows: int, units=("ns", "byte", "hz")) -> str:
 
 
 def test_parse_gives_each_contender_the_median_of_its_launches(tmp_path, capsys):
-    bench = load_bench()
+    bench = load_bench("moe_tile_order")
     contenders = len(bench.SHAPES) * len(bench.specs())
     path = tmp_path / "ncu.csv"
     path.write_text(ncu_csv(bench, contenders * bench.LAUNCHES))
@@ -50,7 +41,7 @@ def test_parse_gives_each_contender_the_median_of_its_launches(tmp_path, capsys)
 
 
 def test_parse_refuses_a_run_with_kernels_missing_or_unknown_units(tmp_path):
-    bench = load_bench()
+    bench = load_bench("moe_tile_order")
     contenders = len(bench.SHAPES) * len(bench.specs())
     path = tmp_path / "ncu.csv"
     path.write_text(ncu_csv(bench, contenders * bench.LAUNCHES - 1))
@@ -64,7 +55,7 @@ def test_parse_refuses_a_run_with_kernels_missing_or_unknown_units(tmp_path):
 def test_in_tile_order_sets_the_order_for_the_launch_only():
     from disttune.kernels import moe
 
-    bench = load_bench()
+    bench = load_bench("moe_tile_order")
     default, seen = moe.EXPERT_BANDS, []
     bench.in_tile_order(lambda: seen.append(moe.EXPERT_BANDS), not default)()
 
