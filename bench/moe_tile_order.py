@@ -113,9 +113,9 @@ def launch_only() -> None:
 
 
 #: ncu's units (``--print-units base`` or auto) -> the factor to the table's µs, MB and GHz.
-UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0,
-         "Gbyte": 1e3, "cycle/nsecond": 1.0, "cycle/usecond": 1e-3, "cycle/second": 1e-9, "hz": 1e-9,
-         "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0}
+UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+         "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3,
+         "cycle/nsecond": 1.0, "cycle/usecond": 1e-3, "cycle/second": 1e-9, "hz": 1e-9, "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0}
 
 
 def parse(path: str) -> None:

@@ -1162,7 +1162,8 @@ def _moe_rs_signature(h, routings, topk_weights, w) -> tuple[tuple, dict]:
     tokens = tuple(getattr(rt, "num_tokens", -1) for rt in routings) if isinstance(routings, Sequence) else ()
     top_k = tuple(getattr(rt, "top_k", -1) for rt in routings) if isinstance(routings, Sequence) else ()
     # not K: each rank's slice of it may differ
-    signature = (hs[0] if hs else -1, ws[0] if ws else -1, ws[2] if ws else -1, _dtype_code(h), _dtype_code(w), _dtype_code(topk_weights), tokens, top_k)
+    signature = (hs[0] if hs else -1, ws[0] if ws else -1, ws[2] if ws else -1, _dtype_code(h), _dtype_code(w),
+                 _dtype_code(topk_weights), tokens, top_k)
     described = {"h": hs, "h dtype": str(getattr(h, "dtype", None)), "w": ws,
                  "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
                  "tokens per rank": tokens, "top_k": top_k[:1]}
