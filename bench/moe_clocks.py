@@ -17,7 +17,6 @@ at the same clock. Cost: about 16 s of GPU time per kernel, layout and round at 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -108,7 +107,7 @@ def main() -> int:
     from disttune.kernels import moe
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from moe_gluon import back_to_back_ms
+    from moe_gluon import append_rows, back_to_back_ms
     from moe_tile_order import in_tile_order
 
     torch.manual_seed(0)
@@ -174,10 +173,7 @@ def main() -> int:
                          **{f"flushed_{key}": v for key, v in f.items()},
                          **{f"sustained_{key}": v for key, v in s.items()}))
     sampler.close()
-    with out_path.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"\nrows appended to {out_path}")
+    append_rows(out_path, rows)
     return 0
 
 

@@ -503,6 +503,15 @@ def check_all(device: str) -> int:
     return bad
 
 
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append ``rows`` to the JSON-lines file ``path`` (its folder made if missing) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"\nrows appended to {path}")
+
+
 def back_to_back_ms(fn, calls: int = 10, bursts: int = 5) -> float:
     """Milliseconds per call over ``calls`` launches back to back, the best of ``bursts`` bursts (CUDA events)."""
     fn()
@@ -570,11 +579,7 @@ def main() -> int:
                       f"{ref[1] / b2b:.2f}x |", flush=True)
                 rows.append(dict(bench="moe_gluon", gpu=gpu, date=date, shape=shape, weights=w_name, kernel=name,
                                  ms_flushed=round(flushed, 4), ms_back_to_back=round(b2b, 4)))
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"\nrows appended to {out_path}")
+    append_rows(out_path, rows)
     return 0
 
 

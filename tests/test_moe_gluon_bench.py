@@ -94,3 +94,11 @@ def test_weight_layouts_the_kernels_cannot_read_are_refused(bench):
         bench.weight_is_k_major(torch.empty(4, 100, 96))
     with pytest.raises(ValueError, match="contiguous"):
         bench.weight_is_k_major(torch.empty(8, 128, 96)[::2])  # experts not adjacent
+
+
+def test_append_rows_adds_json_lines_and_makes_the_folder(bench, tmp_path):
+    path = tmp_path / "new" / "rows.jsonl"
+    bench.append_rows(path, [{"kernel": "a", "ms": 1.5}])
+    bench.append_rows(path, [{"kernel": "b", "ms": 2.0}])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"kernel": "a", "ms": 1.5},
+                                                                           {"kernel": "b", "ms": 2.0}]
