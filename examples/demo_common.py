@@ -1,0 +1,76 @@
+"""What the demos print: each tuned site's per-rank and agreed times, and the step against its baseline.
+
+Shared by ``examples/ag_gemm.py`` and ``examples/moe_layer.py``; rank 0 prints, every rank calls.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import disttune
+from disttune import benchmark
+
+
+def print_sites(report: disttune.TuningReport) -> None:
+    """One table per tuned site: each config's time on every rank, the agreed time, the winner.
+
+    Where a rank alone (its own times only) would have picked another config, a line says so:
+    that is the disagreement the agreement step removes.
+    """
+    for result in report.results:
+        key = ", ".join(str(part) for part in result.site.key)
+        name = result.site.kernel.rsplit(".", 1)[-1]
+        if result.source != "tuned":
+            print(f"{name} [{key}]: winner from the {result.source} (no tuning): "
+                  f"{disttune.describe_config(result.config)}")
+            continue
+        labels = [disttune.describe_config(config) for config in result.configs]
+        width = max(len(label) for label in labels) + 2
+        ranks = len(result.per_rank_ms)
+        print(f"{name} [{key}], occurrence {result.site.occurrence}: ms per launch, in context")
+        print(f"{'config':<{width}}" + "".join(f"{'rank ' + str(r):>10}" for r in range(ranks)) + f"{'agreed':>10}")
+        for index, label in enumerate(labels):
+            times = "".join(f"{row[index]:10.4f}" for row in result.per_rank_ms)
+            mark = "  <- winner" if index == result.winner else ""
+            print(f"{label:<{width}}{times}{result.agreed_ms[index]:10.4f}{mark}")
+        for rank, row in enumerate(result.per_rank_ms):
+            alone = min(range(len(row)), key=lambda c: (row[c], c))
+            if alone != result.winner and row[alone] == row[alone]:  # nan rows (split sites) never decide
+                print(f"  rank {rank} alone would have picked {labels[alone]}")
+
+
+def compare(tuned: Callable[[], object], baseline: Callable[[], object], baseline_name: str,
+            gpu: bool, world: int, samples: int) -> dict:
+    """Time the tuned step against ``baseline`` in this run and return what rank 0 prints.
+
+    On GPUs both are timed in steady state (10 calls back to back between CUDA events, median of
+    ``samples`` rounds, max over ranks). Under the CPU interpreter a speed ratio means nothing,
+    so only the tuned step's host time is given.
+    """
+    if not gpu:
+        ms = benchmark.one_call_ms(tuned, samples=max(3, samples // 5), device=torch.device("cpu"))
+        return {"line": f"tuned step: {ms:.1f} ms per call (host clock, CPU interpreter: not a speed "
+                        f"comparison; run on GPUs for one)"}
+    ours = benchmark.steady_ms(tuned, samples=samples)
+    theirs = benchmark.steady_ms(baseline, samples=samples)
+    line = (f"tuned step: {ours:.3f} ms per call; {baseline_name}: {theirs:.3f} ms "
+            f"({theirs / ours:.2f}x), steady state, max over ranks")
+    if world == 1:
+        line += "\n(one GPU: there is no communication to overlap, so this compares the GEMMs alone)"
+    return {"line": line, "ours_ms": ours, "baseline_ms": theirs}
+
+
+def agreed_ok(ok: bool, error: float) -> tuple[bool, float]:
+    """Every rank's verdict: (all correct, largest relative error)."""
+    world = dist.get_world_size()
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, (ok, error))
+    return all(v[0] for v in verdicts), max(v[1] for v in verdicts)
+
+
+def log_dir() -> str:
+    return os.path.abspath(os.environ.get("DISTTUNE_LOG_DIR", "logs"))
