@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 import time
 
 import pytest
 import torch
 
 from disttune import benchmark
-from helpers import describe, run_launch, write_script
+from helpers import REPO_ROOT, describe, run_command, run_launch, write_script
 
 
 class Counter:
@@ -139,3 +140,19 @@ def test_cprofile_names_the_profiled_function():
     host_ms, text = benchmark.cprofile(profiled_step, calls=20, top=5)
     assert host_ms > 0 and "profiled_step" in text
 
+
+def test_fast_path_bench_writes_rows_only_with_out(tmp_path):
+    """The CPU mode of bench/fast_path.py: a table on stdout; a JSON file only where --out points."""
+    before = sorted(p.name for p in (REPO_ROOT / "bench").iterdir())
+    quick = ["bench/fast_path.py", "--smoke", "--calls", "200", "--rounds", "2", "--kernels", "null"]
+    proc = run_command([sys.executable, *quick], timeout=240, extra_env={"DISTTUNE_LOG_DIR": str(tmp_path / "logs")})
+    assert proc.returncode == 0, describe(proc)
+    assert "contextual_over_direct_us" in proc.stdout and "rows appended" not in proc.stdout
+    assert sorted(p.name for p in (REPO_ROOT / "bench").iterdir()) == before
+    out = tmp_path / "rows" / "fast_path.jsonl"
+    proc = run_command([sys.executable, *quick, "--out", str(out)], timeout=240,
+                       extra_env={"DISTTUNE_LOG_DIR": str(tmp_path / "logs")})
+    assert proc.returncode == 0, describe(proc)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["bench"] == "fast_path" and row["kernel"] == "null" and row["calls"] == 200
+    assert {"device", "world", "torch", "triton", "cuda", "date"} <= set(row)
