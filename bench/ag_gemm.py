@@ -1,6 +1,6 @@
 """Benchmark: AllGather-GEMM and GEMM-ReduceScatter against NCCL + cuBLAS and torch's fused ops.
 
-    torchrun --nproc_per_node=2 bench/ag_gemm.py [--shapes square,llama] [--samples 30] [--chunks 4 --streams 2]
+    torchrun --nproc_per_node=2 bench/ag_gemm.py [--shapes square,llama] [--samples 30] [--out ag_gemm.jsonl]
 
 Per shape (totals over the ranks; bf16), one table with, all measured in this run:
 
@@ -16,11 +16,15 @@ Per shape (totals over the ranks; bf16), one table with, all measured in this ru
   ``contextual_autotune`` inside the overlapped function; both winners timed inside the function.
 
 B is given as the transpose of a row-major weight (``nn.Linear``'s ``[out, in]``), for every
-contender. Two times per contender, each the max over ranks of a median: *steady state*, 10 calls
-back to back between two CUDA events (the host runs ahead, as in a model), per call; and *one
-call from an idle GPU*, each sample started after a device sync and a barrier (host launch
-latency included). Rows are printed by rank 0 as markdown and
-appended as JSON lines to ``$OUT/ag_gemm.jsonl`` (or ``bench/results/``).
+contender. Two times per contender, each the max over ranks of a median (``disttune.benchmark``):
+*steady state*, 10 calls back to back between two CUDA events (the host runs ahead, as in a model),
+per call; and *one call from an idle GPU*, each sample started after a device sync and a barrier
+(host launch latency included). Rank 0 prints the tables as markdown and, with ``--out FILE``, appends one
+JSON line per shape and workload (with device, versions and date) to FILE.
+
+Cost: per shape, 13 contenders x (5 + ``--samples`` single calls + 3 + 10 x ``--samples`` / 3
+back-to-back calls), plus contextual tuning of two AG-GEMM designs and GEMM-RS (seconds each).
+GPUs only (NCCL, symmetric memory).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -37,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 import disttune
+from disttune import benchmark
 from disttune import dist as dt_dist
+from disttune.benchmark import rel_error
 from disttune.kernels.ag_gemm import AllGatherGEMM
 from disttune.kernels.shard_gemm import make_shard_gemm_kernel, shard_gemm
 from disttune.kernels.gemm_rs import GemmReduceScatter
@@ -46,53 +52,11 @@ SHAPES = {"square": (8192, 8192, 8192, 8192, 8192), "llama": (8192, 8192, 28672,
 # name -> (M, K_ag, N_ag, K_rs, N_rs): AG-GEMM [M, K_ag] x [K_ag, N_ag]; GEMM-RS [M, K_rs] x [K_rs, N_rs]
 
 
-def time_ms(fn: Callable[[], object], samples: int, warmup: int = 5) -> float:
-    """One call from an idle GPU: median CUDA-event time of ``samples`` calls, each started after a
-    device sync and a barrier (host launch latency included), then the max over ranks."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(samples):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return _max_over_ranks(statistics.median(times))
-
-
-def steady_ms(fn: Callable[[], object], samples: int, calls: int = 10) -> float:
-    """Steady state: ``calls`` back-to-back calls between two events (the host runs ahead, as in a
-    model's forward pass), per call; median of ``samples // 3`` such runs, then the max over ranks."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(max(3, samples // 3)):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return _max_over_ranks(statistics.median(times))
-
-
-def _max_over_ranks(ms: float) -> float:
-    worst = torch.tensor([ms], device="cuda")
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst.item())
-
-
 def measure(row: dict, name: str, fn: Callable[[], object], samples: int) -> None:
-    """``row[name + "_ms"]`` (one call from idle) and ``row[name + "_steady_ms"]`` (back to back)."""
-    row[f"{name}_ms"] = time_ms(fn, samples)
-    row[f"{name}_steady_ms"] = steady_ms(fn, samples)
+    """``row[name + "_ms"]`` (one call from idle) and ``row[name + "_steady_ms"]`` (10 calls back to back,
+    per call): medians, then the max over ranks."""
+    row[f"{name}_ms"] = benchmark.max_over_ranks(benchmark.one_call_ms(fn, samples=samples))
+    row[f"{name}_steady_ms"] = benchmark.max_over_ranks(benchmark.steady_ms(fn, calls=10, runs=max(3, samples // 3)))
 
 
 def print_profile(fn: Callable[[], object], title: str, rank: int, calls: int = 5) -> None:
@@ -107,10 +71,6 @@ def print_profile(fn: Callable[[], object], title: str, rank: int, calls: int = 
     if rank == 0:
         print(f"\n#### profile: {title}, {calls} calls\n", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.float() - want.float()).norm() / want.float().norm()).item())
 
 
 def tuned_in_context(fn: Callable[[], torch.Tensor], store: str) -> tuple[Callable[[], torch.Tensor], float, list]:
@@ -276,7 +236,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=1, help="fused AG-GEMM: flagged pieces per pushed shard")
     parser.add_argument("--streams", type=int, default=1, help="AG-GEMM: copy streams pulling the shards")
     parser.add_argument("--profile", action="store_true", help="print a torch profile of ours (5 calls per design)")
+    parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/ag_gemm.py needs CUDA GPUs (NCCL, symmetric memory); CPU runs of AllGatherGEMM are in tests/")
     info = dt_dist.init()
     rank, world = info.rank, info.world_size
     group = dist.group.WORLD
@@ -295,13 +258,10 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
     if rank == 0:
-        device = torch.cuda.get_device_name()
-        print_tables(rows, world, device)
-        out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "ag_gemm.jsonl"), "a") as f:
-            for r in rows:
-                f.write(json.dumps({**r, "device": device, "torch": torch.__version__}) + "\n")
+        print_tables(rows, world, torch.cuda.get_device_name())
+        written = benchmark.append_rows(args.out, rows)
+        if written:
+            print(f"\nrows appended to {written}")
     dt_dist.destroy()
 
 

@@ -1,14 +1,14 @@
 """CPU-side cost of one call of a tuned function: disttune's fast path against the same body with the winner fixed.
 
-    python bench/fast_path.py                  # GPU: null and tiny kernels, 10,000 calls, best of 7 rounds
-    python bench/fast_path.py --smoke          # quick CPU check (2,000 calls, 3 rounds, null kernels only)
+    python bench/fast_path.py [--out fast_path.jsonl]   # GPU: null and tiny kernels, 10,000 calls, best of 7 rounds
+    python bench/fast_path.py --smoke                   # quick CPU check (2,000 calls, 3 rounds, null kernels only)
 
-Issue 6's target: after tuning, one call of the wrapped function costs at most 2 us more than calling
+The target: after tuning, one call of the wrapped function costs at most 2 us more than calling
 its body with the winners fixed. Every variant below runs the same body (one launch of the same
 kernel, same grid function, same winning config) in a loop of ``--calls`` calls, timed with
-``time.perf_counter`` around the whole loop plus a final ``torch.cuda.synchronize()`` on GPUs; the
-rounds interleave the variants and the best round counts (the least disturbed one, as ``timeit`` does;
-the median is printed too).
+``time.perf_counter`` around the whole loop plus a final ``torch.cuda.synchronize()`` on GPUs
+(``disttune.benchmark.host_and_wall_us``, the wall time); the rounds interleave the variants and
+the best round counts (the least disturbed one, as ``timeit`` does; the median is printed too).
 
   direct       the body with the winner fixed: ``kernel[grid](x, y, n, **winner.all_kwargs())`` on the jitted kernel
   stock        the body launching a ``triton.autotune`` kernel after its own tuning (a cache hit every call)
@@ -25,21 +25,21 @@ Kernels (``--kernels``):
          milliseconds, which would hide microseconds)
 
 Overheads are differences of per-call microseconds: contextual - direct, function - fn-direct,
-stock - direct, wrapped-empty - plain-empty. A table is printed; one JSON line per kernel is appended to
-``--out`` (default ``$OUT/fast_path.jsonl`` when ``$OUT`` is set, else ``bench/results/fast_path.jsonl``).
-``--profile`` prints a cProfile of the contextual fast path.
+stock - direct, wrapped-empty - plain-empty. A table is printed; with ``--out FILE`` one JSON line per
+kernel (with device, versions and date) is appended to FILE. ``--profile`` prints a cProfile of the
+contextual fast path.
+
+Cost: ``--rounds`` x ``--calls`` calls (after up to 200 warm-up calls) of each of 7 variants per
+kernel, and one tuning of three configs per tuner.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +53,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import KernelInterface  # noqa: E402
 
 import disttune  # noqa: E402
+from disttune import benchmark  # noqa: E402
 from disttune.timing import LaunchInfo  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -179,24 +180,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def per_call_us(body: Callable[[], Any], calls: int) -> float:
-    sync()
-    started = time.perf_counter()
-    for _ in range(calls):
-        body()
-    sync()
-    return (time.perf_counter() - started) / calls * 1e6
-
-
 def measure(bodies: dict[str, Callable[[], Any]], calls: int, rounds: int) -> dict[str, dict[str, float]]:
-    for body in bodies.values():  # warm every path (first-call compiles, lazy imports)
-        for _ in range(min(calls, 200)):
-            body()
-    samples: dict[str, list[float]] = {name: [] for name in bodies}
-    for _ in range(rounds):
-        for name, body in bodies.items():  # interleaved: drift hits every variant alike
-            samples[name].append(per_call_us(body, calls))
-    return {name: {"best_us": min(s), "median_us": statistics.median(s)} for name, s in samples.items()}
+    """Best and median µs per call of each body over interleaved rounds (each body warmed first:
+    first-call compiles, lazy imports)."""
+    samples = benchmark.host_and_wall_us(bodies, calls=calls, rounds=rounds, warmup=min(calls, 200))
+    return {name: {"best_us": min(s.wall_us for s in runs), "median_us": statistics.median(s.wall_us for s in runs)}
+            for name, runs in samples.items()}
 
 
 OVERHEADS = {  # name: (variant, baseline)
@@ -214,7 +203,7 @@ def main() -> None:
     parser.add_argument("--kernels", default=None, help="comma-separated: null,null-kw,tiny (default: all on GPU, null and null-kw on CPU)")
     parser.add_argument("--smoke", action="store_true", help="a quick CPU check: 2,000 calls, 3 rounds")
     parser.add_argument("--profile", action="store_true", help="cProfile the contextual fast path (null kernel)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="append one JSON line per kernel to this file")
     options = parser.parse_args()
     if options.smoke:
         options.calls, options.rounds = min(options.calls, 2000), min(options.rounds, 3)
@@ -222,9 +211,7 @@ def main() -> None:
     if "tiny" in kinds and not GPU:
         sys.exit("bench/fast_path.py: the tiny kernel needs a GPU (an interpreted launch takes milliseconds); "
                  "use --kernels null on CPUs")
-    out = Path(options.out or (Path(os.environ["OUT"]) / "fast_path.jsonl" if os.environ.get("OUT")
-                               else Path(__file__).with_name("results") / "fast_path.jsonl"))
-    device = torch.cuda.get_device_name() if GPU else f"cpu ({platform.processor() or platform.machine()})"
+    env = benchmark.environment()
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -236,16 +223,13 @@ def main() -> None:
                 profile(bodies["contextual"], options.calls)
             times = {**measure(bodies, options.calls, options.rounds), **empty}
             overheads = {name: times[a]["best_us"] - times[b]["best_us"] for name, (a, b) in OVERHEADS.items()}
-            rows.append({"bench": "fast_path", "kernel": kind, "device": device, "calls": options.calls,
+            rows.append({"bench": "fast_path", "kernel": kind, "calls": options.calls,
                          "rounds": options.rounds, "per_call_us": times, **overheads,
                          "target_us": 2.0, "meets_target": overheads["contextual_over_direct_us"] <= 2.0
-                         and overheads["function_over_fn_direct_us"] <= 2.0,
-                         "torch": torch.__version__, "triton": triton.__version__,
-                         "python": platform.python_version(), "interpreter": not GPU,
-                         "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+                         and overheads["function_over_fn_direct_us"] <= 2.0})
 
     print(f"\nfast path, CPU-side us per call ({options.calls} calls, best of {options.rounds} rounds; median), "
-          f"{device}, torch {torch.__version__}, triton {triton.__version__}")
+          f"{env['device']}, torch {env['torch']}, triton {env['triton']}")
     names = list(rows[0]["per_call_us"])
     print(f"{'variant':<14}" + "".join(f"{row['kernel'] + ' kernel':>26}" for row in rows))
     for name in names:
@@ -256,23 +240,15 @@ def main() -> None:
         print(f"{name:<30}" + "".join(f"{row[name]:+10.2f}" for row in rows))
     print("target: contextual - direct and function - fn-direct <= 2 us per call: "
           + ", ".join(f"{row['kernel']}: {'met' if row['meets_target'] else 'NOT met'}" for row in rows))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
-    print(f"rows appended to {out}")
+    written = benchmark.append_rows(options.out, rows, meta=env)
+    if written:
+        print(f"rows appended to {written}")
 
 
 def profile(body: Callable[[], Any], calls: int) -> None:
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        body()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    """Print where the host time of ``calls`` calls of ``body`` goes (cProfile, top 15)."""
+    host_ms, table = benchmark.cprofile(body, calls=calls, top=15)
+    print(f"\ncProfile of the contextual fast path: {host_ms * 1e3:.2f} us per call (profiled)\n{table}")
 
 
 if __name__ == "__main__":

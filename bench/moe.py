@@ -1,8 +1,8 @@
 """MoE benchmark: the Triton grouped GEMM vs torch, AG-MoE / MoE-RS vs sequential, contextual vs alone.
 
-    torchrun --nproc_per_node=2 bench/moe.py          # GPUs: all three parts at world size 2
-    torchrun --nproc_per_node=1 bench/moe.py --parts a
-    python bench/moe.py --smoke                        # CPU, interpreter, tiny shapes: code paths only
+    torchrun --nproc_per_node=2 bench/moe.py [--out moe.jsonl]   # GPUs: all three parts at world size 2
+    torchrun --nproc_per_node=1 bench/moe.py --parts a [--tile-order grouped]
+    python bench/moe.py --smoke                                   # CPU, interpreter, tiny shapes: code paths only
 
 Parts (``--parts``, default ``abc``):
 
@@ -15,7 +15,8 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
    loop, Triton "sorted"); Triton "gather" loads rows through the routing and needs none.
    "GEMM only" rows time grouped_mm and Triton "sorted" on a pre-permuted A as well. "K-major W"
    rows give grouped_mm and Triton the same weights stored as ``[E, N, K]`` (``w.transpose(1, 2)``
-   of a contiguous copy), the layout tensor-descriptor loads favour.
+   of a contiguous copy), the layout tensor-descriptor loads favour. ``--tile-order`` chooses the
+   order in which the Triton kernel walks its tiles (``moe.TILE_ORDERS``).
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
    ``moe.ag_moe`` / ``moe.moe_rs`` vs the sequential forms (NCCL all_gather of tokens and
    routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
@@ -27,24 +28,25 @@ c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down)
    vs the winners of stock ``triton.autotune`` tuned alone (each GEMM by itself, outside the
    layer, on this rank's gathered inputs), each timed inside the layer. Max over ranks.
 
-Timing: CUDA events around each call, ``--warmup`` calls then ``--iters`` samples, median;
-multi-rank samples start after a barrier and the median is reduced with MAX over ranks. On GPUs
-parts a and b also report a steady state: 10 calls back to back between two events, per call (part
-a's ratios use it: one call from idle adds each contender's host launch time to its GPU time).
-Prints a markdown table (rank 0) and appends JSON lines to ``$OUT/moe.jsonl`` if ``$OUT`` is
-set, else ``bench/results/moe-<w>x<gpu>-<date>.jsonl``.
+Timing (``disttune.benchmark``): CUDA events around each call (the host clock on CPUs),
+``--warmup`` calls then ``--iters`` samples, median; multi-rank samples start after a barrier and
+the median is reduced with MAX over ranks. On GPUs parts a and b also report a steady state: 10
+calls back to back between two events, per call (part a's ratios use it: one call from idle adds
+each contender's host launch time to its GPU time). Rank 0 prints markdown tables and, with
+``--out FILE``, appends one JSON line per contender (with device, versions and date) to FILE.
+
+Cost on GPUs, per shape: part a 9 contenders, part b 4 steps and their 4 parts (plus 4 CUDA
+graphs), part c 3 layer variants, each ``--warmup`` + ``--iters`` single calls and, where a
+steady state is reported, 3 + 10 x ``--iters`` / 3 back-to-back calls; plus stock tuning of the
+grouped GEMM (12 configs per key) and one contextual tuning of the layer.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -54,15 +56,15 @@ if SMOKE or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch.distributed as dist  # noqa: E402
-import triton  # noqa: E402
 
 import disttune  # noqa: E402
+from disttune import benchmark  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
+from disttune.benchmark import rel_error  # noqa: E402
 from disttune.kernels import moe  # noqa: E402
 
 FULL_SHAPES = [dict(T=4096, E=8, k=2, H=4096, I=7168), dict(T=4096, E=64, k=6, H=2048, I=1408)]
 SMOKE_SHAPES = [dict(T=32, E=8, k=2, H=32, I=64), dict(T=32, E=16, k=6, H=32, I=32)]
-REFERENCE_MS = {(8, 2): 0.761, (64, 6): 0.313}  # torch._grouped_mm, REFERENCE.md (H200)
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,7 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", default="0,1", help="indices into the shape list")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--out", default=None, help="JSON lines file (default: $OUT/moe.jsonl or bench/results/)")
+    p.add_argument("--tile-order", default="expert_bands", choices=moe.TILE_ORDERS,
+                   help="part a: the order in which the Triton grouped GEMM walks its tiles")
+    p.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     p.add_argument("--host-profile", action="store_true",
                    help="part b: rank 0 prints a cProfile of 50 ag_moe calls (where its host time goes)")
     o = p.parse_args()
@@ -91,9 +95,7 @@ class Bench:
         self.configs = moe.HOPPER_MOE_CONFIGS if self.gpu else moe.CPU_MOE_CONFIGS
         self.shapes = [(SMOKE_SHAPES if o.smoke else FULL_SHAPES)[int(i)] for i in o.shapes.split(",")]
         self.rows: list[dict] = []
-        gpu_name = torch.cuda.get_device_name() if self.gpu else "CPU-interpreter"
-        self.meta = dict(device=gpu_name, world=self.world, torch=torch.__version__, triton=triton.__version__,
-                         cuda=torch.version.cuda, date=datetime.date.today().isoformat(), smoke=o.smoke)
+        self.meta = benchmark.environment(smoke=o.smoke)
 
     # -- timing -----------------------------------------------------------------------------
     def sync(self) -> None:
@@ -101,76 +103,26 @@ class Bench:
             torch.cuda.synchronize()
 
     def time_ms(self, fn: Callable[[], object], collective: bool = False) -> float:
-        """Median ms of ``iters`` calls after ``warmup``; with ``collective`` each sample starts after a
-        barrier and the result is the max over ranks."""
-        for _ in range(self.o.warmup):
-            fn()
-        self.sync()
-        samples = []
-        for _ in range(self.o.iters):
-            if collective:
-                dist.barrier()
-                self.sync()
-            if self.gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-        ms = statistics.median(samples)
-        if collective:
-            t = torch.tensor([ms], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            ms = float(t.item())
-        return ms
+        """One call from idle: median ms of ``iters`` calls after ``warmup``; with ``collective`` each sample
+        starts after a barrier and the result is the max over ranks."""
+        ms = benchmark.one_call_ms(fn, samples=self.o.iters, warmup=self.o.warmup, barrier=collective)
+        return benchmark.max_over_ranks(ms) if collective else ms
 
     def steady_ms(self, fn: Callable[[], object], calls: int = 10) -> float:
         """Per call over ``calls`` back-to-back calls (the host runs ahead, as in a model), median of
-        ``iters // 3`` runs, max over ranks. GPU only."""
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(max(3, self.o.iters // 3)):
-            dist.barrier()
-            self.sync()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / calls)
-        t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        ``iters // 3`` runs, max over ranks."""
+        return benchmark.max_over_ranks(benchmark.steady_ms(fn, calls=calls, runs=max(3, self.o.iters // 3)))
 
     def host_profile(self, fn: Callable[[], object], title: str, calls: int = 50) -> None:
         """cProfile of ``calls`` calls on every rank (no sync in between); rank 0 prints the top 25."""
-        import cProfile
-        import pstats
-
         for _ in range(3):
             fn()
-        self.sync()
-        profiler = cProfile.Profile()
-        started = time.perf_counter()
-        profiler.enable()
-        for _ in range(calls):
-            fn()
-        profiler.disable()
-        host_ms = (time.perf_counter() - started) * 1e3 / calls
-        self.sync()
+        host_ms, table = benchmark.cprofile(fn, calls=calls, top=25)
         if self.rank == 0:
-            print(f"\n#### host profile: {title}, {calls} calls, {host_ms:.3f} ms host per call (profiled)\n")
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            print(f"\n#### host profile: {title}, {calls} calls, {host_ms:.3f} ms host per call (profiled)\n\n{table}")
 
     def record(self, part: str, shape: dict, name: str, ms: float, **extra) -> None:
-        row = dict(self.meta, part=part, shape=shape, contender=name, ms=ms, **extra)
+        row = dict(bench="moe", part=part, shape=shape, contender=name, ms=ms, **extra)
         self.rows.append(row)
 
     # -- inputs -----------------------------------------------------------------------------
@@ -207,6 +159,10 @@ class Bench:
 
             w_kmajor = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [E, N, K] storage
 
+            def triton_gemm(a, weights, a_order):
+                return moe.moe_gemm(a, weights, rt, a_order=a_order, out=out, kernel=kernel,
+                                    tile_order=self.o.tile_order)
+
             def grouped(xp=None, weights=w):
                 xp = x.index_select(0, perm) if xp is None else xp
                 return torch._grouped_mm(xp, weights, offs=offs, out_dtype=self.dtype)
@@ -215,16 +171,12 @@ class Bench:
                 ("torch per-expert loop (+perm)", loop),
                 ("torch._grouped_mm (+perm)", grouped),
                 ("torch._grouped_mm (GEMM only)", lambda: grouped(x_perm)),
-                ("triton gather A (no perm)", lambda: moe.moe_gemm(x, w, rt, a_order="token", out=out, kernel=kernel)),
-                ("triton sorted A (+perm)", lambda: moe.moe_gemm(rt.permute(x), w, rt, a_order="sorted", out=out,
-                                                                  kernel=kernel)),
-                ("triton sorted A (GEMM only)", lambda: moe.moe_gemm(x_perm, w, rt, a_order="sorted", out=out,
-                                                                      kernel=kernel)),
+                ("triton gather A (no perm)", lambda: triton_gemm(x, w, "token")),
+                ("triton sorted A (+perm)", lambda: triton_gemm(rt.permute(x), w, "sorted")),
+                ("triton sorted A (GEMM only)", lambda: triton_gemm(x_perm, w, "sorted")),
                 ("torch._grouped_mm K-major W (+perm)", lambda: grouped(weights=w_kmajor)),
-                ("triton gather A, K-major W (no perm)", lambda: moe.moe_gemm(x, w_kmajor, rt, a_order="token",
-                                                                               out=out, kernel=kernel)),
-                ("triton sorted A, K-major W (+perm)", lambda: moe.moe_gemm(rt.permute(x), w_kmajor, rt,
-                                                                             a_order="sorted", out=out, kernel=kernel)),
+                ("triton gather A, K-major W (no perm)", lambda: triton_gemm(x, w_kmajor, "token")),
+                ("triton sorted A, K-major W (+perm)", lambda: triton_gemm(rt.permute(x), w_kmajor, "sorted")),
             ]
             # correctness before timing (the first Triton calls also tune)
             ref = grouped().float()
@@ -234,13 +186,13 @@ class Bench:
                     continue
                 out.fill_(float("nan"))
                 fn()
-                errors[name] = ((out.float() - ref).norm() / ref.norm()).item()
+                errors[name] = rel_error(out, ref)
             flops = 2.0 * T * k * H * I
             results = {}
             for name, fn in contenders:
                 one_call = self.time_ms(fn)
                 # back to back is the GPU time a model sees (its host runs ahead); one call from idle adds
-                # the contender's host time (about 70 us for the Triton launch path, 10 us for torch's)
+                # the contender's host launch time, which differs between the Triton and torch paths
                 ms = self.steady_ms(fn) if self.gpu else one_call
                 results[name] = ms
                 winner = None
@@ -250,12 +202,12 @@ class Bench:
                                    if key[moe.MOE_KEY.index("A_MODE")] == (0 if "gather" in name else 2)
                                    and key[moe.MOE_KEY.index("B_TMA")] == b_tma), None)
                 self.record("a", s, name, ms, one_call_ms=one_call, tflops=flops / ms / 1e9, rel_err=errors.get(name),
-                            winner=winner, reference_grouped_mm_ms=REFERENCE_MS.get((E, k)))
+                            winner=winner, tile_order=self.o.tile_order if name.startswith("triton") else None)
             if self.rank == 0:
                 loop_ms = results["torch per-expert loop (+perm)"]
                 gm_ms = results["torch._grouped_mm (+perm)"]
                 print(f"\n### (a) up projection T={T} E={E} top-{k} H={H} I={I} {self.meta['device']} "
-                      f"({str(self.dtype).split('.')[-1]})\n")
+                      f"({str(self.dtype).split('.')[-1]}, tile order {self.o.tile_order})\n")
                 print("| contender | ms back to back | ms one call | TFLOP/s | vs loop | vs grouped_mm (+perm) "
                       "| rel. err vs grouped_mm | winner |")
                 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -343,7 +295,7 @@ class Bench:
 
             if self.o.host_profile:
                 self.host_profile(ag_fused, f"ag_moe E={E} top-{k}")
-            err = ((rs_fused().float() - rs_seq().float()).norm() / rs_seq().float().norm()).item()
+            err = rel_error(rs_fused(), rs_seq())
             results, steady = {}, {}
             for name, fn in [("AG-MoE: all_gather then grouped_mm", ag_seq), ("AG-MoE: disttune ag_moe", ag_fused),
                              ("MoE-RS: grouped_mm then reduce_scatter", rs_seq), ("MoE-RS: disttune moe_rs", rs_fused)]:
@@ -400,11 +352,9 @@ class Bench:
                       f"| {seq_steady / fused_steady:.2f}x |")
 
     def graphed(self, fn: Callable[[], object]) -> Callable[[], None]:
-        """``fn`` captured in a CUDA graph (``bench/moe_host.py``'s ``capture``: a warm-up on a side stream,
+        """``fn`` captured in a CUDA graph (``disttune.benchmark.capture_graph``: a warm-up on a side stream,
         every rank in the same order, collectives captured too); returns the replay."""
-        from moe_host import capture  # bench/moe_host.py, next to this script
-
-        graph = capture(fn)
+        graph = benchmark.capture_graph(fn)
         self._graphs = getattr(self, "_graphs", []) + [graph]  # keep it (and its memory pool) alive
         return graph.replay
 
@@ -486,20 +436,10 @@ class Bench:
 
     # -- output -----------------------------------------------------------------------------
     def write(self) -> None:
-        if self.rank != 0:
-            return
-        if self.o.out:
-            path = Path(self.o.out)
-        elif os.environ.get("OUT"):
-            path = Path(os.environ["OUT"]) / "moe.jsonl"
-        else:
-            name = self.meta["device"].replace(" ", "_").replace("/", "_")
-            path = Path(__file__).resolve().parent / "results" / f"moe-{self.world}x{name}-{self.meta['date']}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            for row in self.rows:
-                f.write(json.dumps(row) + "\n")
-        print(f"\nrows appended to {path}")
+        """Rank 0 appends the rows to ``--out`` (nothing without it)."""
+        written = benchmark.append_rows(self.o.out, self.rows, meta=self.meta)
+        if written:
+            print(f"\nrows appended to {written}")
 
 
 def main() -> int:

@@ -2,13 +2,15 @@
 
     torchrun --nproc_per_node=1 bench/moe_host.py             # one GPU: the host path alone (NCCL, 1 rank)
     torchrun --nproc_per_node=2 bench/moe_host.py --profile   # two GPUs, plus a cProfile of ag_moe on rank 0
+    torchrun --nproc_per_node=2 bench/moe_host.py --out moe_host.jsonl   # also append the rows as JSON lines
 
 A step whose host needs longer per call than its GPU work runs at the host's pace however fast its
 kernels are. Each row calls its function ``--calls`` times back to back and synchronizes once, in
-interleaved rounds (best round counts); *host* is the time to issue the calls, *wall* includes the
-final synchronization, and *GPU* is the same calls timed between two CUDA events. When host ~ wall
-the step is host-bound. Rows (every rank holds ``T / world`` tokens of the shape, as in
-``bench/moe.py`` part b; max over ranks):
+interleaved rounds (best round counts; ``disttune.benchmark.host_and_wall_us``); *host* is the time
+to issue the calls, *wall* includes the final synchronization, and *GPU* is 10 calls back to back
+between two CUDA events (``disttune.benchmark.steady_ms``). When host ~ wall the step is
+host-bound. Rows (every rank holds ``T / world`` tokens of the shape, as in ``bench/moe.py``
+part b; max over ranks):
 
   ag_moe                 ``kernels.moe.ag_moe`` with a stock ``triton.autotune`` kernel (what part b times)
   ag_moe, contextual     the same under ``disttune.contextual_autotune`` (tuned first; the fast path)
@@ -20,74 +22,29 @@ the step is host-bound. Rows (every rank holds ``T / world`` tokens of the shape
   moe_gemm               the grouped GEMM launch, arrival flags already set
   pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
 
-GPU only (NCCL); JSON lines go to ``$OUT/moe_host.jsonl`` or ``bench/results/moe_host.jsonl``.
+GPU only (NCCL, symmetric memory). Rank 0 prints one table per shape and, with ``--out FILE``,
+appends one JSON line per row (with device, versions and date) to FILE.
+
+Cost: per shape, (1 + ``--rounds`` x ``--calls``) calls of each of 9 steps, 3 + 50 back-to-back
+calls of 6 of them, two CUDA-graph captures and one contextual tuning of ag_moe.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import json
-import os
-import pstats
 import sys
-import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import disttune
 import disttune.dist as dt_dist
-from ag_gemm import steady_ms  # bench/ag_gemm.py: 10 calls between two events, median of runs, max over ranks
+from disttune import benchmark
+from disttune.benchmark import capture_graph, max_over_ranks
 from disttune.kernels import moe
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
-
-
-def rounds(fns: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[str, tuple[float, float]]:
-    """(host µs, wall µs) per call of each function: best of ``repeats`` interleaved rounds."""
-    best = {name: (float("inf"), float("inf")) for name in fns}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            dist.barrier()
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            issued = time.perf_counter()
-            torch.cuda.synchronize()
-            done = time.perf_counter()
-            sample = ((issued - started) / calls * 1e6, (done - started) / calls * 1e6)
-            best[name] = min(best[name], sample, key=lambda s: s[1])
-    return best
-
-
-def max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph after a warm-up on a side stream (every rank in the same order)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(side)
-    dist.barrier()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> list[dict]:
@@ -119,8 +76,9 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         routing = moe.moe_align(ids_all, E, check_range=False)
         return torch._grouped_mm(routing.permute(x_all), w, offs=routing.expert_offs[1:], out_dtype=x.dtype)
 
-    ag_graph, seq_graph = capture(lambda: moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel,
-                                                     check_ids=False, graph_safe=True)), capture(sequential)
+    ag_graph = capture_graph(lambda: moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel,
+                                                check_ids=False, graph_safe=True))
+    seq_graph = capture_graph(sequential)
     arrived = (torch.ones(world, dtype=torch.int32, device="cuda"), 1)
     x_gathered = torch.zeros(T, H, device="cuda", dtype=x.dtype)
     pusher = moe._pusher(None)
@@ -142,24 +100,19 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
                                          first_group=rank * E, wait=arrived),
         "pusher": push,
     }
-    timed = rounds(fns, options.calls, options.rounds)
-    gpu_max = {name: steady_ms(fns[name], samples=15)  # max over ranks
+    samples = benchmark.host_and_wall_us(fns, calls=options.calls, rounds=options.rounds)
+    best = {name: min(runs, key=lambda run: run.wall_us) for name, runs in samples.items()}
+    gpu_max = {name: max_over_ranks(benchmark.steady_ms(fns[name], calls=10, runs=5))
                for name in ("ag_moe", "ag_moe, contextual", "ag_moe, CUDA graph", "sequential", "sequential, CUDA graph",
                             "moe_gemm")}
     names = list(fns)
-    host = max_over_ranks([timed[n][0] for n in names])
-    wall = max_over_ranks([timed[n][1] for n in names])
+    host = max_over_ranks([best[n].host_us for n in names])
+    wall = max_over_ranks([best[n].wall_us for n in names])
     if options.profile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(options.calls):
-            ag()
-        profiler.disable()
-        torch.cuda.synchronize()
+        host_ms, table = benchmark.cprofile(ag, calls=options.calls, top=25)
         if rank == 0:
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-            print(f"\n#### cProfile of ag_moe, {options.calls} calls, rank 0\n{text.getvalue()}")
+            print(f"\n#### cProfile of ag_moe, {options.calls} calls, rank 0: {host_ms:.3f} ms host per call "
+                  f"(profiled)\n{table}")
     rows = []
     if rank == 0:
         print(f"\n### world {world}: T={T} E={E} top-{k} H={H} N={N} per rank, bf16, {torch.cuda.get_device_name()}; "
@@ -168,9 +121,8 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         for name, h, wl in zip(names, host, wall):
             g_ms = f"{gpu_max[name]:.3f}" if name in gpu_max else ""
             print(f"| {name} | {h:.1f} | {wl:.1f} | {g_ms} |")
-            rows.append(dict(bench="moe_host", world=world, shape=s, step=name, host_us=h, wall_us=wl,
-                             gpu_ms=gpu_max.get(name), device=torch.cuda.get_device_name(),
-                             torch=torch.__version__, date=time.strftime("%Y-%m-%d")))
+            rows.append(dict(bench="moe_host", shape=s, step=name, host_us=h, wall_us=wl, gpu_ms=gpu_max.get(name),
+                             calls=options.calls, rounds=options.rounds))
     return rows
 
 
@@ -180,7 +132,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", default="64,8", help="expert counts of the shapes to run (64 and/or 8)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of ag_moe on rank 0")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/moe_host.py needs CUDA GPUs (NCCL, symmetric memory); CPU runs of ag_moe are in tests/")
@@ -188,14 +140,9 @@ def main() -> None:
     rank, world = info.rank, info.world_size
     wanted = {int(e) for e in options.shapes.split(",")}
     rows = [row for s in SHAPES if s["E"] in wanted for row in bench_shape(s, rank, world, options)]
-    if rank == 0:
-        out = Path(options.out or (Path(os.environ["OUT"]) / "moe_host.jsonl" if os.environ.get("OUT")
-                                   else Path(__file__).with_name("results") / "moe_host.jsonl"))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a") as handle:
-            for row in rows:
-                handle.write(json.dumps(row) + "\n")
-        print(f"\nrows appended to {out}")
+    written = benchmark.append_rows(options.out, rows)
+    if written:
+        print(f"\nrows appended to {written}")
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
 """Tuning cost of the AG-GEMM step (12-config Hopper GEMM space) or of the AG + MoE grouped GEMM
 step (its 12-config Hopper space), one variant per process.
 
-    bash bench/tuning_cost.sh [NPROC]                      # AG-GEMM step, every variant, fresh Triton caches
-    bash bench/tuning_cost.sh [NPROC] --workload moe       # the MoE step
+    bash bench/tuning_cost.sh [NPROC] [--out FILE]                 # AG-GEMM step, every variant, fresh Triton caches
+    bash bench/tuning_cost.sh [NPROC] [--out FILE] --workload moe  # the MoE step
+    torchrun --nproc_per_node=2 bench/tuning_cost.py --variant all --out rows.jsonl   # one variant
 
 Workloads (``--workload``):
   gemm  all_gather of A's row shards, then the Triton GEMM ``[M, K] @ [K, N/w]`` (``kernels.matmul``)
@@ -16,23 +17,25 @@ Variants (``--variant``):
   all       parallel compile + early stopping (writes the winner store)
   split     all + ``split=True``: in each tuning run every rank times a different config (the GEMM
             runs after the all-gather, not beside it, so its time does not depend on the peers' configs)
-  share     all + ``compile_split=True`` (disttune's default; every other variant turns it off, as
-            measured before it existed): each rank compiles its share of the configs, then loads the
-            peers' from the Triton cache they share (same node, same TRITON_CACHE_DIR)
+  share     all + ``compile_split=True`` (disttune's default; every other variant turns it off, so
+            they show what each step costs without it): each rank compiles its share of the configs,
+            then loads the peers' from the Triton cache they share (same node, same TRITON_CACHE_DIR)
   untuned   a fresh process running the same step with the "all" run's winner fixed and no tuner at all
             (a one-config ``triton.autotune`` kernel, which Triton launches without benchmarking)
   warm      a second process: the winner store from the "all" run is present
 
-Each process times its first call of the wrapped step (the tuning call; max over
-ranks), then 100 calls with the winners (CUDA events around each whole step, median,
-max over ranks) and writes one JSON row to ``--out``.
+Each process times its first call of the wrapped step (the tuning call: host clock until the
+device is done, max over ranks), then 100 calls with the winners (``disttune.benchmark.one_call_ms``:
+CUDA events around each whole step, the host clock on CPUs; median, max over ranks) and rank 0
+appends one JSON row (with device, versions and date) to ``--out``, which the "untuned" variant
+reads back.
 
 Why "untuned": a warm start's first call pays for more than disttune's store lookup: the process's
 first NCCL collective, loading the winner's kernel from Triton's cache, CUDA lazy initialisation.
 An untuned fresh process pays the same, so "warm start adds X% of the baseline over an untuned
 run" is ``(warm.first_call_s - untuned.first_call_s) / baseline.first_call_s``, like with like
 (``bench/tuning_cost.sh`` runs "untuned" and "warm" on the "all" run's Triton cache and prints
-both this and the older within-process figure, warm first call minus warm plain call).
+both this and the within-process figure, warm first call minus warm plain call).
 The untuned variant reads the winner from the "all" row of ``--out`` (or ``--winner``).
 """
 
@@ -41,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -52,6 +54,7 @@ if not torch.cuda.is_available():  # CPU smoke runs: the interpreter must be cho
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
+from disttune import benchmark  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels import moe  # noqa: E402
 from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_matmul_kernel, matmul  # noqa: E402
@@ -81,13 +84,12 @@ def main() -> None:
             return body(kernel)
 
         first_call_s = wall_time_of_one_call(fixed_step, device)
-        step_median = median_step_ms(fixed_step, device)
+        step_median = median_step_ms(fixed_step)
         plain_call_s = wall_time_of_one_call(fixed_step, device)
-        write_row(options, info, {"variant": "untuned", "workload": options.workload, "world": world,
-                                  "device": device_name(device), "torch": torch.__version__,
-                                  "first_call_s": first_call_s, "plain_call_s": plain_call_s, "function_runs": 1,
-                                  "source": "fixed", "winner": disttune.describe_config(winner),
-                                  "step_ms_median_of_100": step_median, "date": time.strftime("%Y-%m-%d")})
+        write_row(options, {"variant": "untuned", "workload": options.workload,
+                            "first_call_s": first_call_s, "plain_call_s": plain_call_s, "function_runs": 1,
+                            "source": "fixed", "winner": disttune.describe_config(winner),
+                            "step_ms_median_of_100": step_median})
         return
     kernel = make_kernel(configs)
 
@@ -100,16 +102,14 @@ def main() -> None:
         return body(kernel)
 
     first_call_s = wall_time_of_one_call(step, device)
-    step_median = median_step_ms(step, device)
+    step_median = median_step_ms(step)
     plain_call_s = wall_time_of_one_call(step, device)
 
     (result,) = step.report.results
-    row = {"variant": options.variant, "workload": options.workload, "world": world, "device": device_name(device),
-           "torch": torch.__version__, "first_call_s": first_call_s, "plain_call_s": plain_call_s,
-           "function_runs": step.report.function_runs, "source": result.source,
-           "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median,
-           "date": time.strftime("%Y-%m-%d")}
-    write_row(options, info, row)
+    row = {"variant": options.variant, "workload": options.workload, "first_call_s": first_call_s,
+           "plain_call_s": plain_call_s, "function_runs": step.report.function_runs, "source": result.source,
+           "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median}
+    write_row(options, row)
 
 
 def make_workload(options, world: int, device: torch.device, dtype: torch.dtype):
@@ -161,51 +161,30 @@ def fixed_winner(options, configs):
     return matches[0]
 
 
-def median_step_ms(step, device: torch.device) -> float:
+def median_step_ms(step) -> float:
     """Median of 100 whole-step times (CUDA events on GPUs, the host clock otherwise), max over ranks."""
-    step_ms = []
-    for _ in range(100):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            end.record()
-            end.synchronize()
-            step_ms.append(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-    return max_over_ranks(statistics.median(step_ms), device)
+    return benchmark.max_over_ranks(benchmark.one_call_ms(step, samples=100, warmup=0, barrier=False))
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-
-
-def write_row(options, info, row: dict) -> None:
-    if info.rank == 0:
-        with open(options.out, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
+def write_row(options, row: dict) -> None:
+    """Rank 0 appends ``row`` with the environment's metadata to ``--out`` and prints it; then every rank
+    leaves the process group."""
+    written = benchmark.append_rows(options.out, [row])
+    if written:
         print(json.dumps(row))
     dist.barrier()
     dt_dist.destroy()
 
 
 def wall_time_of_one_call(step, device: torch.device) -> float:
-    """Seconds of one call, all ranks starting together, until its GPU work is done; max over ranks."""
+    """Seconds of one call, all ranks starting together, until its GPU work is done (the host clock: a
+    tuning call is mostly host work); max over ranks."""
     dist.barrier()
     started = time.perf_counter()
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return max_over_ranks(time.perf_counter() - started, device)
-
-
-def max_over_ranks(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+    return benchmark.max_over_ranks(time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ __all__ = [
     "CPU_MOE_CONFIGS",
     "A_ORDERS",
     "OUT_ORDERS",
+    "TILE_ORDERS",
     "MoeRouting",
     "next_power_of_2",
     "default_moe_configs",
@@ -139,15 +140,13 @@ CPU_MOE_CONFIGS = [
     gemm_config(32, 32, 16, 4, 1, 1),
 ]
 
-#: The tile loop's shape (``bench/moe_variants.py`` compares them on GPUs).
-PERSISTENT = True
-FLATTEN = True
-#: Tile order: bands of GROUP_M to 2 * GROUP_M - 1 M-tiles that never straddle two groups (experts),
-#: each band walking all its N-tiles, so one expert's weight column is read from DRAM once per band
-#: (False: Triton's GROUP_M raster over the M-tiles of all experts, whose bands straddle experts).
-#: Same cycles either way; a fifth less DRAM traffic on 8 experts, which counts at the power cap
-#: (``bench/moe_tile_order.py``, docs/gpu-runs/2026-11-25-h200x1.md).
-EXPERT_BANDS = True
+#: Tile orders of the grouped GEMM (``tile_order=``). ``"expert_bands"`` (the default): bands of
+#: GROUP_M to 2 * GROUP_M - 1 M-tiles that never straddle two groups (experts), each band walking all
+#: its N-tiles, so a band reads its expert's weight columns from DRAM once. ``"grouped"``: Triton's
+#: GROUP_M raster over the M-tiles of all experts, whose bands may straddle two experts and then
+#: read both experts' weights. Both compute every tile once; the tuning key does not include the
+#: order, so one kernel tunes one winner for both.
+TILE_ORDERS = ("expert_bands", "grouped")
 
 A_ORDERS = ("token", "flat", "sorted")
 OUT_ORDERS = ("sorted", "flat")
@@ -279,34 +278,37 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_
     if topk_ids.shape[1] < 1:
         raise ValueError(f"{where}: top_k (topk_ids.shape[1]) must be >= 1")
     if check_range and topk_ids.numel():
-        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host sync on a GPU (min() and max() took two)
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host sync on a GPU for both bounds
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"{where}: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]; "
                              "check the router's output and num_experts")
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> MoeRouting:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True, *,
+              routing_kernel: bool = True) -> MoeRouting:
     """Sort the (token, choice) rows by expert (stable) and find each expert's first row.
 
     Cost: on GPUs one Triton launch (``kernels.moe_routing.group_sort``, a counting sort, up to
-    ``moe_routing.MAX_GROUPS`` experts); elsewhere, for more experts, or with :data:`ROUTING_KERNEL`
-    off, four torch ops (the ids cast to the narrowest key type, a stable sort, which makes one radix
+    ``moe_routing.MAX_GROUPS`` experts); elsewhere, for more experts, or with ``routing_kernel=False``,
+    four torch ops (the ids cast to the narrowest key type, a stable sort, which makes one radix
     pass per key byte, the index cast, ``searchsorted``). No host sync unless ``check_range`` (one ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
     """
     _check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape
-    if _routing_kernel(topk_ids, num_experts):
+    if routing_kernel and _routing_kernel_fits(topk_ids, num_experts):
         sorted_ids, offs = group_sort(topk_ids, num_experts)
     else:
         sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
 
 
-def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int]) -> MoeRouting:
+def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int], *,
+                      routing_kernel: bool = True) -> MoeRouting:
     """The rank-stacked routing of ``topk_ids [sum(rank_tokens), top_k]`` (every rank's ids, in rank
     order): rows sorted by (source rank, expert), stable. Expert ids are not range-checked here (each
     rank checks its own before they are gathered). Cost: as :func:`moe_align` (one Triton launch on
-    GPUs; else one add, written in the narrow key type, and the torch sort, cast and search)."""
+    GPUs unless ``routing_kernel=False``; else one add, written in the narrow key type, and the torch
+    sort, cast and search)."""
     _check_topk_ids(topk_ids, num_experts, "moe_align_stacked", check_range=False)
     rank_tokens = tuple(int(t) for t in rank_tokens)
     if sum(rank_tokens) != topk_ids.shape[0]:
@@ -314,7 +316,7 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
                          f"{sum(rank_tokens)}")
     T, k = topk_ids.shape
     groups = num_experts * len(rank_tokens)
-    if _routing_kernel(topk_ids, groups):
+    if routing_kernel and _routing_kernel_fits(topk_ids, groups):
         sorted_ids, offs = group_sort(topk_ids, num_experts, rank_tokens)
         return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
     bases = _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
@@ -328,18 +330,16 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
 _aranges: dict = {}
 _bases: dict = {}
 
-#: Sort routings with ``kernels.moe_routing.group_sort`` on GPUs (one launch); False: torch's sort
-#: everywhere (what runs under the interpreter, where the kernel's per-program loops are slow).
-ROUTING_KERNEL = True
 
-
-def _routing_kernel(topk_ids: torch.Tensor, groups: int) -> bool:
-    return ROUTING_KERNEL and topk_ids.is_cuda and not INTERPRETED and groups <= MAX_GROUPS
+def _routing_kernel_fits(topk_ids: torch.Tensor, groups: int) -> bool:
+    """Whether ``kernels.moe_routing.group_sort`` can sort these ids: GPU tensors, Triton compiled (under
+    the interpreter its per-program loops are slow; torch's sort runs there), at most MAX_GROUPS groups."""
+    return topk_ids.is_cuda and not INTERPRETED and groups <= MAX_GROUPS
 
 
 def _key_dtype(groups: int) -> torch.dtype:
     """The narrowest integer type holding 0..groups: the stable radix sort makes one pass per byte of
-    its keys (one pass for up to 255 groups, where int32 ids took four)."""
+    its keys (one pass for up to 255 groups, four for int32 keys)."""
     return torch.uint8 if groups <= 255 else torch.int16 if groups <= 32767 else torch.int32
 
 
@@ -579,16 +579,19 @@ def _check_routing(where: str, routing: MoeRouting, device: torch.device) -> Non
         raise ValueError(f"{where}: routing is on {routing.sorted_ids.device} but the input is on {device}")
 
 
-def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
+def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None, tile_order="expert_bands"):
     """Validate a grouped-GEMM call; returns (out, kernel args up to TOP_K, strides, constexpr kwargs).
 
     ``wait``: ``(flags, epoch)`` for a rank-stacked routing whose tokens are still arriving.
+    The host launchers always run the persistent, flattened tile loop (``PERSISTENT=FLATTEN=True``).
     Cost: about 10 µs of Python per call (each tensor's shape and strides are read once)."""
     a_mode = _A_MODE.get(a_order)
     if a_mode is None:
         raise ValueError(f"{where}: a_order must be one of {A_ORDERS}, got {a_order!r}")
     if out_order not in OUT_ORDERS:
         raise ValueError(f"{where}: out_order must be one of {OUT_ORDERS}, got {out_order!r}")
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"{where}: tile_order must be one of {TILE_ORDERS}, got {tile_order!r}")
     _check_float(where, "a", a)
     _check_float(where, "w", w)
     a_shape, w_shape = a.shape, w.shape
@@ -642,8 +645,8 @@ def _prepare(a, w, routing, a_order, out, out_order, weights, where, wait=None):
     b_tma = _weight_layout(w, w_stride, elem)
     meta = dict(E_POW2=max(2, next_power_of_2(groups)), WAIT=wait is not None, A_MODE=a_mode,
                 C_FLAT=out_order == "flat", MUL_WEIGHT=weights is not None, A_TMA=a_tma, B_TMA=b_tma,
-                NUM_SMS=num_sms(a.device), PERSISTENT=PERSISTENT, FLATTEN=FLATTEN,
-                EXPERT_BANDS=EXPERT_BANDS)
+                NUM_SMS=num_sms(a.device), PERSISTENT=True, FLATTEN=True,
+                EXPERT_BANDS=tile_order == "expert_bands")
     if (a_tma or b_tma) and a.device.type == "cuda":
         ensure_descriptor_allocator()
     return out, args, strides, meta
@@ -684,7 +687,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
              weights: Optional[torch.Tensor] = None, kernel=None,
              rows_bucket: Optional[int] = None,
              bucket: Callable[[int], int] = next_power_of_2,
-             wait: Optional[tuple[torch.Tensor, int]] = None, first_group: int = 0) -> torch.Tensor:
+             wait: Optional[tuple[torch.Tensor, int]] = None, first_group: int = 0,
+             tile_order: str = "expert_bands") -> torch.Tensor:
     """Grouped GEMM over all experts with the autotuned kernel (``kernel`` or ``moe_gemm_kernel``).
 
     ``out[row] = A[a_row(row)] @ w[expert(row)]`` (``* weights[t, j]`` if given), for the
@@ -699,8 +703,11 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
     walked from group ``first_group`` on, and with ``wait=(flags, epoch)`` a tile of source rank
     ``r`` spins until ``flags[r] >= epoch`` before reading A (tokens pushed by
     ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the kernel never ends).
+
+    ``tile_order`` (one of :data:`TILE_ORDERS`) chooses the order in which programs walk the tiles.
     """
-    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm", wait)
+    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm", wait,
+                                        tile_order)
     R, N = out.shape
     if R == 0 or N == 0:
         return out
@@ -715,9 +722,10 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
 
 def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, config: triton.Config, *,
                          a_order: str = "token", out: Optional[torch.Tensor] = None, out_order: str = "sorted",
-                         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         weights: Optional[torch.Tensor] = None, tile_order: str = "expert_bands") -> torch.Tensor:
     """:func:`moe_gemm` launching ``moe_gemm_jit`` directly with one config (no tuner)."""
-    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm_with_config")
+    out, args, strides, meta = _prepare(a, w, routing, a_order, out, out_order, weights, "moe_gemm_with_config",
+                                        tile_order=tile_order)
     ok, why = moe_config_is_valid(config, a.dtype)
     if not ok:
         raise ValueError(f"moe_gemm_with_config: invalid config [{config}]: {why}")

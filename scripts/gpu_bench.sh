@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: every measurement behind the README's benchmark tables, in one call.
-# Usage: OUT=... bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|moegluon|clocks|tileorder|tuning|tuning_moe|fast|tests|gputests|moetests|all ...]
-# NPROC defaults to the GPU count. Each step has its own time limit and logs to $OUT/<step>.log,
-# so one failing step does not hide the others; the last lines of each log are echoed.
+# On a GPU machine: the GPU checks and every benchmark in bench/, in one call.
+# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|tests|gputests|moetests|all ...]
+# NPROC defaults to the GPU count; OUT to a new temporary directory. Each step has its own time limit
+# and logs to $OUT/<step>.log, so one failing step does not hide the others; the last lines of each
+# log are echoed. The benchmarks append their JSON rows to $OUT/<bench>.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-$(mktemp -d -t disttune-gpu-bench-XXXXXX)}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DISTTUNE_LOG_DIR="$OUT/logs"
 nproc="${1:-$(nvidia-smi -L | wc -l)}"; shift || true
 steps="${*:-all}"
@@ -31,45 +32,21 @@ if want moetests; then  # the MoE suite on the GPUs: single-GPU GEMM cases, and 
     run moe_tests 300 python3 -m pytest -q -x tests/test_moe.py -k "not 4_ranks"
 fi
 if want ag; then
-    run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30
-    TAIL=30 run overlap_probe 200 "${launch[@]}" bench/overlap_probe.py --out "$OUT"
+    TAIL=40 run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30 --out "$OUT/ag_gemm.jsonl"
 fi
 if want moe; then
-    run moe 240 "${launch[@]}" bench/moe.py
+    TAIL=60 run moe 240 "${launch[@]}" bench/moe.py --out "$OUT/moe.jsonl"
 fi
 if want moehost; then  # is AG-MoE host-bound? host, wall and GPU time per call, with a cProfile on rank 0
     TAIL=30 run moe_host 200 "${launch[@]}" bench/moe_host.py --profile --out "$OUT/moe_host.jsonl"
 fi
-if want moegluon; then  # the 8-expert grouped GEMM hand-pipelined in Gluon, against the tl kernel and _grouped_mm
-    TAIL=50 run moe_gluon 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/moe_gluon.py --out "$OUT/moe_gluon.jsonl"
-fi
-if want clocks; then  # the 8-expert grouped GEMM sustained: SM clock, power and throttle reasons per kernel
-    TAIL=30 run moe_clocks 330 env CUDA_VISIBLE_DEVICES=0 python3 bench/moe_clocks.py --out "$OUT/moe_clocks.jsonl"
-    if command -v ncu > /dev/null; then  # L2/DRAM bytes and SM clock from the counters (Firecracker only)
-        for n in 0 1 2 3 4 5; do
-            TAIL=14 run "moe_ncu_$n" 120 env CUDA_VISIBLE_DEVICES=0 ncu --clock-control none -k 'regex:device_kernel|moe_gemm' \
-                -c 3 --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,lts__t_bytes.sum,\
-dram__bytes_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
-                python3 bench/moe_clocks.py --only "$n"
-        done
-    fi
-fi
-if want tileorder; then  # the grouped GEMM's two tile orders: interleaved do_bench, then ncu at locked base clocks
-    TAIL=50 run moe_tile_order 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/moe_tile_order.py
-    if command -v ncu > /dev/null; then
-        run moe_tile_order_ncu 240 env CUDA_VISIBLE_DEVICES=0 ncu --clock-control base --csv --page raw --print-units base \
-            -k 'regex:device_kernel|moe_gemm' --metrics gpu__time_duration.sum,dram__bytes_read.sum,sm__cycles_elapsed.avg.per_second \
-            python3 bench/moe_tile_order.py --launch-only
-        TAIL=50 run moe_tile_order_counters 30 python3 bench/moe_tile_order.py --parse "$OUT/moe_tile_order_ncu.log"
-    fi
-fi
 if want tuning; then
-    run tuning_cost 300 env OUT="$OUT" bash bench/tuning_cost.sh "$nproc"
+    run tuning_cost 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost.jsonl"
 fi
 if want tuning_moe; then
-    run tuning_cost_moe 300 env OUT="$OUT/moe" bash bench/tuning_cost.sh "$nproc" --workload moe
+    run tuning_cost_moe 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost_moe.jsonl" --workload moe
 fi
 if want fast; then
-    run fast_path 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/fast_path.py --out "$OUT/fast_path.jsonl"
+    TAIL=20 run fast_path 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/fast_path.py --out "$OUT/fast_path.jsonl"
 fi
 echo "logs and rows under $OUT"

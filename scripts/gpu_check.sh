@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: install disttune in place, run the whole test suite (NCCL, CUDA
-# events), then the AG-GEMM example; everything is logged under ${OUT:-gpu_out}.
+# On a GPU machine: install disttune in place and run the test suite (NCCL, CUDA events), or the
+# test paths given as arguments; everything is logged under $OUT (default: a new temporary directory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-$(mktemp -d -t disttune-gpu-check-XXXXXX)}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DISTTUNE_LOG_DIR="$OUT/logs"
 python3 -m pip install --quiet --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || echo "editable install failed (see install.log)"

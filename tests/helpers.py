@@ -250,18 +250,6 @@ def read_rank_results(out: Path, cases: Sequence[str], world: int,
     return results
 
 
-BENCH_DIR = REPO_ROOT / "bench"
-
-
-def load_bench(name: str):
-    """Import ``bench/<name>.py`` as a module (the bench scripts are not a package), for tests of
-    the parts of a benchmark that run without a GPU."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def write_script(tmp_path: Path, source: str, name: str = "script.py") -> Path:
     """Write ``source`` (dedented) to ``tmp_path / name`` and return the path."""
     path = Path(tmp_path) / name

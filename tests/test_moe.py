@@ -177,12 +177,11 @@ def test_moe_gemm_with_config_matches_reference(E, k, a_order, out_order, weight
     assert _rel_err(got, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("expert_bands", [False, True])
+@pytest.mark.parametrize("tile_order", moe.TILE_ORDERS)
 @pytest.mark.parametrize("first_group", [0, 3])
-def test_every_tile_order_computes_every_tile_once(expert_bands, first_group, monkeypatch):
+def test_every_tile_order_computes_every_tile_once(tile_order, first_group):
     """Both tile orders, walked from group 0 and from group 3 on, on a skewed routing: expert 0 gets
     7 M-tiles (GROUP_M=2: bands of 3, 2 and 2 M-tiles), experts 4-5 none, the rest a few rows each."""
-    monkeypatch.setattr(moe, "EXPERT_BANDS", expert_bands)
     E, k, T, H, N = 6, 2, 100, 40, 72  # 3 N-tiles of 32, the last one masked
     x, w = _tensors(T, H, N, E, torch.float16, seed=21)
     others, _ = _routing(T, E - 1, 1, seed=22, empty=2)  # experts 0..2 of the other E - 1
@@ -191,8 +190,15 @@ def test_every_tile_order_computes_every_tile_once(expert_bands, first_group, mo
     assert rt.expert_offs[1].item() == T and rt.expert_offs[-1].item() == rt.expert_offs[4].item()
     kernel = moe.make_moe_kernel([moe.gemm_config(16, 32, 32, 2, 1, 1)])
     out = torch.full((T * k, N), float("nan"), dtype=torch.float16, device=DEVICE)
-    moe.moe_gemm(x, w, rt, out=out, out_order="flat", kernel=kernel, first_group=first_group)
+    moe.moe_gemm(x, w, rt, out=out, out_order="flat", kernel=kernel, first_group=first_group, tile_order=tile_order)
     assert _rel_err(out, moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
+
+
+def test_unknown_tile_order_is_refused():
+    x, w = _tensors(8, 32, 32, 2, torch.float16, seed=1)
+    ids, _ = _routing(8, 2, 1, seed=2, empty=0)
+    with pytest.raises(ValueError, match="tile_order must be one of"):
+        moe.moe_gemm(x, w, moe.moe_align(ids, 2), tile_order="rows")
 
 
 @pytest.mark.parametrize("layout", ["aligned", "transposed", "unaligned"])

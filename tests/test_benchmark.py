@@ -1,0 +1,158 @@
+"""disttune.benchmark on CPUs: the host-clock timings, the max over 1 and 2 gloo ranks, the result rows.
+
+The CUDA-event and CUDA-graph paths need a GPU; here the host clock measures steps of known length
+(``time.sleep``), so a helper that times the wrong thing, calls a step the wrong number of times or
+writes rows nobody asked for fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from disttune import benchmark
+from helpers import REPO_ROOT, describe, run_command, run_launch, write_script
+
+
+class Counter:
+    """A step that sleeps ``seconds`` and counts its calls."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.seconds:
+            time.sleep(self.seconds)
+
+
+def test_one_call_ms_is_the_median_of_single_calls_on_the_host_clock():
+    step = Counter(0.004)
+    ms = benchmark.one_call_ms(step, samples=5, warmup=2)
+    assert step.calls == 7
+    assert 4.0 <= ms < 40.0
+
+
+def test_steady_ms_divides_back_to_back_calls():
+    step = Counter(0.002)
+    ms = benchmark.steady_ms(step, calls=4, runs=3, warmup=1)
+    assert step.calls == 1 + 3 * 4
+    assert 2.0 <= ms < 20.0  # per call, not per run of 4 (8 ms or more)
+
+
+def test_host_and_wall_interleaves_rounds_of_every_step():
+    order: list[str] = []
+    fast, slow = Counter(), Counter(0.001)
+    steps = {"fast": lambda: (order.append("fast"), fast()), "slow": lambda: (order.append("slow"), slow())}
+    samples = benchmark.host_and_wall_us(steps, calls=3, rounds=2, warmup=1)
+    assert fast.calls == slow.calls == 1 + 2 * 3
+    assert order[2:] == ["fast"] * 3 + ["slow"] * 3 + ["fast"] * 3 + ["slow"] * 3
+    assert [len(s) for s in samples.values()] == [2, 2]
+    for sample in samples["fast"] + samples["slow"]:
+        assert 0 < sample.host_us <= sample.wall_us
+    assert min(s.wall_us for s in samples["slow"]) >= 1000.0 > max(s.wall_us for s in samples["fast"])
+
+
+def test_max_over_ranks_without_torch_distributed_is_the_value():
+    assert not benchmark.distributed()
+    assert benchmark.max_over_ranks(1.5) == 1.5
+    assert benchmark.max_over_ranks((1.0, 2.0)) == [1.0, 2.0]
+
+
+def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
+    """Each rank offers its own values; every rank gets the larger, element-wise, and only rank 0 writes."""
+    script = write_script(tmp_path, f'''
+        import json
+        from disttune import benchmark, dist
+        info = dist.init()
+        r = info.rank
+        scalar = benchmark.max_over_ranks(1.0 + r)
+        values = benchmark.max_over_ranks([5.0 - r, 1.0 + 10 * r])
+        ms = benchmark.one_call_ms(lambda: None, samples=3, warmup=0)  # a barrier per sample
+        written = benchmark.append_rows({str(tmp_path / "rows.jsonl")!r}, [{{"rank": r}}])
+        env = benchmark.environment()
+        print("RESULT " + json.dumps(dict(rank=r, scalar=scalar, values=values, written=written is not None,
+                                          world=env["world"], ms=ms)), flush=True)
+        dist.destroy()
+    ''')
+    started = time.monotonic()
+    proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
+    assert proc.returncode == 0, describe(proc)
+    assert time.monotonic() - started < 120
+    results = {}
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            result = json.loads(line.split("RESULT ", 1)[1])
+            results[result["rank"]] = result
+    assert sorted(results) == [0, 1], describe(proc)
+    for r, result in results.items():
+        assert result["scalar"] == 2.0
+        assert result["values"] == [5.0, 11.0]
+        assert result["world"] == 2
+        assert result["written"] == (r == 0)
+        assert result["ms"] >= 0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [row["rank"] for row in rows] == [0] and rows[0]["world"] == 2
+
+
+def test_environment_names_device_versions_and_date():
+    import triton
+
+    env = benchmark.environment(bench="x")
+    assert env["world"] == 1 and env["bench"] == "x"
+    assert env["torch"] == torch.__version__ and env["triton"] == triton.__version__
+    assert env["device"].startswith("cpu") and "cuda" in env and env["interpreter"] is True
+    assert datetime.datetime.fromisoformat(env["date"]).tzinfo is not None
+
+
+def test_append_rows_writes_only_where_asked(tmp_path):
+    assert benchmark.append_rows(None, [{"a": 1}]) is None
+    assert list(tmp_path.iterdir()) == []
+    path = tmp_path / "deeper" / "rows.jsonl"
+    assert benchmark.append_rows(path, [{"a": 1}, {"a": 2}]) == path
+    benchmark.append_rows(path, [{"a": 3, "device": "mine"}], meta={"device": "given", "world": 4})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["a"] for row in rows] == [1, 2, 3]
+    assert rows[0]["device"].startswith("cpu") and rows[0]["torch"] == torch.__version__
+    assert rows[2]["device"] == "mine" and rows[2]["world"] == 4 and "torch" not in rows[2]
+
+
+def test_rel_error():
+    want = torch.tensor([3.0, 4.0])
+    assert benchmark.rel_error(want.half(), want) == 0.0
+    assert benchmark.rel_error(torch.tensor([3.0, 4.5]), want) == pytest.approx(0.1)
+
+
+def test_capture_graph_refuses_without_a_gpu():
+    with pytest.raises(RuntimeError, match="CUDA graphs"):
+        benchmark.capture_graph(lambda: None)
+
+
+def test_cprofile_names_the_profiled_function():
+    def profiled_step() -> None:
+        sum(range(100))
+
+    host_ms, text = benchmark.cprofile(profiled_step, calls=20, top=5)
+    assert host_ms > 0 and "profiled_step" in text
+
+
+def test_fast_path_bench_writes_rows_only_with_out(tmp_path):
+    """The CPU mode of bench/fast_path.py: a table on stdout; a JSON file only where --out points."""
+    before = sorted(p.name for p in (REPO_ROOT / "bench").iterdir())
+    quick = ["bench/fast_path.py", "--smoke", "--calls", "200", "--rounds", "2", "--kernels", "null"]
+    proc = run_command([sys.executable, *quick], timeout=240, extra_env={"DISTTUNE_LOG_DIR": str(tmp_path / "logs")})
+    assert proc.returncode == 0, describe(proc)
+    assert "contextual_over_direct_us" in proc.stdout and "rows appended" not in proc.stdout
+    assert sorted(p.name for p in (REPO_ROOT / "bench").iterdir()) == before
+    out = tmp_path / "rows" / "fast_path.jsonl"
+    proc = run_command([sys.executable, *quick, "--out", str(out)], timeout=240,
+                       extra_env={"DISTTUNE_LOG_DIR": str(tmp_path / "logs")})
+    assert proc.returncode == 0, describe(proc)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["bench"] == "fast_path" and row["kernel"] == "null" and row["calls"] == 200
+    assert {"device", "world", "torch", "triton", "cuda", "date"} <= set(row)
