@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 import disttune
@@ -22,7 +21,7 @@ def print_sites(report: disttune.TuningReport) -> None:
     that is the disagreement the agreement step removes.
     """
     for result in report.results:
-        key = ", ".join(str(part) for part in result.site.key)
+        key = ", ".join(str(part) for part in result.site.key if "torch." not in str(part))  # sizes and modes
         name = result.site.kernel.rsplit(".", 1)[-1]
         if result.source != "tuned":
             print(f"{name} [{key}]: winner from the {result.source} (no tuning): "
@@ -48,15 +47,16 @@ def compare(tuned: Callable[[], object], baseline: Callable[[], object], baselin
     """Time the tuned step against ``baseline`` in this run and return what rank 0 prints.
 
     On GPUs both are timed in steady state (10 calls back to back between CUDA events, median of
-    ``samples`` rounds, max over ranks). Under the CPU interpreter a speed ratio means nothing,
+    ``samples`` runs, max over ranks); the baseline first, so that a baseline that tunes on its
+    first call has done so before the step is timed. Under the CPU interpreter a speed ratio means nothing,
     so only the tuned step's host time is given.
     """
     if not gpu:
-        ms = benchmark.one_call_ms(tuned, samples=max(3, samples // 5), device=torch.device("cpu"))
+        ms = benchmark.max_over_ranks(benchmark.one_call_ms(tuned, samples=max(3, samples // 10), warmup=1))
         return {"line": f"tuned step: {ms:.1f} ms per call (host clock, CPU interpreter: not a speed "
                         f"comparison; run on GPUs for one)"}
-    ours = benchmark.steady_ms(tuned, samples=samples)
-    theirs = benchmark.steady_ms(baseline, samples=samples)
+    theirs = benchmark.max_over_ranks(benchmark.steady_ms(baseline, runs=samples))
+    ours = benchmark.max_over_ranks(benchmark.steady_ms(tuned, runs=samples))
     line = (f"tuned step: {ours:.3f} ms per call; {baseline_name}: {theirs:.3f} ms "
             f"({theirs / ours:.2f}x), steady state, max over ranks")
     if world == 1:

@@ -68,7 +68,8 @@ def main() -> int:
 
     layer_kernel = moe.make_moe_kernel(configs)
 
-    @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat)
+    @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat,
+                                 verbose=False)  # the table below says more
     def moe_layer_step() -> torch.Tensor:
         return moe.tp_moe_layer(x, ids, weights, w_gate_up, w_down, kernel=layer_kernel)
 
