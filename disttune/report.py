@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from .logs import read_records
+from .sites import describe_config
 
 REPORT_NAME = "report.md"
 _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
@@ -60,8 +61,9 @@ class ConfigRow:
     failures: dict[int, str] = field(default_factory=dict)  # rank -> that rank's own failure message
 
     @property
-    def short(self) -> str:
-        return short_config(self.config)
+    def label(self) -> str:
+        """The config's one label (:func:`disttune.describe_config`), as the demo and ``show`` print it."""
+        return describe_config(self.config)
 
     @property
     def spread(self) -> float:
@@ -430,22 +432,6 @@ def missing_rank_problems(found: dict[int, Path], world: int, log_dir: Path) -> 
 # --------------------------------------------------------------------------------------------
 # Markdown
 # --------------------------------------------------------------------------------------------
-def short_config(config: str) -> str:
-    """``"BLOCK: 32, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None"`` -> ``"BLOCK=32 w4 s3"``."""
-    pairs = re.findall(r"(\w+): ((?:[^,(\[{]|\([^)]*\)|\[[^\]]*\]|\{[^}]*\})+)(?:, |$)", config)
-    if not pairs or ", ".join(f"{k}: {v}" for k, v in pairs) != config:
-        return config
-    values = dict(pairs)
-    parts = [f"{k}={v}" for k, v in pairs if k not in ("num_warps", "num_ctas", "num_stages", "maxnreg")]
-    if "num_warps" in values or "num_stages" in values:
-        parts.append(f"w{values.get('num_warps', '?')} s{values.get('num_stages', '?')}")
-    if values.get("num_ctas", "1") != "1":
-        parts.append(f"ctas{values['num_ctas']}")
-    if values.get("maxnreg", "None") != "None":
-        parts.append(f"maxnreg{values['maxnreg']}")
-    return " ".join(parts)
-
-
 def format_ms(value: float, failed: str = "failed") -> str:
     if math.isnan(value):
         return "n/a"
@@ -495,7 +481,7 @@ def format_site_table(site: SiteSummary, present: Iterable[int]) -> str:
     for row in site.configs:
         spread = "" if math.isnan(row.spread) else f"{100 * row.spread:.1f}%"
         mark = "**winner**" if row.index == site.winner else ""
-        cells = ([str(row.index), _code(row.short)] + [format_ms(t) for t in row.per_rank_ms]
+        cells = ([str(row.index), _code(row.label)] + [format_ms(t) for t in row.per_rank_ms]
                  + [format_ms(row.agreed_ms), spread, _cell(failure_text(site, row, present)), mark])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -512,7 +498,7 @@ def format_disagreement(site: SiteSummary) -> str:
         row = site.row(pick)
         column = site.ranks.index(rank)
         verdict = "same as the agreed winner" if pick == site.winner else "**differs** from the agreed winner"
-        lines.append(f"- rank {rank} alone would pick config {pick} {_code(row.short)} "
+        lines.append(f"- rank {rank} alone would pick config {pick} {_code(row.label)} "
                      f"({format_ms(row.per_rank_ms[column])} ms): {verdict}")
     voters = sum(pick is not None for pick in picks.values())
     k = len(site.disagreeing_ranks())
@@ -529,7 +515,7 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
              f"- kernel: {_code(site.kernel)}, key: {_code(site.key)}, occurrence {site.occurrence}"]
     winner = site.row(site.winner)
     if winner is not None:
-        lines.append(f"- winner: config {winner.index} {_code(winner.short)}, agreed "
+        lines.append(f"- winner: config {winner.index} {_code(winner.label)}, agreed "
                      f"{format_ms(winner.agreed_ms)} ms (reduce={site.reduce or '?'}, "
                      f"statistic={site.statistic or '?'}), tuned at {site.tuned_at or '?'}")
     elif site.winner is not None:
@@ -565,7 +551,7 @@ def format_summary(sites: Sequence[SiteSummary]) -> str:
              "|---:|---|---|---|---:|---|---:|---:|"]
     for site in sites:
         row = site.row(site.winner)
-        winner = f"{row.index}: {_code(row.short)}" if row else ("none" if site.winner is None else str(site.winner))
+        winner = f"{row.index}: {_code(row.label)}" if row else ("none" if site.winner is None else str(site.winner))
         voters = sum(p is not None for p in site.alone_picks().values())
         lines.append(f"| {site.number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
                      f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | "
@@ -623,7 +609,7 @@ def _config_labels(site: SiteSummary, width: int = 44) -> list[str]:
     """Tick labels ``[i] short config`` wrapped at ``width`` characters (at most 3 lines), winner marked."""
     labels = []
     for row in site.configs:
-        text = f"[{row.index}] {row.short}" + ("  (winner)" if row.index == site.winner else "")
+        text = f"[{row.index}] {row.label}" + ("  (winner)" if row.index == site.winner else "")
         lines = textwrap.wrap(text, width) or [""]
         if len(lines) > 3:
             lines = lines[:2] + [_clip(" ".join(lines[2:]), width)]

@@ -12,9 +12,11 @@ import re
 from pathlib import Path
 
 import pytest
+import triton
 
 from disttune.logs import RankLog
-from disttune.report import build_report, short_config
+from disttune.report import build_report
+from disttune.sites import describe_config
 from helpers import describe, run_launch
 
 CASES = Path(__file__).with_name("dist_cases.py")
@@ -209,11 +211,37 @@ def test_no_logs_raise_naming_the_directory(tmp_path):
     assert not (empty / "report").exists()
 
 
-def test_short_config():
-    assert short_config(CONFIGS[1]) == "BLOCK=32 w1 s3"
-    assert short_config("BLOCK_M: 128, num_warps: 8, num_ctas: 2, num_stages: 4, maxnreg: 128") == \
+def test_config_label_of_logged_text_leaves_out_defaults():
+    assert describe_config(CONFIGS[1]) == "BLOCK=32 w1 s3"
+    assert describe_config("BLOCK_M: 128, num_warps: 8, num_ctas: 2, num_stages: 4, maxnreg: 128") == \
         "BLOCK_M=128 w8 s4 ctas2 maxnreg128"
-    assert short_config("something else") == "something else"
+    # newer Triton prints ir_override (and may add more options): left out at their default
+    assert describe_config(CONFIGS[1] + ", ir_override: None") == "BLOCK=32 w1 s3"
+    assert describe_config(CONFIGS[1] + ", ir_override: /tmp/x.ttgir") == "BLOCK=32 w1 s3 ir_override=/tmp/x.ttgir"
+    assert describe_config("something else") == "something else"
+
+
+class _NewerConfig(triton.Config):
+    """A Config with an option a later Triton might add."""
+
+    def __init__(self, kwargs, num_warps=4, num_stages=3, fast_math=False, **options):
+        super().__init__(kwargs, num_warps=num_warps, num_stages=num_stages, **options)
+        self.fast_math = fast_math
+
+
+@pytest.mark.parametrize("config, label", [
+    (triton.Config({"BLOCK": 32}, num_warps=1), "BLOCK=32 w1 s3"),
+    (triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2, num_ctas=2, maxnreg=128),
+     "BLOCK_M=64 BLOCK_N=32 w8 s2 ctas2 maxnreg128"),
+    (triton.Config({"BLOCK": 16}, num_warps=2, num_stages=1, pre_hook=lambda args: None), "BLOCK=16 w2 s1"),
+    (_NewerConfig({"BLOCK": 16}, num_warps=2), "BLOCK=16 w2 s3"),
+    (_NewerConfig({"BLOCK": 16}, num_warps=2, fast_math=True), "BLOCK=16 w2 s3 fast_math=True"),
+    ({"chunks": 4, "order": "ring"}, "chunks=4 order=ring"),
+])
+def test_config_label_is_the_same_for_a_config_and_its_logged_text(config, label):
+    assert describe_config(config) == label
+    if isinstance(config, triton.Config) and not isinstance(config, _NewerConfig):
+        assert describe_config(str(config)) == label  # what the logs and the store hold
 
 
 def test_ranks_whose_last_tunings_differ_in_time(tmp_path):
