@@ -315,14 +315,20 @@ def world_size_of(logs: Sequence[RankLogData]) -> int:
     return world
 
 
-def _ms(value: Any) -> float:
-    """A logged time: a number, or null for inf."""
+def _ms(value: Any, failed: bool = True) -> float:
+    """A logged time: a number; ``null`` is inf when ``failed``, else nan (not timed)."""
     if value is None:
-        return math.inf
+        return math.inf if failed else math.nan
     try:
-        return float(value)
+        return float(value)  # logs before ``failed_ranks`` wrote "nan" for a time not taken
     except (TypeError, ValueError):
         return math.nan
+
+
+def _rank_ms(record: dict, rank: int) -> float:
+    """Rank ``rank``'s time in a config record (the caller checks the column exists)."""
+    failed = record.get("failed_ranks")
+    return _ms(record["per_rank_ms"][rank], failed=True if not isinstance(failed, list) else rank in failed)
 
 
 def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world: int) -> SiteSummary:
@@ -341,8 +347,8 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world:
         for rank in ranks:
             own = per_rank.get(rank)
             sources = ([own.configs[index]] if own and index in own.configs else []) + [rec for _, rec in holders]
-            column = next((rec["per_rank_ms"] for rec in sources if len(rec["per_rank_ms"]) > rank), None)
-            times.append(_ms(column[rank]) if column is not None else math.nan)
+            holder = next((rec for rec in sources if len(rec["per_rank_ms"]) > rank), None)
+            times.append(_rank_ms(holder, rank) if holder is not None else math.nan)
         agreed = _ms(holders[0][1]["agreed_ms"]) if "agreed_ms" in holders[0][1] else math.nan
         failures = {r: str(rec["failure"]) for r, rec in holders if rec.get("failure")}
         rows.append(ConfigRow(index, holders[0][1]["config"], times, agreed, failures))

@@ -6,6 +6,7 @@ damaged directories are written here with disttune.logs.RankLog and then corrupt
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -198,6 +199,62 @@ def test_appended_runs_report_the_last_tuning(tmp_path):
     assert site.winner == 2 and [row.per_rank_ms for row in site.configs] == [[3.0], [2.0], [1.0]]
     assert site.function_runs == 11 and site.latest_source == "store"
     assert "winner from the store (the same config)" in report.markdown_path.read_text()
+
+
+def test_json_logs_write_null_for_missing_times_and_name_the_failed_ranks(tmp_path):
+    log = RankLog(tmp_path, 0, "step")
+    for c, row in enumerate([[1.0, math.nan, 2.0], [1.5, 1.0, math.inf], [3.0, 3.0, 3.0]]):
+        log.config_result(KERNEL, KEY, 0, c, CONFIGS[c], row, math.inf if c == 1 else max(row), None)
+    log.winner(KERNEL, KEY, 0, 0, CONFIGS[0], 2.0, "tuned")
+    log.winner(KERNEL, KEY, 0, 0, CONFIGS[0], math.nan, "store")
+    log.measure(KERNEL, KEY, 0, CONFIGS[0], 0, math.inf)
+    log.tuning("step", 0.5, 5, 1, 3, "max", "median")
+    log.flush()
+    text = (tmp_path / "rank-0.log").read_text()
+    assert '"nan"' not in text and "NaN" not in text and "Infinity" not in text
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in a JSON log")
+
+    records = [json.loads(line, parse_constant=no_constants) for line in text.splitlines() if line.startswith("{")]
+    configs = [r for r in records if r["event"] == "config"]
+    assert [r["per_rank_ms"] for r in configs] == [[1.0, None, 2.0], [1.5, 1.0, None], [3.0, 3.0, 3.0]]
+    assert [r["failed_ranks"] for r in configs] == [[], [2], []]
+    assert configs[1]["agreed_ms"] is None
+    assert [r["agreed_ms"] for r in records if r["event"] == "winner"] == [2.0, None]
+    assert [r["ms"] for r in records if r["event"] == "measure"] == [None]
+
+    (site,) = build_report(tmp_path, tmp_path / "out").sites
+    first, second = site.configs[0].per_rank_ms, site.configs[1].per_rank_ms
+    assert first[0] == 1.0 and math.isnan(first[1]) and second == [1.5, 1.0, math.inf]
+
+
+def test_each_measure_record_carries_the_time_of_its_sample(tmp_path):
+    import time
+
+    import torch
+
+    import disttune
+    from tiny_kernels import TableTimer, device, launch_add, make_kernel
+
+    kernel = make_kernel()
+    x = torch.randn(64, device=device())
+
+    @disttune.contextual_autotune(timer=TableTimer(lambda info: 1.0), n_warmup=1, n_repeat=2, verbose=False,
+                                  log_dir=tmp_path, cache_dir=tmp_path / "store")
+    def step():
+        launch_add(kernel, x, torch.empty_like(x))
+        time.sleep(0.03)
+
+    step()
+    records = [json.loads(line) for line in (tmp_path / "rank-0.log").read_text().splitlines()
+               if line.startswith("{")]
+    stamps = [datetime.datetime.fromisoformat(r["time"]) for r in records if r["event"] == "measure"]
+    assert len(stamps) == 6  # 3 configs x 2 timed runs, in the order they ran
+    gaps = [(later - earlier).total_seconds() for earlier, later in zip(stamps, stamps[1:])]
+    assert all(gap >= 0.025 for gap in gaps), gaps
+    (tuning,) = [datetime.datetime.fromisoformat(r["time"]) for r in records if r["event"] == "tuning"]
+    assert tuning > stamps[-1]
 
 
 def test_no_logs_raise_naming_the_directory(tmp_path):
