@@ -1,12 +1,13 @@
 """Merge the per-rank tuning logs of one log directory into a Markdown report with plots.
 
     report = build_report("logs")            # writes logs/report/report.md and site-<n>-*.png
-    python -m disttune.report logs [OUT_DIR]
+    python -m disttune.report logs [OUT_DIR] [--all]
 
 Each rank appends ``<log_dir>/rank-<r>.log`` (see :mod:`disttune.logs`). For every tuning site
-(function, kernel, key, occurrence) the report shows the *last* tuning found in the logs: in each
-rank's file, the ``config`` records that precede that site's last ``winner`` record with source
-``tuned``. Rank ``r``'s column comes from rank ``r``'s own file when it has the record, else from the
+(function, kernel, key, occurrence) the report shows the *last* tuning call found in the logs
+(``history=True``, ``disttune report --all``: every tuning call, oldest first). In each rank's
+file, a tuning of a site is the ``config`` records that precede one of its ``winner`` records with
+source ``tuned``; the n-th last tuning of a rank is matched with the n-th last of the others. Rank ``r``'s column comes from rank ``r``'s own file when it has the record, else from the
 all-gathered ``per_rank_ms`` that another rank logged. Column ``r`` is taken to be global rank ``r``:
 logs of a tuner that agreed over a subgroup (``group=``) index ``per_rank_ms`` by group rank.
 
@@ -100,10 +101,24 @@ class SiteSummary:
     latest_winner: Optional[int] = None
     logged_ranks: list[int] = field(default_factory=list)  # ranks whose own log has this tuning
     plots: list[Path] = field(default_factory=list)
+    tuning_number: int = 1  # which tuning of the site this is, oldest first
+    tunings: int = 1  # how many tunings of the site the logs hold
+    in_history: bool = False  # one of several tunings shown (``history=True``): named with its number
 
     @property
     def title(self) -> str:
-        return f"{self.kernel} (occurrence {self.occurrence})"
+        """``kernel key=(...) (occurrence n)``: the key tells apart two sites of one kernel."""
+        return f"{self.kernel} key={self.key} (occurrence {self.occurrence})"
+
+    @property
+    def name(self) -> str:
+        """``Site 3`` or, in a history, ``Site 3, tuning 2 of 4``."""
+        return f"Site {self.number}" + (f", tuning {self.tuning_number} of {self.tunings}" if self.in_history else "")
+
+    @property
+    def file_stem(self) -> str:
+        """Start of the plot file names: ``site-3`` or, in a history, ``site-3-tuning-2``."""
+        return f"site-{self.number}" + (f"-tuning-{self.tuning_number}" if self.in_history else "")
 
     def row(self, index: Optional[int]) -> Optional[ConfigRow]:
         return next((r for r in self.configs if r.index == index), None)
@@ -156,7 +171,7 @@ def find_rank_logs(log_dir: str | os.PathLike) -> dict[int, Path]:
     """
     directory = Path(log_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"disttune report: log directory {str(directory)!r} does not exist")
+        raise FileNotFoundError(f"log directory {str(directory)!r} does not exist")
     found = {}
     for entry in directory.iterdir():
         match = _RANK_LOG.match(entry.name)
@@ -164,7 +179,7 @@ def find_rank_logs(log_dir: str | os.PathLike) -> dict[int, Path]:
             found[int(match.group(1))] = entry
     if not found:
         raise FileNotFoundError(
-            f"disttune report: no rank logs (rank-<r>.log) in {str(directory)!r}; "
+            f"no rank logs (rank-<r>.log) in {str(directory)!r}; "
             "point it at the tuner's log_dir (default ./logs, or $DISTTUNE_LOG_DIR)")
     return dict(sorted(found.items()))
 
@@ -250,14 +265,27 @@ SiteKey = tuple  # (function, kernel, key, occurrence)
 
 @dataclass
 class _RankSite:
-    """One rank's last tuning of one site."""
+    """One rank's view of one site: a tuning of it (by default its last), and its latest winner record."""
 
     configs: dict[int, dict] = field(default_factory=dict)  # config_index -> config record
-    winner: Optional[dict] = None  # its last winner record with source "tuned"
+    winner: Optional[dict] = None  # the tuning's winner record (source "tuned")
     tuning: Optional[dict] = None  # the tuning record of that call
     pending: dict[int, dict] = field(default_factory=dict)  # config records after the last tuned winner
     latest: Optional[dict] = None  # the last winner record of any source
     waiting_for_tuning: bool = False
+    earlier: list[tuple[dict, dict, Optional[dict]]] = field(default_factory=list)  # (configs, winner, tuning)
+
+    def tunings(self) -> int:
+        return len(self.earlier) + bool(self.configs or self.winner)
+
+    def back(self, steps: int) -> Optional["_RankSite"]:
+        """The view of this rank's ``steps``-th last tuning (1: the last); None when it has fewer."""
+        if steps == 1:
+            return self
+        if steps > self.tunings():
+            return None
+        configs, winner, tuning = self.earlier[-(steps - 1)]
+        return _RankSite(configs, winner, tuning, latest=self.latest)
 
 
 def site_key(record: dict) -> SiteKey:
@@ -282,6 +310,8 @@ def rank_sites(data: RankLogData) -> tuple[dict[SiteKey, _RankSite], list[str]]:
             if record["source"] == "tuned":
                 if not state.pending:
                     problems.append(f"{label}: tuned winner of {_describe_key(site_key(record))} without config records")
+                if state.winner is not None:
+                    state.earlier.append((state.configs, state.winner, state.tuning))
                 state.configs, state.winner, state.tuning = state.pending, record, None
                 state.pending, state.waiting_for_tuning = {}, True
         elif event == "tuning":
@@ -332,7 +362,7 @@ def _rank_ms(record: dict, rank: int) -> float:
 
 
 def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world: int) -> SiteSummary:
-    """One site's summary from every rank's view of it. O(configs x ranks^2) at worst."""
+    """One site's summary from every rank's view of one tuning of it. O(configs x ranks^2) at worst."""
     function, kernel, site_key_text, occurrence = key
     # the site's own world (a log directory may hold runs of several world sizes); else the directory's
     width = max([s.tuning["world_size"] for s in per_rank.values() if s.tuning]
@@ -375,7 +405,7 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world:
 def site_problems(site: SiteSummary, per_rank: dict[int, _RankSite], present: Iterable[int]) -> list[str]:
     """Ranks that disagree on the winner, logged no records for the site, or whose data is missing."""
     problems = []
-    name = f"site {site.number} ({_describe_key((site.function, site.kernel, site.key, site.occurrence))})"
+    name = f"{site.name.lower()} ({_describe_key((site.function, site.kernel, site.key, site.occurrence))})"
     winners = {r: s.winner["config_index"] for r, s in per_rank.items() if s.winner is not None}
     if len(set(winners.values())) > 1:
         shown = ", ".join(f"rank {r}: config {c}" for r, c in sorted(winners.items()))
@@ -384,8 +414,9 @@ def site_problems(site: SiteSummary, per_rank: dict[int, _RankSite], present: It
     stamps = {r: t for r, t in stamps.items() if t is not None}
     if stamps and (max(stamps.values()) - min(stamps.values())).total_seconds() > _SAME_CALL_S:
         shown = ", ".join(f"rank {r}: {t.isoformat(timespec='seconds')}" for r, t in sorted(stamps.items()))
-        problems.append(f"{name}: the ranks' last tunings are from different times ({shown}); "
-                        "a rank log may lack its latest run")
+        which = "tunings" if site.in_history else "last tunings"
+        problems.append(f"{name}: the ranks' {which} are from different times ({shown}); "
+                        "a rank log may lack a run")
     if site.configs and site.winner is None:
         problems.append(f"{name}: no rank logged a tuned winner")
     if site.winner is not None and site.row(site.winner) is None:
@@ -410,8 +441,11 @@ def _parse_time(text: Any) -> Optional[datetime.datetime]:
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=datetime.timezone.utc)
 
 
-def collect_sites(logs: Sequence[RankLogData]) -> tuple[list[SiteSummary], list[str]]:
-    """Every site of the directory, merged over ranks, in order of first appearance. O(records)."""
+def collect_sites(logs: Sequence[RankLogData], history: bool = False) -> tuple[list[SiteSummary], list[str]]:
+    """Every site of the directory, merged over ranks, in order of first appearance. O(records).
+
+    One summary per site, of its last tuning; with ``history``, one per tuning, oldest first.
+    """
     problems: list[str] = []
     per_site: dict[SiteKey, dict[int, _RankSite]] = {}
     for data in logs:
@@ -423,9 +457,15 @@ def collect_sites(logs: Sequence[RankLogData]) -> tuple[list[SiteSummary], list[
     present = [d.rank for d in logs if d.records]
     summaries = []
     for number, (key, per_rank) in enumerate(per_site.items(), 1):
-        site = merge_site(number, key, per_rank, world)
-        problems += site_problems(site, per_rank, present)
-        summaries.append(site)
+        tunings = max(1, max(state.tunings() for state in per_rank.values()))
+        for steps in range(tunings if history else 1, 0, -1):
+            views = {r: view for r, state in per_rank.items() if (view := state.back(steps)) is not None}
+            site = merge_site(number, key, views, world)
+            site.tuning_number, site.tunings, site.in_history = tunings - steps + 1, tunings, history
+            if steps > 1:  # what a later call did is told with the last tuning only
+                site.latest_source = site.latest_winner = None
+            problems += site_problems(site, views, present)
+            summaries.append(site)
     return summaries, problems
 
 
@@ -516,7 +556,7 @@ def format_disagreement(site: SiteSummary) -> str:
 def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str:
     """One site's section: facts, table, disagreement, plots."""
     present = list(present)
-    lines = [f"## Site {site.number}: {_cell(site.kernel)} (occurrence {site.occurrence})", "",
+    lines = [f"## {site.name}: {_cell(site.title)}", "",
              f"- function: {_code(site.function)}",
              f"- kernel: {_code(site.kernel)}, key: {_code(site.key)}, occurrence {site.occurrence}"]
     winner = site.row(site.winner)
@@ -536,9 +576,13 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
                      f"{site.function_runs} function runs{in_call}")
     else:
         lines.append("- tuning call: no tuning record found (wall time and run count unknown)")
+    if site.tunings > 1 and not site.in_history:
+        lines.append(f"- the logs hold {site.tunings} tunings of this site; this is the last "
+                     "(`disttune report --all` shows each)")
     if site.latest_source and site.latest_source != "tuned":
         same = "the same config" if site.latest_winner == site.winner else f"config {site.latest_winner}"
-        lines.append(f"- latest call: winner from the {site.latest_source} ({same}); the table shows the last "
+        origin = _SOURCES.get(site.latest_source, f"the {site.latest_source}")
+        lines.append(f"- latest call: winner from {origin} ({same}); the table shows the last "
                      "tuning in the logs")
     lines.append(f"- world size {len(site.ranks)}; rank logs present: {', '.join(map(str, present)) or 'none'}")
     lines.append("")
@@ -552,6 +596,9 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
     return "\n".join(lines)
 
 
+_SOURCES = {"store": "the store", "pinned": "the pinned table", "cached": "the kernel's cache"}
+
+
 def format_summary(sites: Sequence[SiteSummary]) -> str:
     lines = ["| site | function | kernel | key | occ | winner | agreed ms | ranks alone picking differently |",
              "|---:|---|---|---|---:|---|---:|---:|"]
@@ -559,7 +606,8 @@ def format_summary(sites: Sequence[SiteSummary]) -> str:
         row = site.row(site.winner)
         winner = f"{row.index}: {_code(row.label)}" if row else ("none" if site.winner is None else str(site.winner))
         voters = sum(p is not None for p in site.alone_picks().values())
-        lines.append(f"| {site.number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
+        number = f"{site.number}.{site.tuning_number}" if site.in_history else str(site.number)
+        lines.append(f"| {number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
                      f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | "
                      f"{len(site.disagreeing_ranks())} of {voters} |")
     return "\n".join(lines)
@@ -572,13 +620,15 @@ def format_problems(problems: Sequence[str]) -> str:
 
 
 def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites: Sequence[SiteSummary],
-                    problems: Sequence[str], present: Sequence[int]) -> str:
-    """The whole report: header, Problems, summary table, one section per site."""
+                    problems: Sequence[str], present: Sequence[int], history: bool = False) -> str:
+    """The whole report: header, Problems, summary table, one section per site (per tuning with ``history``)."""
+    scope = ("Each site shows every tuning in the logs, oldest first (site 2.1 is site 2's first tuning)."
+             if history else "Each site shows its last tuning in the logs (`--all`: every tuning).")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     parts = ["# disttune tuning report", "",
              f"Logs: `{log_dir}` ({len(found)} rank log(s): {', '.join(p.name for p in found.values())}); "
-             f"{len(sites)} site(s); generated {stamp}.", "",
-             "Each site shows its last tuning in the logs. Times in ms; `failed` = inf (the config failed or "
+             f"{len({site.number for site in sites})} site(s); generated {stamp}.", "",
+             f"{scope} Times in ms; `failed` = inf (the config failed or "
              "was pruned on that rank), `n/a` = not in any log. Spread = (max - min) / min over ranks.", "",
              "## Problems", "", format_problems(problems), ""]
     if sites:
@@ -684,8 +734,7 @@ def plot_heatmap(site: SiteSummary, path: Path) -> Path:
         axes.add_patch(Rectangle((-0.5, w - 0.5), n_ranks, 1, fill=False, edgecolor="#1f4e9e", linewidth=2.5))
     axes.set_xlabel("rank")
     axes.set_ylabel("config")
-    axes.set_title(_wrap_title(f"Site {site.number}: {site.kernel} occ {site.occurrence}: each rank's time (ms)",
-                               width), fontsize=10)
+    axes.set_title(_wrap_title(f"{site.name}: {site.title}: each rank's time (ms)", width), fontsize=10)
     return _save(figure, path)
 
 
@@ -732,8 +781,7 @@ def plot_agreed(site: SiteSummary, path: Path) -> Path:
     if any(not math.isfinite(row.agreed_ms) for row in site.configs):
         handles.append(Patch(facecolor="#f2f2f2", edgecolor="#aaaaaa", hatch="//", label="failed / no data"))
     axes.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)
-    axes.set_title(_wrap_title(f"Site {site.number}: {site.kernel} occ {site.occurrence}: agreed time per config",
-                               width), fontsize=10)
+    axes.set_title(_wrap_title(f"{site.name}: {site.title}: agreed time per config", width), fontsize=10)
     return _save(figure, path)
 
 
@@ -744,18 +792,25 @@ def _colormap(name: str) -> Any:
 
 
 def plot_site(site: SiteSummary, out_dir: Path) -> list[Path]:
-    """Both plots of one site (none when it has no config data): ``site-<n>-heatmap.png``, ``site-<n>-agreed.png``."""
+    """Both plots of one site (none when it has no config data): ``site-<n>-heatmap.png``, ``site-<n>-agreed.png``.
+
+    In a history (``history=True``) the names carry the tuning's number: ``site-<n>-tuning-<k>-heatmap.png``.
+    """
     if not site.configs:
         return []
-    return [plot_heatmap(site, out_dir / f"site-{site.number}-heatmap.png"),
-            plot_agreed(site, out_dir / f"site-{site.number}-agreed.png")]
+    return [plot_heatmap(site, out_dir / f"{site.file_stem}-heatmap.png"),
+            plot_agreed(site, out_dir / f"{site.file_stem}-agreed.png")]
 
 
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
-def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None) -> Report:
+def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None,
+                 history: bool = False) -> Report:
     """Merge ``<log_dir>/rank-<r>.log`` into ``<out_dir>/report.md`` plus two PNGs per tuned site.
+
+    The report covers each site's last tuning call; ``history=True`` covers every tuning call of
+    every site, oldest first (two PNGs per tuning).
 
     ``out_dir`` defaults to ``<log_dir>/report`` (created; existing files of the same names are
     overwritten). Cost: reads every rank log twice (records, then a line scan), O(total log size) time
@@ -771,7 +826,7 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
     problems = [p for data in logs for p in data.problems]
     world = world_size_of(logs)
     problems += missing_rank_problems(found, world, log_dir)
-    sites, site_found = collect_sites(logs)
+    sites, site_found = collect_sites(logs, history)
     problems += site_found
     present = [d.rank for d in logs if d.records]
     plots: list[Path] = []
@@ -779,10 +834,10 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
         try:
             site.plots = plot_site(site, out)
         except Exception as err:  # a plot must not cost the report
-            problems.append(f"site {site.number}: plots failed: {type(err).__name__}: {err}")
+            problems.append(f"{site.name.lower()}: plots failed: {type(err).__name__}: {err}")
         plots += site.plots
     markdown = out / REPORT_NAME
-    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present), encoding="utf-8")
+    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history), encoding="utf-8")
     return Report(markdown, plots, sites, problems)
 
 
@@ -790,13 +845,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m disttune.report", description=__doc__.splitlines()[0])
     parser.add_argument("log_dir", nargs="?", default=None, help="the tuner's log_dir (default: ./logs)")
     parser.add_argument("out_dir", nargs="?", default=None, help="where to write (default: LOG_DIR/report)")
+    parser.add_argument("--all", action="store_true", help="every tuning call of each site, not only the last")
     options = parser.parse_args(argv)
     from .logs import resolve_log_dir
 
     try:
-        report = build_report(resolve_log_dir(options.log_dir), options.out_dir)
-    except FileNotFoundError as err:
-        print(err, file=sys.stderr)
+        report = build_report(resolve_log_dir(options.log_dir), options.out_dir, history=options.all)
+    except OSError as err:  # FileNotFoundError: no rank logs there
+        print(f"disttune report: {err}", file=sys.stderr)
         return 1
     print(f"report: {report.markdown_path} ({len(report.sites)} site(s), {len(report.plots)} plot(s), "
           f"{len(report.problems)} problem(s))")

@@ -201,6 +201,65 @@ def test_appended_runs_report_the_last_tuning(tmp_path):
     assert "winner from the store (the same config)" in report.markdown_path.read_text()
 
 
+def test_a_winner_from_a_pinned_table_is_named_so(tmp_path):
+    write_tuning(tmp_path, 0, [[3.0], [2.0], [1.0]])
+    log = RankLog(tmp_path, 0, "step")
+    log.winner(KERNEL, KEY, 0, 1, CONFIGS[1], math.nan, "pinned")
+    log.flush()
+    markdown = build_report(tmp_path, tmp_path / "out").markdown_path.read_text()
+    assert "latest call: winner from the pinned table (config 1)" in markdown
+
+
+def test_report_covers_the_last_tuning_unless_asked_for_all(tmp_path):
+    write_tuning(tmp_path, 0, [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])  # first tuning: config 0 wins
+    write_tuning(tmp_path, 1, [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])
+    write_tuning(tmp_path, 0, [[3.0, 3.5], [2.0, 2.5], [1.0, 1.5]])  # re-tuned: config 2 wins
+    write_tuning(tmp_path, 1, [[3.0, 3.5], [2.0, 2.5], [1.0, 1.5]])
+
+    latest = build_report(tmp_path, tmp_path / "latest")
+    assert latest.problems == []
+    (site,) = latest.sites
+    assert (site.winner, site.tuning_number, site.tunings) == (2, 2, 2)
+    assert {p.name for p in latest.plots} == {"site-1-heatmap.png", "site-1-agreed.png"}
+    assert "the logs hold 2 tunings of this site; this is the last" in latest.markdown_path.read_text()
+
+    history = build_report(tmp_path, tmp_path / "all", history=True)
+    assert history.problems == []
+    assert [(s.number, s.tuning_number, s.winner) for s in history.sites] == [(1, 1, 0), (1, 2, 2)]
+    assert [row.per_rank_ms for row in history.sites[0].configs] == [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]]
+    assert {p.name for p in history.plots} == {f"site-1-tuning-{k}-{kind}.png" for k in (1, 2)
+                                                for kind in ("heatmap", "agreed")}
+    markdown = history.markdown_path.read_text()
+    assert "## Site 1, tuning 1 of 2: " in markdown and "## Site 1, tuning 2 of 2: " in markdown
+    assert "1 site(s)" in markdown
+    check_pngs(latest.plots)
+
+
+def test_titles_carry_the_key_so_two_sites_of_one_kernel_differ(tmp_path, monkeypatch):
+    import disttune.report as report_module
+
+    other_key = (256, "torch.float32", "torch.float32")
+    log = RankLog(tmp_path, 0, "step")
+    for key in (KEY, other_key):
+        for c, config in enumerate(CONFIGS):
+            log.config_result(KERNEL, key, 0, c, config, [float(c + 1)], float(c + 1), None)
+        log.winner(KERNEL, key, 0, 0, CONFIGS[0], 1.0, "tuned")
+    log.tuning("step", 0.5, 11, 2, 1, "max", "median")
+    log.flush()
+    titles = []
+    real_save = report_module._save
+    monkeypatch.setattr(report_module, "_save",
+                        lambda figure, path: (titles.append(figure.axes[0].get_title()), real_save(figure, path))[1])
+
+    report = build_report(tmp_path, tmp_path / "out")
+    assert len(report.sites) == 2 and len(titles) == 4
+    markdown = report.markdown_path.read_text()
+    for number, key in ((1, KEY), (2, other_key)):
+        assert f"## Site {number}: {KERNEL} key={key!r} (occurrence 0)" in markdown
+        shown = [" ".join(t.split()) for t in titles if t.startswith(f"Site {number}:")]
+        assert len(shown) == 2 and all(f"key={key!r}" in t for t in shown), titles
+
+
 def test_json_logs_write_null_for_missing_times_and_name_the_failed_ranks(tmp_path):
     log = RankLog(tmp_path, 0, "step")
     for c, row in enumerate([[1.0, math.nan, 2.0], [1.5, 1.0, math.inf], [3.0, 3.0, 3.0]]):
