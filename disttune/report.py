@@ -7,7 +7,8 @@ Each rank appends ``<log_dir>/rank-<r>.log`` (see :mod:`disttune.logs`). For eve
 (function, kernel, key, occurrence) the report shows the *last* tuning call found in the logs
 (``history=True``, ``disttune report --all``: every tuning call, oldest first). In each rank's
 file, a tuning of a site is the ``config`` records that precede one of its ``winner`` records with
-source ``tuned``; the n-th last tuning of a rank is matched with the n-th last of the others. Rank ``r``'s column comes from rank ``r``'s own file when it has the record, else from the
+source ``tuned``; the n-th last tuning of a rank is matched with the n-th last of the others.
+Rank ``r``'s column comes from rank ``r``'s own file when it has the record, else from the
 all-gathered ``per_rank_ms`` that another rank logged. Column ``r`` is taken to be global rank ``r``:
 logs of a tuner that agreed over a subgroup (``group=``) index ``per_rank_ms`` by group rank.
 
@@ -81,7 +82,7 @@ class ConfigRow:
 
 @dataclass
 class SiteSummary:
-    """The last tuning of one site (function, kernel, key, occurrence), merged over ranks."""
+    """One tuning of one site (function, kernel, key, occurrence), merged over ranks: by default its last."""
 
     number: int  # 1-based, in order of first appearance; names the plot files
     function: str
