@@ -1,27 +1,48 @@
 """The ``disttune`` command: demo, report, and winner-store management (show, export, import, clear).
 
 Holds no tuning logic: each subcommand calls the library (``store``, ``report``) or
-launches the example through ``scripts/launch.sh``.
+launches the example through ``scripts/launch.sh``. An error is one line on stderr,
+``disttune <command>: <what went wrong>``, and a non-zero exit status; a bad argument
+prints that subcommand's usage (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from . import store
+from . import __version__, store
+from .sites import describe_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMOS = {"ag_gemm": "examples/ag_gemm.py", "tp_mlp": "examples/tp_mlp.py"}
+DEMOS = {"ag_gemm": "examples/ag_gemm.py", "tp_mlp": "examples/tp_mlp.py", "moe": "examples/moe_layer.py"}
 
 
-def _age(created: Optional[float]) -> str:
-    if not created:
+class CommandError(Exception):
+    """A failure the command reports as one line (no traceback)."""
+
+
+def version_text() -> str:
+    """``disttune 0.1.0 (torch 2.13.0, triton 3.6.0)``, from the installed packages' metadata (no imports)."""
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    own = installed("disttune")
+    return (f"disttune {__version__ if own == 'not installed' else own} "
+            f"(torch {installed('torch')}, triton {installed('triton')})")
+
+
+def _age(created: Any) -> str:
+    if not isinstance(created, (int, float)) or not created:
         return "?"
     seconds = max(0.0, time.time() - created)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -36,9 +57,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     launcher, example = REPO_ROOT / "scripts" / "launch.sh", REPO_ROOT / DEMOS[args.kernel]
-    if not launcher.exists() or not example.exists():
-        print(f"disttune demo: needs a source checkout (missing {launcher} or {example}); "
+    if not launcher.exists():
+        print(f"disttune demo: needs a source checkout (missing {launcher}); "
               "clone the repository and pip install -e it", file=sys.stderr)
+        return 2
+    if not example.exists():
+        print(f"disttune demo: the {args.kernel} example is missing from this checkout ({example})", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or os.environ.get("DISTTUNE_LOG_DIR") or "logs").resolve()
     env = {**os.environ, "DISTTUNE_LOG_DIR": str(log_dir)}
@@ -56,11 +80,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import build_report
 
-    try:
-        report = build_report(args.log_dir, args.out)
-    except FileNotFoundError as err:
-        print(f"disttune report: {err}", file=sys.stderr)
-        return 1
+    report = build_report(args.log_dir, args.out, history=args.all)  # OSError: no logs there, or unwritable
     print(f"report: {report.markdown_path}")
     for plot in report.plots:
         print(f"plot: {plot}")
@@ -80,27 +100,31 @@ def cmd_show(args: argparse.Namespace) -> int:
         if record is None or problem:
             print(f"  UNUSABLE {path}: {problem}")
             continue
-        fingerprint = record.get("fingerprint", {})
+        fingerprint = record["fingerprint"]
+        winner = record["configs"][record["winner"]]
         print(f"  {record['name']} key={record['key']} occ={record.get('occurrence', 0)} -> "
-              f"{record.get('winner_config', record['winner'])}  [{fingerprint.get('gpu') or 'cpu'}, "
+              f"{describe_config(str(winner))}  [{fingerprint.get('gpu') or 'cpu'}, "
               f"world {fingerprint.get('world_size')}, triton {fingerprint.get('triton')}, "
               f"age {_age(record.get('created'))}, env {path.stem.split('-')[-1]}]")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    count = store.export_table(args.file, args.cache_dir)
+    try:
+        count = store.export_table(args.file, args.cache_dir)
+    except OSError as err:  # the table is written beside its path, then renamed: name the path asked for
+        raise CommandError(f"cannot write {args.file}: {err.strerror or err}") from err
     print(f"exported {count} winner(s) to {args.file}")
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    root = store.resolve_cache_dir(args.cache_dir)
     try:
-        count = store.import_table(args.file, args.cache_dir)
-    except ValueError as err:
-        print(str(err), file=sys.stderr)
-        return 1
-    print(f"imported {count} winner(s) into {store.resolve_cache_dir(args.cache_dir)}")
+        count = store.import_table(args.file, args.cache_dir)  # ValueError: not a readable winners table
+    except OSError as err:
+        raise CommandError(f"cannot write the store under {root}: {err.strerror or err}") from err
+    print(f"imported {count} winner(s) into {root}")
     return 0
 
 
@@ -117,20 +141,29 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser; each subcommand's own parser is its namespace's ``parser`` (for its usage on errors)."""
     parser = argparse.ArgumentParser(prog="disttune", description="Tune Triton kernels across ranks, in context.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="launch the 2-rank contextual tuning demo and write its report")
-    demo.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs present, else 2)")
-    demo.add_argument("--kernel", default="ag_gemm", help="which example: " + ", ".join(DEMOS))
-    demo.add_argument("--log-dir", default=None, help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
-    demo.add_argument("example_args", nargs=argparse.REMAINDER, help="passed to the example (e.g. --M 4096)")
-    demo.set_defaults(run=cmd_demo)
+    demo = sub.add_parser(
+        "demo", help="launch the 2-rank contextual tuning demo and write its report", allow_abbrev=False,
+        usage="disttune demo [-h] [--nproc N] [--kernel NAME] [--log-dir DIR] [EXAMPLE ARGS ...]",
+        description="Launch an example through scripts/launch.sh, then write the report of its logs. "
+                    "Arguments the demo does not know go to the example (disttune demo --M 4096); after --, "
+                    "all of them do (disttune demo -- --help shows the example's).")
+    demo.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks (default: GPUs present, else 2)")
+    demo.add_argument("--kernel", default="ag_gemm", metavar="NAME", help="which example: " + ", ".join(DEMOS))
+    demo.add_argument("--log-dir", default=None, metavar="DIR",
+                      help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
+    demo.set_defaults(run=cmd_demo, parser=demo, example_args=[])
 
     report = sub.add_parser("report", help="merge rank-*.log into a Markdown report with plots")
     report.add_argument("log_dir", nargs="?", default=os.environ.get("DISTTUNE_LOG_DIR", "logs"))
     report.add_argument("--out", default=None, help="report directory (default: LOG_DIR/report)")
-    report.set_defaults(run=cmd_report)
+    report.add_argument("--all", action="store_true",
+                        help="every tuning call of each site, oldest first (default: the last of each)")
+    report.set_defaults(run=cmd_report, parser=report)
 
     for name, handler, text in (("show", cmd_show, "list stored winners with fingerprint and age"),
                                 ("export", cmd_export, "write every stored winner into one JSON table"),
@@ -143,13 +176,35 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--kernel", default=None, help="only entries whose name contains this text")
         command.add_argument("--cache-dir", default=None, help="store directory (default: $DISTTUNE_CACHE_DIR or "
                                                                "the per-user cache)")
-        command.set_defaults(run=handler)
+        command.set_defaults(run=handler, parser=command)
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line, without the library's own ``disttune:`` prefix."""
+    if isinstance(err, OSError) and err.strerror and err.filename:  # not "[Errno 20] Not a directory: 'x'"
+        return f"cannot use {err.filename}: {err.strerror}"
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    return text.removeprefix("disttune: ")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    """Run one subcommand; returns the exit status (argparse exits with 2 on a bad argument)."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if args.run is cmd_demo:
+        if "--" in unknown:  # everything after it belongs to the example, even names the demo also has
+            unknown.remove("--")
+        args.example_args = unknown
+    elif unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        return int(args.run(args) or 0)
+    except (CommandError, OSError, ValueError) as err:
+        print(f"disttune {args.command}: {_one_line(err)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"disttune {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -135,6 +135,7 @@ class _Session:
         self._readers: list = []
         self._reset_done: set = set()
         self.final_failures: dict[SiteId, tuple] = {}  # split sites: winner that failed here in the final run
+        self.sampled_at: dict[tuple, list[float]] = {}  # (site, config index) -> epoch time of each sample
 
     # -- run bookkeeping -------------------------------------------------------------------
     def start_run(self, mode: str, run: int = -1) -> None:
@@ -146,8 +147,10 @@ class _Session:
 
     def finish_run(self) -> list[str]:
         """Read this run's timers and check that every site launched; returns local problems."""
+        now = time.time()
         for site, index, read in self._readers:
             site.samples[index].append(read())
+            self.sampled_at.setdefault((site.id, index), []).append(now)
         if self.mode == "tune":
             missing = [ident.describe() for ident in self.sites if ident not in self._launched]
             if missing:
@@ -690,8 +693,10 @@ class ContextualAutotuner:
             per_rank, agreed = site.with_screening(per_rank, agreed)  # screened-out configs: screening times
             winner = winner_index([agreed[c] if c in site.active else float("inf") for c in range(len(agreed))])
             for r_index, samples in enumerate(site.samples):
+                taken = session.sampled_at.get((site.id, r_index), [])[-len(samples):] if samples else []
                 for iteration, ms in enumerate(samples):
-                    log.measure(site.id.kernel, site.id.key, r_index, str(site.configs[r_index]), iteration, ms)
+                    log.measure(site.id.kernel, site.id.key, r_index, str(site.configs[r_index]), iteration, ms,
+                                taken[iteration] if iteration < len(taken) else None)
             for c, config in enumerate(site.configs):
                 log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, str(config),
                                   list(per_rank[:, c]), float(agreed[c]), site.failures.get(c))

@@ -2,12 +2,16 @@
 
 Each rank writes only its own file, in append mode, so several wrappers (or jobs)
 never truncate one another. Events are buffered during tuning and written in one
-append at the end, keeping file I/O out of the timed runs.
+append at the end, keeping file I/O out of the timed runs; each record keeps the
+time of its own event (a ``measure`` record: when that sample was taken).
 
 JSON lines start with ``{`` and carry ``"event"`` (``measure``, ``config``,
 ``winner``, ``tuning``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
 ``function`` (the wrapped function's qualified name), so
 ``disttune report`` can read them back with ``json.loads`` line by line.
+Times in ms are numbers, or ``null`` where there is none: a config that failed
+(or was pruned) on a rank, or one this rank did not time (a split site); a
+``config`` record's ``failed_ranks`` tells the two apart.
 """
 
 from __future__ import annotations
@@ -27,11 +31,16 @@ def resolve_log_dir(log_dir: Optional[str | os.PathLike]) -> Path:
     return Path(log_dir or os.environ.get(LOG_DIR_ENV) or "logs")
 
 
-def _json_number(value: float) -> Optional[float | str]:
-    """A time for JSON: the number, ``null`` for inf (failed), ``"nan"`` for not measured (a split site)."""
-    if math.isnan(value):
-        return "nan"
+def _json_ms(value: float) -> Optional[float]:
+    """A time for JSON, which has no inf or nan: the number, or ``null`` when there is none."""
     return value if math.isfinite(value) else None
+
+
+def _utc(seconds: Optional[float] = None) -> str:
+    """ISO 8601 UTC with milliseconds, of ``seconds`` since the epoch (default: now)."""
+    moment = (datetime.datetime.now(datetime.timezone.utc) if seconds is None
+              else datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc))
+    return moment.isoformat(timespec="milliseconds")
 
 
 class RankLog:
@@ -44,18 +53,22 @@ class RankLog:
         self.host = socket.gethostname()
         self._lines: list[str] = []
 
-    def _add(self, event: str, text: str, **fields: Any) -> None:
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+    def _add(self, event: str, text: str, at: Optional[float] = None, **fields: Any) -> None:
+        """Buffer one event; ``at`` is when it happened (seconds since the epoch), default now."""
+        stamp = _utc(at)
         self._lines.append(f"{stamp} rank={self.rank} host={self.host} {event}: {text}")
         record = {"event": event, "rank": self.rank, "host": self.host, "time": stamp, "function": self.function,
                   **fields}
         self._lines.append(json.dumps(record, default=str))
 
-    def measure(self, site: str, key: tuple, config_index: int, config: str, iteration: int, ms: float) -> None:
+    def measure(self, site: str, key: tuple, config_index: int, config: str, iteration: int, ms: float,
+                at: Optional[float] = None) -> None:
+        """One timed sample; ``at``: when it was taken (seconds since the epoch), default now."""
         self._add(
             "measure",
-            f"{site} key={key!r} config[{config_index}]={{{config}}} iteration={iteration} ms={ms:.6f}",
-            kernel=site, key=repr(key), config_index=config_index, config=config, iteration=iteration, ms=ms,
+            f"{site} key={key!r} config[{config_index}]={{{config}}} iteration={iteration} ms={ms:.6f}", at,
+            kernel=site, key=repr(key), config_index=config_index, config=config, iteration=iteration,
+            ms=_json_ms(ms),
         )
 
     def config_result(
@@ -68,8 +81,9 @@ class RankLog:
             f"{site} key={key!r} occ={occurrence} config[{config_index}]={{{config}}} per-rank ms [{shown}] "
             f"agreed={agreed_ms:.4f}" + (f" failed here: {failure}" if failure else ""),
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
-            per_rank_ms=[_json_number(t) for t in per_rank_ms], agreed_ms=_json_number(agreed_ms),
-            failure=failure,
+            per_rank_ms=[_json_ms(t) for t in per_rank_ms],
+            failed_ranks=[r for r, t in enumerate(per_rank_ms) if math.isinf(t)],
+            agreed_ms=_json_ms(agreed_ms), failure=failure,
         )
 
     def winner(
@@ -81,7 +95,7 @@ class RankLog:
             f"{site} key={key!r} occ={occurrence} -> config[{config_index}]={{{config}}} "
             f"agreed={agreed_ms:.4f} ms ({source})",
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
-            agreed_ms=_json_number(agreed_ms), source=source,
+            agreed_ms=_json_ms(agreed_ms), source=source,
         )
 
     def tuning(self, function: str, wall_s: float, function_runs: int, sites: int, world_size: int,

@@ -1,12 +1,14 @@
 """Merge the per-rank tuning logs of one log directory into a Markdown report with plots.
 
     report = build_report("logs")            # writes logs/report/report.md and site-<n>-*.png
-    python -m disttune.report logs [OUT_DIR]
+    python -m disttune.report logs [OUT_DIR] [--all]
 
 Each rank appends ``<log_dir>/rank-<r>.log`` (see :mod:`disttune.logs`). For every tuning site
-(function, kernel, key, occurrence) the report shows the *last* tuning found in the logs: in each
-rank's file, the ``config`` records that precede that site's last ``winner`` record with source
-``tuned``. Rank ``r``'s column comes from rank ``r``'s own file when it has the record, else from the
+(function, kernel, key, occurrence) the report shows the *last* tuning call found in the logs
+(``history=True``, ``disttune report --all``: every tuning call, oldest first). In each rank's
+file, a tuning of a site is the ``config`` records that precede one of its ``winner`` records with
+source ``tuned``; the n-th last tuning of a rank is matched with the n-th last of the others.
+Rank ``r``'s column comes from rank ``r``'s own file when it has the record, else from the
 all-gathered ``per_rank_ms`` that another rank logged. Column ``r`` is taken to be global rank ``r``:
 logs of a tuner that agreed over a subgroup (``group=``) index ``per_rank_ms`` by group rank.
 
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from .logs import read_records
+from .sites import describe_config
 
 REPORT_NAME = "report.md"
 _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
@@ -60,8 +63,9 @@ class ConfigRow:
     failures: dict[int, str] = field(default_factory=dict)  # rank -> that rank's own failure message
 
     @property
-    def short(self) -> str:
-        return short_config(self.config)
+    def label(self) -> str:
+        """The config's one label (:func:`disttune.describe_config`), as the demo and ``show`` print it."""
+        return describe_config(self.config)
 
     @property
     def spread(self) -> float:
@@ -78,7 +82,7 @@ class ConfigRow:
 
 @dataclass
 class SiteSummary:
-    """The last tuning of one site (function, kernel, key, occurrence), merged over ranks."""
+    """One tuning of one site (function, kernel, key, occurrence), merged over ranks: by default its last."""
 
     number: int  # 1-based, in order of first appearance; names the plot files
     function: str
@@ -98,10 +102,24 @@ class SiteSummary:
     latest_winner: Optional[int] = None
     logged_ranks: list[int] = field(default_factory=list)  # ranks whose own log has this tuning
     plots: list[Path] = field(default_factory=list)
+    tuning_number: int = 1  # which tuning of the site this is, oldest first
+    tunings: int = 1  # how many tunings of the site the logs hold
+    in_history: bool = False  # one of several tunings shown (``history=True``): named with its number
 
     @property
     def title(self) -> str:
-        return f"{self.kernel} (occurrence {self.occurrence})"
+        """``kernel key=(...) (occurrence n)``: the key tells apart two sites of one kernel."""
+        return f"{self.kernel} key={self.key} (occurrence {self.occurrence})"
+
+    @property
+    def name(self) -> str:
+        """``Site 3`` or, in a history, ``Site 3, tuning 2 of 4``."""
+        return f"Site {self.number}" + (f", tuning {self.tuning_number} of {self.tunings}" if self.in_history else "")
+
+    @property
+    def file_stem(self) -> str:
+        """Start of the plot file names: ``site-3`` or, in a history, ``site-3-tuning-2``."""
+        return f"site-{self.number}" + (f"-tuning-{self.tuning_number}" if self.in_history else "")
 
     def row(self, index: Optional[int]) -> Optional[ConfigRow]:
         return next((r for r in self.configs if r.index == index), None)
@@ -154,7 +172,7 @@ def find_rank_logs(log_dir: str | os.PathLike) -> dict[int, Path]:
     """
     directory = Path(log_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"disttune report: log directory {str(directory)!r} does not exist")
+        raise FileNotFoundError(f"log directory {str(directory)!r} does not exist")
     found = {}
     for entry in directory.iterdir():
         match = _RANK_LOG.match(entry.name)
@@ -162,7 +180,7 @@ def find_rank_logs(log_dir: str | os.PathLike) -> dict[int, Path]:
             found[int(match.group(1))] = entry
     if not found:
         raise FileNotFoundError(
-            f"disttune report: no rank logs (rank-<r>.log) in {str(directory)!r}; "
+            f"no rank logs (rank-<r>.log) in {str(directory)!r}; "
             "point it at the tuner's log_dir (default ./logs, or $DISTTUNE_LOG_DIR)")
     return dict(sorted(found.items()))
 
@@ -248,14 +266,27 @@ SiteKey = tuple  # (function, kernel, key, occurrence)
 
 @dataclass
 class _RankSite:
-    """One rank's last tuning of one site."""
+    """One rank's view of one site: a tuning of it (by default its last), and its latest winner record."""
 
     configs: dict[int, dict] = field(default_factory=dict)  # config_index -> config record
-    winner: Optional[dict] = None  # its last winner record with source "tuned"
+    winner: Optional[dict] = None  # the tuning's winner record (source "tuned")
     tuning: Optional[dict] = None  # the tuning record of that call
     pending: dict[int, dict] = field(default_factory=dict)  # config records after the last tuned winner
     latest: Optional[dict] = None  # the last winner record of any source
     waiting_for_tuning: bool = False
+    earlier: list[tuple[dict, dict, Optional[dict]]] = field(default_factory=list)  # (configs, winner, tuning)
+
+    def tunings(self) -> int:
+        return len(self.earlier) + bool(self.configs or self.winner)
+
+    def back(self, steps: int) -> Optional["_RankSite"]:
+        """The view of this rank's ``steps``-th last tuning (1: the last); None when it has fewer."""
+        if steps == 1:
+            return self
+        if steps > self.tunings():
+            return None
+        configs, winner, tuning = self.earlier[-(steps - 1)]
+        return _RankSite(configs, winner, tuning, latest=self.latest)
 
 
 def site_key(record: dict) -> SiteKey:
@@ -280,6 +311,8 @@ def rank_sites(data: RankLogData) -> tuple[dict[SiteKey, _RankSite], list[str]]:
             if record["source"] == "tuned":
                 if not state.pending:
                     problems.append(f"{label}: tuned winner of {_describe_key(site_key(record))} without config records")
+                if state.winner is not None:
+                    state.earlier.append((state.configs, state.winner, state.tuning))
                 state.configs, state.winner, state.tuning = state.pending, record, None
                 state.pending, state.waiting_for_tuning = {}, True
         elif event == "tuning":
@@ -313,18 +346,24 @@ def world_size_of(logs: Sequence[RankLogData]) -> int:
     return world
 
 
-def _ms(value: Any) -> float:
-    """A logged time: a number, or null for inf."""
+def _ms(value: Any, failed: bool = True) -> float:
+    """A logged time: a number; ``null`` is inf when ``failed``, else nan (not timed)."""
     if value is None:
-        return math.inf
+        return math.inf if failed else math.nan
     try:
-        return float(value)
+        return float(value)  # logs before ``failed_ranks`` wrote "nan" for a time not taken
     except (TypeError, ValueError):
         return math.nan
 
 
+def _rank_ms(record: dict, rank: int) -> float:
+    """Rank ``rank``'s time in a config record (the caller checks the column exists)."""
+    failed = record.get("failed_ranks")
+    return _ms(record["per_rank_ms"][rank], failed=True if not isinstance(failed, list) else rank in failed)
+
+
 def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world: int) -> SiteSummary:
-    """One site's summary from every rank's view of it. O(configs x ranks^2) at worst."""
+    """One site's summary from every rank's view of one tuning of it. O(configs x ranks^2) at worst."""
     function, kernel, site_key_text, occurrence = key
     # the site's own world (a log directory may hold runs of several world sizes); else the directory's
     width = max([s.tuning["world_size"] for s in per_rank.values() if s.tuning]
@@ -339,8 +378,8 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world:
         for rank in ranks:
             own = per_rank.get(rank)
             sources = ([own.configs[index]] if own and index in own.configs else []) + [rec for _, rec in holders]
-            column = next((rec["per_rank_ms"] for rec in sources if len(rec["per_rank_ms"]) > rank), None)
-            times.append(_ms(column[rank]) if column is not None else math.nan)
+            holder = next((rec for rec in sources if len(rec["per_rank_ms"]) > rank), None)
+            times.append(_rank_ms(holder, rank) if holder is not None else math.nan)
         agreed = _ms(holders[0][1]["agreed_ms"]) if "agreed_ms" in holders[0][1] else math.nan
         failures = {r: str(rec["failure"]) for r, rec in holders if rec.get("failure")}
         rows.append(ConfigRow(index, holders[0][1]["config"], times, agreed, failures))
@@ -367,7 +406,7 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, _RankSite], world:
 def site_problems(site: SiteSummary, per_rank: dict[int, _RankSite], present: Iterable[int]) -> list[str]:
     """Ranks that disagree on the winner, logged no records for the site, or whose data is missing."""
     problems = []
-    name = f"site {site.number} ({_describe_key((site.function, site.kernel, site.key, site.occurrence))})"
+    name = f"{site.name.lower()} ({_describe_key((site.function, site.kernel, site.key, site.occurrence))})"
     winners = {r: s.winner["config_index"] for r, s in per_rank.items() if s.winner is not None}
     if len(set(winners.values())) > 1:
         shown = ", ".join(f"rank {r}: config {c}" for r, c in sorted(winners.items()))
@@ -376,8 +415,9 @@ def site_problems(site: SiteSummary, per_rank: dict[int, _RankSite], present: It
     stamps = {r: t for r, t in stamps.items() if t is not None}
     if stamps and (max(stamps.values()) - min(stamps.values())).total_seconds() > _SAME_CALL_S:
         shown = ", ".join(f"rank {r}: {t.isoformat(timespec='seconds')}" for r, t in sorted(stamps.items()))
-        problems.append(f"{name}: the ranks' last tunings are from different times ({shown}); "
-                        "a rank log may lack its latest run")
+        which = "tunings" if site.in_history else "last tunings"
+        problems.append(f"{name}: the ranks' {which} are from different times ({shown}); "
+                        "a rank log may lack a run")
     if site.configs and site.winner is None:
         problems.append(f"{name}: no rank logged a tuned winner")
     if site.winner is not None and site.row(site.winner) is None:
@@ -402,8 +442,11 @@ def _parse_time(text: Any) -> Optional[datetime.datetime]:
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=datetime.timezone.utc)
 
 
-def collect_sites(logs: Sequence[RankLogData]) -> tuple[list[SiteSummary], list[str]]:
-    """Every site of the directory, merged over ranks, in order of first appearance. O(records)."""
+def collect_sites(logs: Sequence[RankLogData], history: bool = False) -> tuple[list[SiteSummary], list[str]]:
+    """Every site of the directory, merged over ranks, in order of first appearance. O(records).
+
+    One summary per site, of its last tuning; with ``history``, one per tuning, oldest first.
+    """
     problems: list[str] = []
     per_site: dict[SiteKey, dict[int, _RankSite]] = {}
     for data in logs:
@@ -415,9 +458,15 @@ def collect_sites(logs: Sequence[RankLogData]) -> tuple[list[SiteSummary], list[
     present = [d.rank for d in logs if d.records]
     summaries = []
     for number, (key, per_rank) in enumerate(per_site.items(), 1):
-        site = merge_site(number, key, per_rank, world)
-        problems += site_problems(site, per_rank, present)
-        summaries.append(site)
+        tunings = max(1, max(state.tunings() for state in per_rank.values()))
+        for steps in range(tunings if history else 1, 0, -1):
+            views = {r: view for r, state in per_rank.items() if (view := state.back(steps)) is not None}
+            site = merge_site(number, key, views, world)
+            site.tuning_number, site.tunings, site.in_history = tunings - steps + 1, tunings, history
+            if steps > 1:  # what a later call did is told with the last tuning only
+                site.latest_source = site.latest_winner = None
+            problems += site_problems(site, views, present)
+            summaries.append(site)
     return summaries, problems
 
 
@@ -430,22 +479,6 @@ def missing_rank_problems(found: dict[int, Path], world: int, log_dir: Path) -> 
 # --------------------------------------------------------------------------------------------
 # Markdown
 # --------------------------------------------------------------------------------------------
-def short_config(config: str) -> str:
-    """``"BLOCK: 32, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None"`` -> ``"BLOCK=32 w4 s3"``."""
-    pairs = re.findall(r"(\w+): ((?:[^,(\[{]|\([^)]*\)|\[[^\]]*\]|\{[^}]*\})+)(?:, |$)", config)
-    if not pairs or ", ".join(f"{k}: {v}" for k, v in pairs) != config:
-        return config
-    values = dict(pairs)
-    parts = [f"{k}={v}" for k, v in pairs if k not in ("num_warps", "num_ctas", "num_stages", "maxnreg")]
-    if "num_warps" in values or "num_stages" in values:
-        parts.append(f"w{values.get('num_warps', '?')} s{values.get('num_stages', '?')}")
-    if values.get("num_ctas", "1") != "1":
-        parts.append(f"ctas{values['num_ctas']}")
-    if values.get("maxnreg", "None") != "None":
-        parts.append(f"maxnreg{values['maxnreg']}")
-    return " ".join(parts)
-
-
 def format_ms(value: float, failed: str = "failed") -> str:
     if math.isnan(value):
         return "n/a"
@@ -495,7 +528,7 @@ def format_site_table(site: SiteSummary, present: Iterable[int]) -> str:
     for row in site.configs:
         spread = "" if math.isnan(row.spread) else f"{100 * row.spread:.1f}%"
         mark = "**winner**" if row.index == site.winner else ""
-        cells = ([str(row.index), _code(row.short)] + [format_ms(t) for t in row.per_rank_ms]
+        cells = ([str(row.index), _code(row.label)] + [format_ms(t) for t in row.per_rank_ms]
                  + [format_ms(row.agreed_ms), spread, _cell(failure_text(site, row, present)), mark])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -512,7 +545,7 @@ def format_disagreement(site: SiteSummary) -> str:
         row = site.row(pick)
         column = site.ranks.index(rank)
         verdict = "same as the agreed winner" if pick == site.winner else "**differs** from the agreed winner"
-        lines.append(f"- rank {rank} alone would pick config {pick} {_code(row.short)} "
+        lines.append(f"- rank {rank} alone would pick config {pick} {_code(row.label)} "
                      f"({format_ms(row.per_rank_ms[column])} ms): {verdict}")
     voters = sum(pick is not None for pick in picks.values())
     k = len(site.disagreeing_ranks())
@@ -524,12 +557,12 @@ def format_disagreement(site: SiteSummary) -> str:
 def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str:
     """One site's section: facts, table, disagreement, plots."""
     present = list(present)
-    lines = [f"## Site {site.number}: {_cell(site.kernel)} (occurrence {site.occurrence})", "",
+    lines = [f"## {site.name}: {_cell(site.title)}", "",
              f"- function: {_code(site.function)}",
              f"- kernel: {_code(site.kernel)}, key: {_code(site.key)}, occurrence {site.occurrence}"]
     winner = site.row(site.winner)
     if winner is not None:
-        lines.append(f"- winner: config {winner.index} {_code(winner.short)}, agreed "
+        lines.append(f"- winner: config {winner.index} {_code(winner.label)}, agreed "
                      f"{format_ms(winner.agreed_ms)} ms (reduce={site.reduce or '?'}, "
                      f"statistic={site.statistic or '?'}), tuned at {site.tuned_at or '?'}")
     elif site.winner is not None:
@@ -544,9 +577,13 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
                      f"{site.function_runs} function runs{in_call}")
     else:
         lines.append("- tuning call: no tuning record found (wall time and run count unknown)")
+    if site.tunings > 1 and not site.in_history:
+        lines.append(f"- the logs hold {site.tunings} tunings of this site; this is the last "
+                     "(`disttune report --all` shows each)")
     if site.latest_source and site.latest_source != "tuned":
         same = "the same config" if site.latest_winner == site.winner else f"config {site.latest_winner}"
-        lines.append(f"- latest call: winner from the {site.latest_source} ({same}); the table shows the last "
+        origin = _SOURCES.get(site.latest_source, f"the {site.latest_source}")
+        lines.append(f"- latest call: winner from {origin} ({same}); the table shows the last "
                      "tuning in the logs")
     lines.append(f"- world size {len(site.ranks)}; rank logs present: {', '.join(map(str, present)) or 'none'}")
     lines.append("")
@@ -560,14 +597,18 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
     return "\n".join(lines)
 
 
+_SOURCES = {"store": "the store", "pinned": "the pinned table", "cached": "the kernel's cache"}
+
+
 def format_summary(sites: Sequence[SiteSummary]) -> str:
     lines = ["| site | function | kernel | key | occ | winner | agreed ms | ranks alone picking differently |",
              "|---:|---|---|---|---:|---|---:|---:|"]
     for site in sites:
         row = site.row(site.winner)
-        winner = f"{row.index}: {_code(row.short)}" if row else ("none" if site.winner is None else str(site.winner))
+        winner = f"{row.index}: {_code(row.label)}" if row else ("none" if site.winner is None else str(site.winner))
         voters = sum(p is not None for p in site.alone_picks().values())
-        lines.append(f"| {site.number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
+        number = f"{site.number}.{site.tuning_number}" if site.in_history else str(site.number)
+        lines.append(f"| {number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
                      f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | "
                      f"{len(site.disagreeing_ranks())} of {voters} |")
     return "\n".join(lines)
@@ -580,13 +621,15 @@ def format_problems(problems: Sequence[str]) -> str:
 
 
 def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites: Sequence[SiteSummary],
-                    problems: Sequence[str], present: Sequence[int]) -> str:
-    """The whole report: header, Problems, summary table, one section per site."""
+                    problems: Sequence[str], present: Sequence[int], history: bool = False) -> str:
+    """The whole report: header, Problems, summary table, one section per site (per tuning with ``history``)."""
+    scope = ("Each site shows every tuning in the logs, oldest first (site 2.1 is site 2's first tuning)."
+             if history else "Each site shows its last tuning in the logs (`--all`: every tuning).")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     parts = ["# disttune tuning report", "",
              f"Logs: `{log_dir}` ({len(found)} rank log(s): {', '.join(p.name for p in found.values())}); "
-             f"{len(sites)} site(s); generated {stamp}.", "",
-             "Each site shows its last tuning in the logs. Times in ms; `failed` = inf (the config failed or "
+             f"{len({site.number for site in sites})} site(s); generated {stamp}.", "",
+             f"{scope} Times in ms; `failed` = inf (the config failed or "
              "was pruned on that rank), `n/a` = not in any log. Spread = (max - min) / min over ranks.", "",
              "## Problems", "", format_problems(problems), ""]
     if sites:
@@ -623,7 +666,7 @@ def _config_labels(site: SiteSummary, width: int = 44) -> list[str]:
     """Tick labels ``[i] short config`` wrapped at ``width`` characters (at most 3 lines), winner marked."""
     labels = []
     for row in site.configs:
-        text = f"[{row.index}] {row.short}" + ("  (winner)" if row.index == site.winner else "")
+        text = f"[{row.index}] {row.label}" + ("  (winner)" if row.index == site.winner else "")
         lines = textwrap.wrap(text, width) or [""]
         if len(lines) > 3:
             lines = lines[:2] + [_clip(" ".join(lines[2:]), width)]
@@ -692,8 +735,7 @@ def plot_heatmap(site: SiteSummary, path: Path) -> Path:
         axes.add_patch(Rectangle((-0.5, w - 0.5), n_ranks, 1, fill=False, edgecolor="#1f4e9e", linewidth=2.5))
     axes.set_xlabel("rank")
     axes.set_ylabel("config")
-    axes.set_title(_wrap_title(f"Site {site.number}: {site.kernel} occ {site.occurrence}: each rank's time (ms)",
-                               width), fontsize=10)
+    axes.set_title(_wrap_title(f"{site.name}: {site.title}: each rank's time (ms)", width), fontsize=10)
     return _save(figure, path)
 
 
@@ -740,8 +782,7 @@ def plot_agreed(site: SiteSummary, path: Path) -> Path:
     if any(not math.isfinite(row.agreed_ms) for row in site.configs):
         handles.append(Patch(facecolor="#f2f2f2", edgecolor="#aaaaaa", hatch="//", label="failed / no data"))
     axes.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)
-    axes.set_title(_wrap_title(f"Site {site.number}: {site.kernel} occ {site.occurrence}: agreed time per config",
-                               width), fontsize=10)
+    axes.set_title(_wrap_title(f"{site.name}: {site.title}: agreed time per config", width), fontsize=10)
     return _save(figure, path)
 
 
@@ -752,18 +793,25 @@ def _colormap(name: str) -> Any:
 
 
 def plot_site(site: SiteSummary, out_dir: Path) -> list[Path]:
-    """Both plots of one site (none when it has no config data): ``site-<n>-heatmap.png``, ``site-<n>-agreed.png``."""
+    """Both plots of one site (none when it has no config data): ``site-<n>-heatmap.png``, ``site-<n>-agreed.png``.
+
+    In a history (``history=True``) the names carry the tuning's number: ``site-<n>-tuning-<k>-heatmap.png``.
+    """
     if not site.configs:
         return []
-    return [plot_heatmap(site, out_dir / f"site-{site.number}-heatmap.png"),
-            plot_agreed(site, out_dir / f"site-{site.number}-agreed.png")]
+    return [plot_heatmap(site, out_dir / f"{site.file_stem}-heatmap.png"),
+            plot_agreed(site, out_dir / f"{site.file_stem}-agreed.png")]
 
 
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
-def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None) -> Report:
+def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None,
+                 history: bool = False) -> Report:
     """Merge ``<log_dir>/rank-<r>.log`` into ``<out_dir>/report.md`` plus two PNGs per tuned site.
+
+    The report covers each site's last tuning call; ``history=True`` covers every tuning call of
+    every site, oldest first (two PNGs per tuning).
 
     ``out_dir`` defaults to ``<log_dir>/report`` (created; existing files of the same names are
     overwritten). Cost: reads every rank log twice (records, then a line scan), O(total log size) time
@@ -779,7 +827,7 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
     problems = [p for data in logs for p in data.problems]
     world = world_size_of(logs)
     problems += missing_rank_problems(found, world, log_dir)
-    sites, site_found = collect_sites(logs)
+    sites, site_found = collect_sites(logs, history)
     problems += site_found
     present = [d.rank for d in logs if d.records]
     plots: list[Path] = []
@@ -787,10 +835,10 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
         try:
             site.plots = plot_site(site, out)
         except Exception as err:  # a plot must not cost the report
-            problems.append(f"site {site.number}: plots failed: {type(err).__name__}: {err}")
+            problems.append(f"{site.name.lower()}: plots failed: {type(err).__name__}: {err}")
         plots += site.plots
     markdown = out / REPORT_NAME
-    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present), encoding="utf-8")
+    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history), encoding="utf-8")
     return Report(markdown, plots, sites, problems)
 
 
@@ -798,13 +846,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m disttune.report", description=__doc__.splitlines()[0])
     parser.add_argument("log_dir", nargs="?", default=None, help="the tuner's log_dir (default: ./logs)")
     parser.add_argument("out_dir", nargs="?", default=None, help="where to write (default: LOG_DIR/report)")
+    parser.add_argument("--all", action="store_true", help="every tuning call of each site, not only the last")
     options = parser.parse_args(argv)
     from .logs import resolve_log_dir
 
     try:
-        report = build_report(resolve_log_dir(options.log_dir), options.out_dir)
-    except FileNotFoundError as err:
-        print(err, file=sys.stderr)
+        report = build_report(resolve_log_dir(options.log_dir), options.out_dir, history=options.all)
+    except OSError as err:  # FileNotFoundError: no rank logs there
+        print(f"disttune report: {err}", file=sys.stderr)
         return 1
     print(f"report: {report.markdown_path} ({len(report.sites)} site(s), {len(report.plots)} plot(s), "
           f"{len(report.problems)} problem(s))")

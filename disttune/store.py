@@ -220,9 +220,11 @@ def validate_record(record: Any, entry: Optional[EntryId], fingerprint: Optional
         return "not a JSON object"
     if record.get("schema") != SCHEMA:
         return f"schema {record.get('schema')!r}, this disttune reads schema {SCHEMA}"
-    for field, kind in (("configs", list), ("winner", int), ("name", str), ("key", str)):
+    for field, kind in (("configs", list), ("winner", int), ("name", str), ("key", str), ("fingerprint", dict)):
         if not isinstance(record.get(field), kind):
             return f"field {field!r} missing or not a {kind.__name__}"
+    if not isinstance(record.get("occurrence", 0), int):
+        return "field 'occurrence' not an int"
     if not 0 <= record["winner"] < len(record["configs"]):
         return f"winner index {record['winner']} outside the {len(record['configs'])} configs"
     if entry is not None:
@@ -285,7 +287,7 @@ def export_table(path: str | os.PathLike, cache_dir: Optional[str | os.PathLike]
 
 def import_table(path: str | os.PathLike, cache_dir: Optional[str | os.PathLike] = None) -> int:
     """Copy a table's entries into the store (each keeps its recorded environment)."""
-    table = load_table(path)
+    table = load_table(path, what="winners table")
     root = resolve_cache_dir(cache_dir)
     for record in table["entries"]:
         entry = entry_of(record)
@@ -302,18 +304,18 @@ def entry_of(record: dict) -> EntryId:
                    int(record.get("occurrence", 0)), tuple(record["configs"]))
 
 
-def load_table(path: str | os.PathLike) -> dict:
-    """Read and check a pinned table; a clear ValueError when it is not one."""
+def load_table(path: str | os.PathLike, what: str = "pinned winners table") -> dict:
+    """Read and check a winners table (``what`` names it in errors); a clear ValueError when it is not one."""
     try:
         table = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"disttune: cannot read pinned winners table {path}: {err}") from err
+        raise ValueError(f"disttune: cannot read {what} {path}: {getattr(err, 'strerror', None) or err}") from err
     if not isinstance(table, dict) or table.get("schema") != TABLE_SCHEMA or not isinstance(table.get("entries"), list):
         raise ValueError(f"disttune: {path} is not a disttune winners table (schema {TABLE_SCHEMA})")
     for record in table["entries"]:
         problem = validate_record(record, None, None)
         if problem:
-            raise ValueError(f"disttune: pinned table {path} has a bad entry: {problem}")
+            raise ValueError(f"disttune: {what} {path} has a bad entry: {problem}")
     return table
 
 

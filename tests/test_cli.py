@@ -1,4 +1,4 @@
-"""The disttune command: demo end to end on 2 CPU ranks, store subcommands, report errors."""
+"""The disttune command: demo end to end on 2 CPU ranks, argument handling, store subcommands, errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import disttune
+import disttune.cli
 from disttune.cli import build_parser, main
+from disttune.logs import RankLog
 from helpers import describe, run_command
 from tiny_kernels import TableTimer, device, launch_add, make_kernel
 
@@ -35,7 +37,7 @@ def test_demo_runs_two_ranks_and_writes_logs_and_report(tmp_path):
 
 def test_unknown_demo_is_a_clear_error(capsys):
     assert main(["demo", "--kernel", "nope"]) == 2
-    assert "there is no 'nope' demo; available: ag_gemm, tp_mlp" in capsys.readouterr().err
+    assert "there is no 'nope' demo; available: ag_gemm, tp_mlp, moe" in capsys.readouterr().err
 
 
 def test_store_subcommands_round_trip(tmp_path, capsys):
@@ -51,7 +53,8 @@ def test_store_subcommands_round_trip(tmp_path, capsys):
     capsys.readouterr()
     assert main(["show"]) == 0
     shown = capsys.readouterr().out
-    assert "tiny_kernels.add_block key=(64," in shown and "BLOCK: 64" in shown and "world 1" in shown
+    assert "tiny_kernels.add_block key=(64," in shown and "world 1" in shown
+    assert "-> BLOCK=64 w1 s3  [" in shown and "maxnreg" not in shown  # the one config label
     table = tmp_path / "winners.json"
     assert main(["export", str(table)]) == 0 and len(json.loads(table.read_text())["entries"]) == 1
     assert main(["clear", "--kernel", "not-this-one"]) == 0 and "removed 0 entries" in capsys.readouterr().out
@@ -67,3 +70,116 @@ def test_store_subcommands_round_trip(tmp_path, capsys):
 def test_report_of_an_empty_directory_is_an_error_not_a_crash(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1
     assert str(tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, example_args, nproc", [
+    (["--M", "192"], ["--M", "192"], None),
+    (["--M", "192", "--nproc", "2", "--N=64"], ["--M", "192", "--N=64"], 2),
+    (["--n", "4"], ["--n", "4"], None),  # not an abbreviation of --nproc
+    (["--nproc", "2", "--", "--nproc", "3", "--help"], ["--nproc", "3", "--help"], 2),  # after --: all the example's
+])
+def test_demo_passes_what_it_does_not_know_to_the_example(argv, example_args, nproc, monkeypatch, tmp_path):
+    launched = []
+    monkeypatch.setattr(disttune.cli.subprocess, "call", lambda command, env: launched.append(command) or 3)
+    assert main(["demo", "--log-dir", str(tmp_path), *argv]) == 3  # the example's exit status
+    (command,) = launched
+    example = command.index(str(disttune.cli.REPO_ROOT / "examples" / "ag_gemm.py"))
+    assert command[example + 1:] == example_args
+    assert ("--nproc_per_node=2" in command[:example]) == (nproc == 2)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"disttune {disttune.__version__} (torch ")
+
+
+@pytest.mark.parametrize("argv", [["show", "--bogus"], ["report", "--bogus"], ["export"], ["import", "a", "b"],
+                                  ["clear", "--kernel"], ["demo", "--nproc", "two"]])
+def test_argument_errors_print_the_subcommands_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(f"usage: disttune {argv[0]} ") and f"disttune {argv[0]}: error: " in err, err
+
+
+def entry(**changes) -> dict:
+    """One winners-table entry, as export_table writes it."""
+    record = {"schema": 1, "kind": "kernel", "name": "pkg.kernel", "source_key": "abc", "key": "(64,)",
+              "occurrence": 0, "configs": ["BLOCK: 16, num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None"],
+              "winner": 0, "agreed_ms": [1.0], "fingerprint": {"gpu": None, "world_size": 1}, "created": 0.0}
+    return {key: value for key, value in {**record, **changes}.items() if value is not ...}
+
+
+def write_table(path, *entries) -> str:
+    path.write_text(json.dumps({"schema": 1, "entries": list(entries)}))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("no fingerprint", "has a bad entry: field 'fingerprint' missing or not a dict"),
+    ("string fingerprint", "has a bad entry: field 'fingerprint' missing or not a dict"),
+    ("string occurrence", "has a bad entry: field 'occurrence' not an int"),
+    ("missing file", "cannot read winners table"),
+    ("unwritable store", "cannot write the store under"),
+])
+def test_import_errors_are_one_line(case, expected, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    table = {"no fingerprint": lambda: write_table(tmp_path / "t.json", entry(fingerprint=...)),
+             "string fingerprint": lambda: write_table(tmp_path / "t.json", entry(fingerprint="H100")),
+             "string occurrence": lambda: write_table(tmp_path / "t.json", entry(occurrence="first")),
+             "missing file": lambda: str(tmp_path / "none.json"),
+             "unwritable store": lambda: write_table(tmp_path / "t.json", entry())}[case]()
+    store = tmp_path / "a-file" / "store" if case == "unwritable store" else tmp_path / "store"
+    assert main(["import", table, "--cache-dir", str(store)]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("disttune import: ") and expected in err and err.count("\n") == 1, err
+    assert "pinned" not in err and "Traceback" not in err and out == ""
+
+
+def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    for target in (tmp_path / "a-file" / "winners.json", tmp_path / "no-such-dir" / "winners.json"):
+        assert main(["export", str(target)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"disttune export: cannot write {target}: ") and err.count("\n") == 1, err
+
+
+def test_show_lists_a_damaged_entry_instead_of_failing(tmp_path, capsys):
+    folder = tmp_path / "store" / "pkg.kernel"
+    folder.mkdir(parents=True)
+    (folder / "good.json").write_text(json.dumps(entry()))
+    (folder / "string-fingerprint.json").write_text(json.dumps(entry(fingerprint="H100", created="yesterday")))
+    assert main(["show", "--cache-dir", str(tmp_path / "store")]) == 0
+    shown = capsys.readouterr().out
+    assert "pkg.kernel key=(64,) occ=0 -> BLOCK=16 w1 s3  [cpu, world 1" in shown
+    assert "UNUSABLE" in shown and "string-fingerprint.json: field 'fingerprint' missing or not a dict" in shown
+
+
+def test_report_errors_carry_one_prefix(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("disttune report:") == 1 and err.count("\n") == 1 and "does not exist" in err
+
+
+def test_report_all_covers_every_tuning(tmp_path, capsys):
+    configs = [f"BLOCK: {b}, num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None, ir_override: None"
+               for b in (16, 32)]
+    for times in ([1.0, 2.0], [2.0, 1.0]):  # tuned twice: config 0, then config 1 wins
+        log = RankLog(tmp_path / "logs", 0, "step")
+        for c, ms in enumerate(times):
+            log.config_result("pkg.kernel", (64,), 0, c, configs[c], [ms], ms, None)
+        winner = times.index(min(times))
+        log.winner("pkg.kernel", (64,), 0, winner, configs[winner], min(times), "tuned")
+        log.tuning("step", 0.1, 5, 1, 1, "max", "median")
+        log.flush()
+    assert main(["report", str(tmp_path / "logs"), "--out", str(tmp_path / "last")]) == 0
+    plots = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plot: ")]
+    assert len(plots) == 2
+    assert main(["report", str(tmp_path / "logs"), "--all", "--out", str(tmp_path / "all")]) == 0
+    plots = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plot: ")]
+    assert len(plots) == 4 and sum("site-1-tuning-2-" in p for p in plots) == 2
+    markdown = (tmp_path / "all" / "report.md").read_text()
+    assert "| `BLOCK=16 w1 s3` |" in markdown and "ir_override" not in markdown

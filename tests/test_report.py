@@ -6,15 +6,18 @@ damaged directories are written here with disttune.logs.RankLog and then corrupt
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
 from pathlib import Path
 
 import pytest
+import triton
 
 from disttune.logs import RankLog
-from disttune.report import build_report, short_config
+from disttune.report import build_report
+from disttune.sites import describe_config
 from helpers import describe, run_launch
 
 CASES = Path(__file__).with_name("dist_cases.py")
@@ -198,6 +201,121 @@ def test_appended_runs_report_the_last_tuning(tmp_path):
     assert "winner from the store (the same config)" in report.markdown_path.read_text()
 
 
+def test_a_winner_from_a_pinned_table_is_named_so(tmp_path):
+    write_tuning(tmp_path, 0, [[3.0], [2.0], [1.0]])
+    log = RankLog(tmp_path, 0, "step")
+    log.winner(KERNEL, KEY, 0, 1, CONFIGS[1], math.nan, "pinned")
+    log.flush()
+    markdown = build_report(tmp_path, tmp_path / "out").markdown_path.read_text()
+    assert "latest call: winner from the pinned table (config 1)" in markdown
+
+
+def test_report_covers_the_last_tuning_unless_asked_for_all(tmp_path):
+    write_tuning(tmp_path, 0, [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])  # first tuning: config 0 wins
+    write_tuning(tmp_path, 1, [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])
+    write_tuning(tmp_path, 0, [[3.0, 3.5], [2.0, 2.5], [1.0, 1.5]])  # re-tuned: config 2 wins
+    write_tuning(tmp_path, 1, [[3.0, 3.5], [2.0, 2.5], [1.0, 1.5]])
+
+    latest = build_report(tmp_path, tmp_path / "latest")
+    assert latest.problems == []
+    (site,) = latest.sites
+    assert (site.winner, site.tuning_number, site.tunings) == (2, 2, 2)
+    assert {p.name for p in latest.plots} == {"site-1-heatmap.png", "site-1-agreed.png"}
+    assert "the logs hold 2 tunings of this site; this is the last" in latest.markdown_path.read_text()
+
+    history = build_report(tmp_path, tmp_path / "all", history=True)
+    assert history.problems == []
+    assert [(s.number, s.tuning_number, s.winner) for s in history.sites] == [(1, 1, 0), (1, 2, 2)]
+    assert [row.per_rank_ms for row in history.sites[0].configs] == [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]]
+    assert {p.name for p in history.plots} == {f"site-1-tuning-{k}-{kind}.png" for k in (1, 2)
+                                                for kind in ("heatmap", "agreed")}
+    markdown = history.markdown_path.read_text()
+    assert "## Site 1, tuning 1 of 2: " in markdown and "## Site 1, tuning 2 of 2: " in markdown
+    assert "1 site(s)" in markdown
+    check_pngs(latest.plots)
+
+
+def test_titles_carry_the_key_so_two_sites_of_one_kernel_differ(tmp_path, monkeypatch):
+    import disttune.report as report_module
+
+    other_key = (256, "torch.float32", "torch.float32")
+    log = RankLog(tmp_path, 0, "step")
+    for key in (KEY, other_key):
+        for c, config in enumerate(CONFIGS):
+            log.config_result(KERNEL, key, 0, c, config, [float(c + 1)], float(c + 1), None)
+        log.winner(KERNEL, key, 0, 0, CONFIGS[0], 1.0, "tuned")
+    log.tuning("step", 0.5, 11, 2, 1, "max", "median")
+    log.flush()
+    titles = []
+    real_save = report_module._save
+    monkeypatch.setattr(report_module, "_save",
+                        lambda figure, path: (titles.append(figure.axes[0].get_title()), real_save(figure, path))[1])
+
+    report = build_report(tmp_path, tmp_path / "out")
+    assert len(report.sites) == 2 and len(titles) == 4
+    markdown = report.markdown_path.read_text()
+    for number, key in ((1, KEY), (2, other_key)):
+        assert f"## Site {number}: {KERNEL} key={key!r} (occurrence 0)" in markdown
+        shown = [" ".join(t.split()) for t in titles if t.startswith(f"Site {number}:")]
+        assert len(shown) == 2 and all(f"key={key!r}" in t for t in shown), titles
+
+
+def test_json_logs_write_null_for_missing_times_and_name_the_failed_ranks(tmp_path):
+    log = RankLog(tmp_path, 0, "step")
+    for c, row in enumerate([[1.0, math.nan, 2.0], [1.5, 1.0, math.inf], [3.0, 3.0, 3.0]]):
+        log.config_result(KERNEL, KEY, 0, c, CONFIGS[c], row, math.inf if c == 1 else max(row), None)
+    log.winner(KERNEL, KEY, 0, 0, CONFIGS[0], 2.0, "tuned")
+    log.winner(KERNEL, KEY, 0, 0, CONFIGS[0], math.nan, "store")
+    log.measure(KERNEL, KEY, 0, CONFIGS[0], 0, math.inf)
+    log.tuning("step", 0.5, 5, 1, 3, "max", "median")
+    log.flush()
+    text = (tmp_path / "rank-0.log").read_text()
+    assert '"nan"' not in text and "NaN" not in text and "Infinity" not in text
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in a JSON log")
+
+    records = [json.loads(line, parse_constant=no_constants) for line in text.splitlines() if line.startswith("{")]
+    configs = [r for r in records if r["event"] == "config"]
+    assert [r["per_rank_ms"] for r in configs] == [[1.0, None, 2.0], [1.5, 1.0, None], [3.0, 3.0, 3.0]]
+    assert [r["failed_ranks"] for r in configs] == [[], [2], []]
+    assert configs[1]["agreed_ms"] is None
+    assert [r["agreed_ms"] for r in records if r["event"] == "winner"] == [2.0, None]
+    assert [r["ms"] for r in records if r["event"] == "measure"] == [None]
+
+    (site,) = build_report(tmp_path, tmp_path / "out").sites
+    first, second = site.configs[0].per_rank_ms, site.configs[1].per_rank_ms
+    assert first[0] == 1.0 and math.isnan(first[1]) and second == [1.5, 1.0, math.inf]
+
+
+def test_each_measure_record_carries_the_time_of_its_sample(tmp_path):
+    import time
+
+    import torch
+
+    import disttune
+    from tiny_kernels import TableTimer, device, launch_add, make_kernel
+
+    kernel = make_kernel()
+    x = torch.randn(64, device=device())
+
+    @disttune.contextual_autotune(timer=TableTimer(lambda info: 1.0), n_warmup=1, n_repeat=2, verbose=False,
+                                  log_dir=tmp_path, cache_dir=tmp_path / "store")
+    def step():
+        launch_add(kernel, x, torch.empty_like(x))
+        time.sleep(0.03)
+
+    step()
+    records = [json.loads(line) for line in (tmp_path / "rank-0.log").read_text().splitlines()
+               if line.startswith("{")]
+    stamps = [datetime.datetime.fromisoformat(r["time"]) for r in records if r["event"] == "measure"]
+    assert len(stamps) == 6  # 3 configs x 2 timed runs, in the order they ran
+    gaps = [(later - earlier).total_seconds() for earlier, later in zip(stamps, stamps[1:])]
+    assert all(gap >= 0.025 for gap in gaps), gaps
+    (tuning,) = [datetime.datetime.fromisoformat(r["time"]) for r in records if r["event"] == "tuning"]
+    assert tuning > stamps[-1]
+
+
 def test_no_logs_raise_naming_the_directory(tmp_path):
     empty = tmp_path / "empty-log-dir"
     empty.mkdir()
@@ -209,11 +327,37 @@ def test_no_logs_raise_naming_the_directory(tmp_path):
     assert not (empty / "report").exists()
 
 
-def test_short_config():
-    assert short_config(CONFIGS[1]) == "BLOCK=32 w1 s3"
-    assert short_config("BLOCK_M: 128, num_warps: 8, num_ctas: 2, num_stages: 4, maxnreg: 128") == \
+def test_config_label_of_logged_text_leaves_out_defaults():
+    assert describe_config(CONFIGS[1]) == "BLOCK=32 w1 s3"
+    assert describe_config("BLOCK_M: 128, num_warps: 8, num_ctas: 2, num_stages: 4, maxnreg: 128") == \
         "BLOCK_M=128 w8 s4 ctas2 maxnreg128"
-    assert short_config("something else") == "something else"
+    # newer Triton prints ir_override (and may add more options): left out at their default
+    assert describe_config(CONFIGS[1] + ", ir_override: None") == "BLOCK=32 w1 s3"
+    assert describe_config(CONFIGS[1] + ", ir_override: /tmp/x.ttgir") == "BLOCK=32 w1 s3 ir_override=/tmp/x.ttgir"
+    assert describe_config("something else") == "something else"
+
+
+class _NewerConfig(triton.Config):
+    """A Config with an option a later Triton might add."""
+
+    def __init__(self, kwargs, num_warps=4, num_stages=3, fast_math=False, **options):
+        super().__init__(kwargs, num_warps=num_warps, num_stages=num_stages, **options)
+        self.fast_math = fast_math
+
+
+@pytest.mark.parametrize("config, label", [
+    (triton.Config({"BLOCK": 32}, num_warps=1), "BLOCK=32 w1 s3"),
+    (triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2, num_ctas=2, maxnreg=128),
+     "BLOCK_M=64 BLOCK_N=32 w8 s2 ctas2 maxnreg128"),
+    (triton.Config({"BLOCK": 16}, num_warps=2, num_stages=1, pre_hook=lambda args: None), "BLOCK=16 w2 s1"),
+    (_NewerConfig({"BLOCK": 16}, num_warps=2), "BLOCK=16 w2 s3"),
+    (_NewerConfig({"BLOCK": 16}, num_warps=2, fast_math=True), "BLOCK=16 w2 s3 fast_math=True"),
+    ({"chunks": 4, "order": "ring"}, "chunks=4 order=ring"),
+])
+def test_config_label_is_the_same_for_a_config_and_its_logged_text(config, label):
+    assert describe_config(config) == label
+    if isinstance(config, triton.Config) and not isinstance(config, _NewerConfig):
+        assert describe_config(str(config)) == label  # what the logs and the store hold
 
 
 def test_ranks_whose_last_tunings_differ_in_time(tmp_path):
