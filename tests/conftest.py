@@ -15,9 +15,14 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def isolated_winner_store(tmp_path, monkeypatch):
-    """Each test gets its own winner store, so no test sees another's (or the user's) winners."""
+def isolated_outputs(tmp_path, monkeypatch):
+    """Each test gets its own winner store and log directory under its ``tmp_path``.
+
+    So no test sees another's (or the user's) winners, and nothing a test runs, subprocesses
+    included (they inherit the environment), writes logs or reports into the checkout.
+    """
     monkeypatch.setenv("DISTTUNE_CACHE_DIR", str(tmp_path / "winner-store"))
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "disttune-logs"))
     monkeypatch.delenv("DISTTUNE_PINNED", raising=False)
     monkeypatch.delenv("DISTTUNE_ALWAYS_TUNE", raising=False)
 
