@@ -11,7 +11,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy
 import pytest
+import triton
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+def pytest_configure(config):
+    """Stop at once, in one line, where Triton's interpreter cannot run with the installed numpy."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if interpreting and _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        raise pytest.UsageError(
+            f"triton {triton.__version__}'s interpreter needs numpy < 2.4 (it calls int() on 1-element arrays, "
+            f"which numpy {numpy.__version__} refuses): pip install 'numpy<2.4', or a newer triton")
 
 
 @pytest.fixture(autouse=True)
