@@ -328,6 +328,7 @@ def test_second_process_hits_even_where_a_rank_lost_its_file(tmp_path):
     assert [r["source"] for r in fourth] == ["store", "store"]
 
 
+@pytest.mark.slow
 def test_world_size_change_invalidates_and_four_ranks_agree(tmp_path):
     stores = tmp_path / "stores"
     launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
@@ -354,6 +355,7 @@ def test_pinned_tables_must_match_on_every_rank(tmp_path):
     assert all("has no winner for" in r["error"] for r in missing)
 
 
+@pytest.mark.slow
 def test_function_autotune_over_gloo_and_subgroups(tmp_path):
     results = launch_cases(tmp_path, ["--nproc_per_node=4"], ["function", "function_subgroup"], tmp_path / "s")
     for result in results["function"]:
