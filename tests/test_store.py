@@ -305,6 +305,7 @@ def launch_cases(tmp_path: Path, launcher: list[str], cases: list[str], store_di
     return results
 
 
+@pytest.mark.slow
 def test_second_process_hits_even_where_a_rank_lost_its_file(tmp_path):
     stores = tmp_path / "stores"
     (first,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores).values()
@@ -338,6 +339,7 @@ def test_world_size_change_invalidates_and_four_ranks_agree(tmp_path):
     assert [r["source"] for r in again] == ["store"] * 4
 
 
+@pytest.mark.slow
 def test_pinned_tables_must_match_on_every_rank(tmp_path):
     stores = tmp_path / "stores"
     launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
@@ -372,6 +374,7 @@ def test_function_autotune_over_mpi(tmp_path):
     assert [r["winner"] for r in per_rank] == [2, 2]
 
 
+@pytest.mark.slow
 def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
     stores = tmp_path / "stores"
     launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
