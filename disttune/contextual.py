@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
 from . import intercept as _hook
 from . import store as _store
 from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, make_communicator
+from .compat import config_text
 from .fast_path import FastPlan
 from .logs import RankLog
 from .sites import (
@@ -602,13 +603,13 @@ class ContextualAutotuner:
     @staticmethod
     def _entry(site: Site) -> _store.EntryId:
         return _store.EntryId("kernel", site.id.kernel, _store.kernel_source_key(site.autotuner), repr(site.id.key),
-                              site.id.occurrence, tuple(str(c) for c in site.configs))
+                              site.id.occurrence, tuple(config_text(c) for c in site.configs))
 
     def _lookup_function(self, winners_store, table) -> Optional[Callable[[Site], Optional[int]]]:
         """How this rank answers for a new site: its pinned-table or stored winner index, or None."""
         if table is not None:
             return lambda site: _store.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
-                                                     tuple(str(c) for c in site.configs))
+                                                     tuple(config_text(c) for c in site.configs))
         if winners_store is None or self.always_tune or _store.always_tune():
             return None
 
@@ -695,15 +696,15 @@ class ContextualAutotuner:
             for r_index, samples in enumerate(site.samples):
                 taken = session.sampled_at.get((site.id, r_index), [])[-len(samples):] if samples else []
                 for iteration, ms in enumerate(samples):
-                    log.measure(site.id.kernel, site.id.key, r_index, str(site.configs[r_index]), iteration, ms,
-                                taken[iteration] if iteration < len(taken) else None)
+                    log.measure(site.id.kernel, site.id.key, r_index, config_text(site.configs[r_index]), iteration,
+                                ms, taken[iteration] if iteration < len(taken) else None)
             for c, config in enumerate(site.configs):
-                log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, str(config),
+                log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, config_text(config),
                                   list(per_rank[:, c]), float(agreed[c]), site.failures.get(c))
             if winner is None:
                 dead.append(site)
                 continue
-            log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, str(site.configs[winner]),
+            log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, config_text(site.configs[winner]),
                        float(agreed[winner]), "tuned")
             results.append(SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in per_rank),
                                       tuple(map(float, agreed)), winner, "tuned", site.split))
@@ -712,7 +713,7 @@ class ContextualAutotuner:
         for site in session.sites.values():
             if site.decided is not None:
                 log.winner(site.id.kernel, site.id.key, site.id.occurrence, site.decided,
-                           str(site.configs[site.decided]), float("nan"), site.decided_by)
+                           config_text(site.configs[site.decided]), float("nan"), site.decided_by)
                 results.append(SiteResult(site.id, tuple(site.configs), (), (), site.decided, site.decided_by))
             elif site.preset is not None:
                 index = site.configs.index(site.preset) if site.preset in site.configs else -1

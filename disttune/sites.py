@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from .compat import config_text
+
 INF = float("inf")
 NAN = float("nan")
 
@@ -101,8 +103,8 @@ class Site:
             self.id.kernel,
             repr(self.id.key),
             self.id.occurrence,
-            tuple(str(c) for c in self.configs),
-            None if self.preset is None else str(self.preset),
+            tuple(config_text(c) for c in self.configs),
+            None if self.preset is None else config_text(self.preset),
         )
 
     def record_failure(self, index: int, err: BaseException) -> None:

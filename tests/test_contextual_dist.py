@@ -157,6 +157,7 @@ def test_per_rank_logs_hold_every_rank_time(gloo2):
         assert tuning["function_runs"] == 11 and tuning["wall_s"] > 0
 
 
+@pytest.mark.slow
 def test_four_ranks_agree(gloo4):
     results, _ = gloo4
     check_agreement(results["agree_max"], "max")
@@ -165,6 +166,7 @@ def test_four_ranks_agree(gloo4):
     check_error(results["mismatch_configs"], "TuningError", "ranks [0, 2, 3]", "ranks [1]")
 
 
+@pytest.mark.slow
 def test_subgroups_agree_within_themselves(gloo4):
     results, _ = gloo4
     by_pair = {}
@@ -320,6 +322,7 @@ def test_split_sites_on_two_ranks(gloo2):
     check_all_split_cases(gloo2[0])
 
 
+@pytest.mark.slow
 def test_split_sites_on_four_ranks(gloo4):
     check_all_split_cases(gloo4[0])
 
@@ -336,6 +339,7 @@ def test_split_log_marks_configs_a_rank_did_not_time(gloo2):
         assert winner["config_index"] == 3
 
 
+@pytest.mark.slow
 def test_eight_ranks_tune_agree_split_and_store(tmp_path):
     """Issue 9: the core multi-rank paths with 8 ranks on gloo, in one launch (8 processes importing torch)."""
     results = _launch(tmp_path, ["--nproc_per_node=8"], ["agree_max", *SPLIT_CASES])

@@ -15,7 +15,8 @@ import torch
 
 from helpers import describe, run_launch
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant (8 ranks on one GPU host is not a test)")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant (8 ranks on one GPU host is not a test)"),
+              pytest.mark.slow]
 
 
 def test_tp_gemms_on_eight_ranks():

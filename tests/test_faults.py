@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fault_tally import TALLY
 from helpers import CommandTimeout, REPO_ROOT, describe, mpi, repo_env, run_launch
 
@@ -74,6 +76,7 @@ def test_exceptions_inside_the_function_at_any_point(tmp_path):
         assert "rank 1:" in per_rank[0]["error"]
 
 
+@pytest.mark.slow
 def test_rank_dependent_keys_and_config_lists_on_eight_ranks(tmp_path):
     results = launch(tmp_path, ["--nproc_per_node=8"], ["keys_differ", "mismatch_configs", "fail_one_rank",
                                                         "agree_max"])
@@ -138,6 +141,7 @@ def test_writer_killed_mid_write_leaves_no_torn_file(tmp_path):
         raise
 
 
+@pytest.mark.slow
 def test_soak_200_tunings_on_four_ranks_always_agree(tmp_path):
     (per_rank,) = launch(tmp_path, ["--nproc_per_node=4"], ["soak"], faults_per_case=200).values()
     TALLY["trials"] += 199  # 200 tunings in the one launch

@@ -377,6 +377,7 @@ def test_ag_moe_moe_rs_layer_2_ranks(gloo2):
     _check_layer(gloo2["layer"])
 
 
+@pytest.mark.slow
 def test_ag_moe_moe_rs_layer_4_ranks(gloo4):
     _check_layer(gloo4["layer"])
 

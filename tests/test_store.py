@@ -305,6 +305,7 @@ def launch_cases(tmp_path: Path, launcher: list[str], cases: list[str], store_di
     return results
 
 
+@pytest.mark.slow
 def test_second_process_hits_even_where_a_rank_lost_its_file(tmp_path):
     stores = tmp_path / "stores"
     (first,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores).values()
@@ -328,6 +329,7 @@ def test_second_process_hits_even_where_a_rank_lost_its_file(tmp_path):
     assert [r["source"] for r in fourth] == ["store", "store"]
 
 
+@pytest.mark.slow
 def test_world_size_change_invalidates_and_four_ranks_agree(tmp_path):
     stores = tmp_path / "stores"
     launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
@@ -337,6 +339,7 @@ def test_world_size_change_invalidates_and_four_ranks_agree(tmp_path):
     assert [r["source"] for r in again] == ["store"] * 4
 
 
+@pytest.mark.slow
 def test_pinned_tables_must_match_on_every_rank(tmp_path):
     stores = tmp_path / "stores"
     launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
@@ -354,6 +357,7 @@ def test_pinned_tables_must_match_on_every_rank(tmp_path):
     assert all("has no winner for" in r["error"] for r in missing)
 
 
+@pytest.mark.slow
 def test_function_autotune_over_gloo_and_subgroups(tmp_path):
     results = launch_cases(tmp_path, ["--nproc_per_node=4"], ["function", "function_subgroup"], tmp_path / "s")
     for result in results["function"]:
@@ -370,6 +374,7 @@ def test_function_autotune_over_mpi(tmp_path):
     assert [r["winner"] for r in per_rank] == [2, 2]
 
 
+@pytest.mark.slow
 def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
     stores = tmp_path / "stores"
     launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)

@@ -23,6 +23,7 @@ def passed_ranks(output: str) -> dict[int, int]:
 
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant; GPUs run test_tp_on_two_gpus")
+@pytest.mark.slow
 def test_two_ranks_both_dtypes_and_tuned_mlp_agree():
     proc = run_launch(["--nproc_per_node=2", "tests/tp_cases.py", "--tune"], timeout=240)
     assert proc.returncode == 0, describe(proc)
@@ -32,6 +33,7 @@ def test_two_ranks_both_dtypes_and_tuned_mlp_agree():
 
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant")
+@pytest.mark.slow
 def test_four_ranks_ragged_shards():
     proc = run_launch(["--nproc_per_node=4", "tests/tp_cases.py", "--dtypes", "float16"], timeout=300)
     assert proc.returncode == 0, describe(proc)

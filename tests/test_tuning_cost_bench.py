@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import describe, run_launch
 
 
+@pytest.mark.slow
 def test_moe_workload_tunes_and_the_untuned_variant_fixes_its_winner(tmp_path):
     rows_file = tmp_path / "rows.jsonl"
     env = {"DISTTUNE_CACHE_DIR": str(tmp_path / "store"), "DISTTUNE_LOG_DIR": str(tmp_path / "logs")}
