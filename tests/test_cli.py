@@ -32,7 +32,16 @@ def test_demo_runs_two_ranks_and_writes_logs_and_report(tmp_path):
     report_line = [line for line in proc.stdout.splitlines() if line.startswith("report: ")]
     assert report_line, describe(proc)
     report = report_line[0].split("report: ", 1)[1].split(" (")[0]
-    assert "_matmul_body" in open(report).read()
+    assert "shard_ordered_gemm" in open(report).read()  # the shipped AllGatherGEMM's kernel
+
+
+@pytest.mark.slow
+def test_moe_demo_tunes_the_layer_and_checks_itself(tmp_path):
+    proc = run_command([sys.executable, "-m", "disttune", "demo", "--kernel", "moe", "--log-dir", str(tmp_path / "logs"),
+                        "--samples", "3"], timeout=600, extra_env={"DISTTUNE_CACHE_DIR": str(tmp_path / "store")})
+    assert proc.returncode == 0, describe(proc)
+    assert "TP MoE layer" in proc.stdout and "correct on every rank: True" in proc.stdout, describe(proc)
+    assert proc.stdout.count("<- winner") >= 2, describe(proc)  # the gate-up and the down projection
 
 
 def test_unknown_demo_is_a_clear_error(capsys):
