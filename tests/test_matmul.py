@@ -161,7 +161,7 @@ def test_bf16_refused_under_interpreter():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter-only limitation")
-@pytest.mark.xfail(strict=True, reason="triton 3.6 interpreter tl.dot multiplies bf16 bit patterns as ints")
+@pytest.mark.xfail(strict=True, reason="the interpreter's tl.dot (triton 3.6 to 3.9) multiplies bf16 bit patterns as ints")
 def test_bf16_raw_jit_under_interpreter_is_wrong():
     """Documents the interpreter bug; if a triton upgrade fixes it this XPASSes (strict
     -> failure), telling us to lift the bf16 guard in the launchers."""
