@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-DEFAULT_TIMEOUT_S = 300.0
+from .env import DEFAULT_TIMEOUT_S
 
 
 class CollectiveTimeout(RuntimeError):

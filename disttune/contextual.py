@@ -30,9 +30,10 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
 
+from . import env
 from . import intercept as _hook
 from . import store as _store
-from .comm import DEFAULT_TIMEOUT_S, Communicator, LocalComm, make_communicator
+from .comm import Communicator, LocalComm, make_communicator
 from .fast_path import FastPlan
 from .logs import RankLog
 from .sites import (
@@ -56,9 +57,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: What ``split=`` accepts: True/False, kernel names or autotuned kernels, or a predicate over a site.
 SplitSpec = Union[bool, str, Any, Iterable[Any], Callable[[SiteId], bool]]
-
-TIMEOUT_ENV = "DISTTUNE_TIMEOUT"
-
 
 class TuningError(RuntimeError):
     """Tuning could not complete; raised with the same message on every rank."""
@@ -383,10 +381,7 @@ class ContextualAutotuner:
         if reduce not in REDUCTIONS:
             raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {', '.join(REDUCTIONS)}")
         resolve_statistic(statistic)
-        if timeout_s is None:
-            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if not timeout_s > 0:
-            raise ValueError(f"disttune: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        timeout_s = env.timeout_s(timeout_s)
         if timer is not None and not isinstance(timer, Timer):
             raise TypeError(f"disttune: timer must have a .time(launch, info) method, got {type(timer).__name__}")
         if not is_dist and group is not None:
@@ -414,7 +409,7 @@ class ContextualAutotuner:
         self.use_store = store
         self.store_check = store_check
         self.store_writer = store_writer
-        self.pinned = pinned or os.environ.get(_store.PINNED_ENV) or None
+        self.pinned = pinned or env.pinned_table()
         if compile_threads is not None:
             _check_count("compile_threads", compile_threads, minimum=0)
         self.compile_threads = compile_threads
@@ -542,7 +537,7 @@ class ContextualAutotuner:
             self._tuned = True
             if self.verbose and comm.rank == 0:
                 self._print_summary(log)
-            if _triton_prints_autotuning():
+            if env.triton_prints_autotuning():
                 for r in self.report.results:
                     print(f"Triton autotuning for function {r.site.kernel} (disttune, rank {comm.rank}),\n"
                           f"with key as {r.site.key},\nfinished after {wall_s:.2f}s,\n"
@@ -588,12 +583,12 @@ class ContextualAutotuner:
     def _open_store(self, comm: Communicator) -> Optional[_store.WinnerStore]:
         if not self.use_store:
             return None
-        fingerprint = _store.environment_fingerprint(comm.world_size, _local_world_size())
+        fingerprint = _store.environment_fingerprint(comm.world_size, env.local_world_size())
         return _store.WinnerStore(self.cache_dir, fingerprint, self.store_check)
 
     def _is_store_writer(self, comm: Communicator) -> bool:
         if self.store_writer == "node":
-            return _local_rank() == 0
+            return env.local_rank() == 0
         return _global_rank(comm) == 0
 
     @staticmethod
@@ -606,7 +601,7 @@ class ContextualAutotuner:
         if table is not None:
             return lambda site: _store.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
                                                      tuple(str(c) for c in site.configs))
-        if winners_store is None or self.always_tune or _store.always_tune():
+        if winners_store is None or self.always_tune or env.always_tune():
             return None
 
         def stored(site: Site) -> Optional[int]:
@@ -878,7 +873,7 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
 
 def _progress_bar(wanted: bool, total: int, description: str) -> Any:
     """A tqdm bar on stderr when wanted, on a terminal, and not disabled by DISTTUNE_PROGRESS=0."""
-    if not wanted or total == 0 or os.environ.get("DISTTUNE_PROGRESS", "1") == "0" or not sys.stderr.isatty():
+    if not wanted or total == 0 or not env.progress_enabled() or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -887,37 +882,13 @@ def _progress_bar(wanted: bool, total: int, description: str) -> Any:
     return tqdm(total=total, desc=description, unit="run", leave=False, file=sys.stderr)
 
 
-def _triton_prints_autotuning() -> bool:
-    """Honour TRITON_PRINT_AUTOTUNING=1 as Triton does (its knob, else the variable)."""
-    try:
-        from triton import knobs
-
-        return bool(knobs.autotuning.print)
-    except (ImportError, AttributeError):
-        return os.environ.get("TRITON_PRINT_AUTOTUNING", "0") == "1"
-
-
-def _local_rank(default: int = 0) -> int:
-    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return default
-
-
 def _compile_share(comm: Communicator) -> tuple[int, int]:
     """(this rank's index, ranks) among the ranks that share a Triton cache: the node's, where the
     launcher says (LOCAL_RANK / LOCAL_WORLD_SIZE or MPI's), else the communicator's."""
-    local_world, local_rank = _local_world_size(), _local_rank(default=-1)
+    local_world, local_rank = env.local_world_size(), env.local_rank(default=-1)
     if 0 <= local_rank < local_world:
         return local_rank, local_world
     return comm.rank, comm.world_size
-
-
-def _local_world_size() -> int:
-    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
 
 
 def _global_rank(comm: Communicator) -> int:

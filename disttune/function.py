@@ -29,9 +29,10 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 
+from . import env
 from . import store as _store
-from .comm import DEFAULT_TIMEOUT_S, Communicator, make_communicator
-from .contextual import TuningError, _check_count, _local_world_size
+from .comm import Communicator, make_communicator
+from .contextual import TuningError, _check_count
 from .sites import AllConfigsFailed, REDUCTIONS, Statistic, agree, resolve_statistic, winner_index
 from .timing import LaunchInfo, Timer, default_timer
 
@@ -83,7 +84,7 @@ class FunctionAutotuner:
         self.n_warmup, self.n_repeat = n_warmup, n_repeat
         self.timer, self.reduce, self.statistic = timer, reduce, statistic
         self.comm = comm
-        self.timeout_s = float(timeout_s or os.environ.get("DISTTUNE_TIMEOUT", DEFAULT_TIMEOUT_S))
+        self.timeout_s = env.timeout_s(timeout_s)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
@@ -128,9 +129,9 @@ class FunctionAutotuner:
         winners_store = None
         stored = None
         if self.use_store:
-            fingerprint = _store.environment_fingerprint(comm.world_size, _local_world_size())
+            fingerprint = _store.environment_fingerprint(comm.world_size, env.local_world_size())
             winners_store = _store.WinnerStore(self.cache_dir, fingerprint)
-            if not _store.always_tune():
+            if not env.always_tune():
                 record = winners_store.load(entry)
                 stored = None if record is None else record["winner"]
         everyone = comm.all_gather_objects({"key": repr(key), "configs": entry.configs, "stored": stored},

@@ -234,7 +234,7 @@ def can_precompile(autotuner: Autotuner) -> bool:
     """Whether the kernel can be compiled without a launch (a JITFunction on a real GPU backend)."""
     from triton.runtime.jit import JITFunction
 
-    from .timing import interpreting
+    from .env import interpreting
 
     return isinstance(autotuner.fn, JITFunction) and not interpreting()
 
@@ -247,13 +247,11 @@ def current_cuda_device() -> Optional[int]:
 
 def default_compile_threads() -> int:
     """Compile threads when none are asked for: up to 16 per rank on a GPU backend, none in the interpreter."""
-    import os
+    from . import env
 
-    from .timing import interpreting
-
-    if interpreting() or current_cuda_device() is None:
+    if env.interpreting() or current_cuda_device() is None:
         return 0
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # ranks of this node compile side by side
+    ranks_here = env.local_world_size()  # ranks of this node compile side by side
     return max(1, min(16, (os.cpu_count() or 2) // max(1, ranks_here)))
 
 
