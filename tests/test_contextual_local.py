@@ -17,7 +17,7 @@ import triton
 from triton.runtime.autotuner import Autotuner
 
 import disttune
-from disttune import intercept
+from disttune import fast_path, intercept, triton_launch
 from disttune.fast_path import FastKernel
 from tiny_kernels import TableTimer, accumulate, device, grid, increment, launch_add, make_kernel
 
@@ -568,7 +568,7 @@ def test_triton_print_autotuning_is_honoured(tmp_path, monkeypatch, capsys):
 
 
 def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch):
-    from disttune.contextual import _progress_bar
+    from disttune.engine import progress_bar as _progress_bar
 
     class Terminal:
         def isatty(self):
@@ -647,7 +647,7 @@ def test_split_on_one_rank_is_plain_tuning(tmp_path):
 
 
 def test_split_accepts_names_kernels_and_predicates():
-    from disttune.contextual import _split_predicate
+    from disttune.sites import split_predicate as _split_predicate
     from disttune.sites import Site, SiteId
 
     kernel, other = make_kernel(), make_kernel(accumulate)
@@ -699,9 +699,9 @@ def test_fast_key_equals_tritons_key_for_every_way_of_passing_arguments():
              ((x,), {"y_ptr": x.as_subclass(OwnDtype), "n": 8})]  # a tensor subclass with a dtype of its own
     for first_args, first_kwargs in cases:
         fast = FastKernel(kernel)
-        assert fast.key(first_args, first_kwargs) == intercept.tuning_key(kernel, first_args, first_kwargs)
+        assert fast.key(first_args, first_kwargs) == triton_launch.tuning_key(kernel, first_args, first_kwargs)
         for args, kwargs in cases:
-            assert fast.key(args, kwargs) == intercept.tuning_key(kernel, args, kwargs), (first_args, args, kwargs)
+            assert fast.key(args, kwargs) == triton_launch.tuning_key(kernel, args, kwargs), (first_args, args, kwargs)
 
 
 def test_fast_path_runs_the_winners_pre_hook_and_hands_unplanned_launches_to_the_general_path(tmp_path):
@@ -846,7 +846,7 @@ def test_fast_path_follows_calls_that_depart_from_the_learned_launch_order(tmp_p
     assert_no_scope_left()
 
 
-def test_single_config_kernels_keep_the_fast_path_on_its_learned_sequence(tmp_path):
+def test_single_config_kernels_keep_the_fast_path_on_its_learned_sequence(tmp_path, monkeypatch):
     """A kernel with one config is never a site (nothing to choose): after tuning its launches go to
     Triton's own ``run`` between the planned ones, with no fallback session and without leaving the
     learned sequence (before, each call built a fallback and cost more than stock Triton)."""
@@ -866,8 +866,8 @@ def test_single_config_kernels_keep_the_fast_path_on_its_learned_sequence(tmp_pa
     plan = step._plan
     assert plan.sequence is not None and len(plan.sequence) == 2
     fallbacks = []
-    make_fallback = plan.make_fallback
-    plan.make_fallback = lambda *a: fallbacks.append(1) or make_fallback(*a)
+    fast_handler = fast_path.Fast
+    monkeypatch.setattr(fast_path, "Fast", lambda *a: fallbacks.append(1) or fast_handler(*a))
     tuned_recorder.blocks.clear()
     single_recorder.blocks.clear()
     for _ in range(3):
@@ -900,8 +900,8 @@ def test_fast_path_reads_keys_of_launches_with_keyword_arguments_without_the_gen
     step(x)
     step(x)
     general = []
-    real_key = intercept.tuning_key
-    monkeypatch.setattr(intercept, "tuning_key", lambda *a: general.append(1) or real_key(*a))
+    real_key = triton_launch.tuning_key
+    monkeypatch.setattr(triton_launch, "tuning_key", lambda *a: general.append(1) or real_key(*a))
     for _ in range(3):
         assert torch.equal(step(x), x + 32)  # BLOCK=32 won
     assert general == [] and step.tuned
