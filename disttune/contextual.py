@@ -113,13 +113,9 @@ class ContextualAutotuner:
         self._plan: Optional[FastPlan] = None
         self._tuned = False
         self._communicator: Optional[Communicator] = None
-
-    def __getattr__(self, name: str) -> Any:
-        """The options read as attributes (``tuner.n_repeat``, ``tuner.reduce``, ...)."""
-        options = self.__dict__.get("options")
-        if options is not None and name in Options.__dataclass_fields__:
-            return getattr(options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
+        # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
+        self.__dict__ = dict(self.__dict__)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         return self if obj is None else functools.partial(self.__call__, obj)
