@@ -11,7 +11,8 @@ The public entry points:
 
 from . import dist
 from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
-from .contextual import ContextualAutotuner, SiteResult, TuningError, TuningReport, contextual_autotune
+from .agreement import SiteResult, TuningError, TuningReport
+from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
 from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer

@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-DEFAULT_TIMEOUT_S = 300.0
+from .env import DEFAULT_TIMEOUT_S
 
 
 class CollectiveTimeout(RuntimeError):
@@ -201,12 +201,23 @@ class MpiComm:
         self._wait(self.comm.Ibarrier(), step)
 
 
+def is_comm(group: Any) -> bool:
+    """Whether ``group`` is an mpi4py communicator or a :class:`Communicator`, rather than a torch process group."""
+    return isinstance(group, Communicator) or hasattr(group, "Iallgather")
+
+
 def make_communicator(
     is_dist: bool, group: Any = None, comm: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Communicator:
-    """Pick the communicator the caller asked for; a clear error when it is not there."""
+    """Pick the communicator the caller asked for; a clear error when it is not there.
+
+    ``group``: a torch process group (with ``is_dist``), an mpi4py communicator, or None (the default
+    torch group with ``is_dist``, else a world of one); ``comm`` is the older name for an mpi4py one.
+    """
+    if comm is None and is_comm(group):
+        comm, group = group, None
     if comm is not None:
-        if isinstance(comm, (LocalComm, TorchComm, MpiComm)):
+        if isinstance(comm, Communicator):
             return comm
         return MpiComm(comm, timeout_s)
     if not is_dist:

@@ -12,8 +12,11 @@ def config_text(config: Any) -> str:
     Triton 3.6's ``str(config)``. Newer Triton also prints fields at their defaults
     (``ir_override: None``); here such a field appears only when it is set. Stored winners, pinned
     tables, cross-rank digests and logs use this text, so a table written under one Triton
-    version matches the same configs under another. Costs a string format.
+    version matches the same configs under another. Anything that is not a ``triton.Config`` (the
+    function tuner's dict configs) is ``str(config)``. Costs a string format.
     """
+    if not hasattr(config, "kwargs"):
+        return str(config)
     parts = [f"{k}: {v}" for k, v in config.kwargs.items()]
     parts += [f"{name}: {getattr(config, name, None)}" for name in ("num_warps", "num_ctas", "num_stages", "maxnreg")]
     if getattr(config, "ir_override", None) is not None:

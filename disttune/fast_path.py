@@ -20,7 +20,10 @@ from typing import Any, Callable, Optional
 
 from triton.runtime.autotuner import Autotuner
 
-from . import intercept as _hook
+from . import triton_launch
+from .handlers import Fast
+from .intercept import triton_run
+from .sites import SiteId
 
 # (FastKernel, key, run, config kwargs, config pre_hook): one planned launch
 _Planned = tuple
@@ -61,7 +64,7 @@ class FastKernel:
 
     def __init__(self, autotuner: Autotuner) -> None:
         self.autotuner = autotuner
-        self.name = _hook.kernel_name(autotuner)
+        self.name = triton_launch.kernel_name(autotuner)
         self.run = autotuner.fn.run
         names = list(autotuner.arg_names)
         self.positions = tuple(names.index(k) for k in autotuner.keys if k in names)
@@ -159,7 +162,7 @@ class FastKernel:
         """The key of any launch: by position without building dicts when no argument is a keyword."""
         count = len(args)
         if count > self.n_names or count < self.needed or not self.arg_names.isdisjoint(kwargs):
-            return _hook.tuning_key(self.autotuner, args, kwargs)
+            return triton_launch.tuning_key(self.autotuner, args, kwargs)
         key = []
         for i in self.positions:
             key.append(args[i])
@@ -178,16 +181,15 @@ class FastPlan:
     """The winners of one tuning, laid out for the fast path: built at commit time, read per launch.
 
     ``winners`` maps each :class:`~disttune.sites.SiteId` to its config; ``sites`` maps it to its
-    :class:`~disttune.sites.Site`. ``make_fallback(winners, occurrences)`` builds the handler for
-    launches the plan does not cover (another autotuner, a new key, an extra occurrence): a
-    fast-mode session that shares the call's occurrence counts.
+    :class:`~disttune.sites.Site`. Launches the plan does not cover (another autotuner, a new key,
+    an extra occurrence) go to a :class:`~disttune.handlers.Fast` handler that shares the call's
+    occurrence counts.
     """
 
-    __slots__ = ("kernels", "by_site", "winners", "sequence", "spare", "make_fallback")
+    __slots__ = ("kernels", "by_site", "winners", "sequence", "spare")
 
-    def __init__(self, sites: dict, winners: dict, make_fallback: Callable[[dict, dict], Any]) -> None:
+    def __init__(self, sites: dict, winners: dict) -> None:
         self.winners = winners
-        self.make_fallback = make_fallback
         self.kernels: dict[Autotuner, FastKernel] = {}
         self.by_site: dict[tuple, tuple[_Planned, ...]] = {}
         self.sequence: Optional[tuple[_Sequenced, ...]] = None  # learned by the first clean call
@@ -273,8 +275,8 @@ class FastLaunch:
 
     def _launch_by_site(self, autotuner: Autotuner, args: tuple, kwargs: dict) -> Any:
         """The general way: find the site by kernel, key and occurrence; what the plan lacks goes to the fallback."""
-        if not _hook.has_choice(autotuner):  # never a site: Triton's own launch; the learned sequence goes on
-            return _hook.triton_run(autotuner, *args, **kwargs)
+        if not triton_launch.has_choice(autotuner):  # never a site: Triton's own launch; the learned sequence goes on
+            return triton_run(autotuner, *args, **kwargs)
         if self.following:
             self._leave_sequence()
         plan = self.plan
@@ -289,7 +291,7 @@ class FastLaunch:
         planned = plan.by_site.get(counter, ())
         if occurrence >= len(planned):
             self.trace = None
-            return self._fallback().launch_unplanned(counter[0], key, occurrence, autotuner, args, kwargs)
+            return self._fallback().launch_site(SiteId(counter[0], key, occurrence), autotuner, key, args, kwargs)
         launch = planned[occurrence]
         if self.trace is not None:
             self.trace.append(launch)
@@ -307,5 +309,5 @@ class FastLaunch:
 
     def _fallback(self) -> Any:
         if self.fallback is None:
-            self.fallback = self.plan.make_fallback(self.plan.winners, self.occurrences)
+            self.fallback = Fast(self.plan.winners, self.occurrences)
         return self.fallback

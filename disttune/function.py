@@ -8,9 +8,16 @@ together; per-rank statistics are all-gathered and combined like the contextual
 tuner's (max over ranks by default, ``inf`` if a config failed on any rank), and the
 winner is stored so later processes skip tuning.
 
+It walks the contextual tuner's protocol with a whole call in place of an intercepted launch: the
+call becomes one site whose candidates are the configs, each tuning call runs the config the shared
+:class:`~disttune.sites.Schedule` gives it and is timed by the Timer, the ranks agree through the
+same :class:`~disttune.agreement.Agreement` (consensus on key, configs, options and stored winner;
+agreed vector; all-failed error), and the winner goes to the same store.
+
 Cost of one tuning: ``len(space) * (n_warmup + n_repeat) + 1`` calls of the function
 (the last with the winner, whose result is returned), one barrier per call, and two
-all-gathers. Every collective uses ``autotune_pg`` (or ``comm=``) when given.
+all-gathers. Every collective uses ``group=`` (a torch process group or an mpi4py
+communicator; ``comm=`` is the older name for the latter), or ``autotune_pg=`` at call time.
 
 ``split=True`` is for functions with no communication inside: rank ``r`` times only
 configs ``r, r + w, r + 2w, ...`` and each config's time is its owner's, so ``w`` ranks
@@ -26,13 +33,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from typing import Any, Callable, Optional, Sequence
 
-
-from . import store as _store
-from .comm import DEFAULT_TIMEOUT_S, Communicator, make_communicator
-from .contextual import TuningError, _check_count, _local_world_size
-from .sites import AllConfigsFailed, REDUCTIONS, Statistic, agree, resolve_statistic, winner_index
+from . import engine
+from . import store as stores
+from .agreement import Agreement
+from .comm import Communicator, is_comm, make_communicator
+from .options import check_common, describe_options
+from .env import timeout_s as resolve_timeout
+from .sites import Schedule, Site, SiteId, Statistic
 from .timing import LaunchInfo, Timer, default_timer
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
@@ -57,6 +67,7 @@ class FunctionAutotuner:
         timer: Optional[Timer] = None,
         reduce: str = "max",
         statistic: Statistic = "median",
+        group: Any = None,
         comm: Any = None,
         timeout_s: Optional[float] = None,
         cache_dir: Optional[str | os.PathLike] = None,
@@ -67,11 +78,7 @@ class FunctionAutotuner:
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
         if not callable(key_fn):
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
-        _check_count("n_warmup", n_warmup, 0)
-        _check_count("n_repeat", n_repeat, 1)
-        if reduce not in REDUCTIONS:
-            raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {', '.join(REDUCTIONS)}")
-        resolve_statistic(statistic)
+        check_common(n_warmup, n_repeat, reduce, statistic, timer)
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")
@@ -82,8 +89,8 @@ class FunctionAutotuner:
         self.key_fn, self.prune_fn = key_fn, prune_fn
         self.n_warmup, self.n_repeat = n_warmup, n_repeat
         self.timer, self.reduce, self.statistic = timer, reduce, statistic
-        self.comm = comm
-        self.timeout_s = float(timeout_s or os.environ.get("DISTTUNE_TIMEOUT", DEFAULT_TIMEOUT_S))
+        self.group = group if group is not None else comm
+        self.timeout_s = resolve_timeout(timeout_s)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
@@ -113,78 +120,70 @@ class FunctionAutotuner:
         return configs
 
     def _communicator(self, group: Any) -> Communicator:
-        """``comm=`` if given, else torch.distributed when it is initialised, else a world of one."""
+        """``group`` (``autotune_pg=``, else ``group=``/``comm=``): an mpi4py communicator, a torch process
+        group, or None (torch.distributed's default group when it is initialised, else a world of one)."""
         import torch.distributed as dist
 
+        group = self.group if group is None else group
+        if is_comm(group):
+            return make_communicator(False, group, None, self.timeout_s)
         initialised = dist.is_available() and dist.is_initialized()
-        if group is not None and not initialised and self.comm is None:
-            raise RuntimeError("disttune.autotune: autotune_pg was given but torch.distributed is not initialised")
-        return make_communicator(initialised, group, self.comm, self.timeout_s)
+        if group is not None and not initialised:
+            raise RuntimeError("disttune.autotune: a process group was given (group= or autotune_pg=) but "
+                               "torch.distributed is not initialised")
+        return make_communicator(initialised, group, None, self.timeout_s)
 
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
               verbose: bool) -> dict:
-        entry = _store.EntryId("function", f"{self.fn.__module__}.{self.__qualname__}",
-                               _store.function_source_key(self.fn), repr(key), 0, tuple(_describe(c) for c in configs))
-        winners_store = None
-        stored = None
-        if self.use_store:
-            fingerprint = _store.environment_fingerprint(comm.world_size, _local_world_size())
-            winners_store = _store.WinnerStore(self.cache_dir, fingerprint)
-            if not _store.always_tune():
-                record = winners_store.load(entry)
-                stored = None if record is None else record["winner"]
-        everyone = comm.all_gather_objects({"key": repr(key), "configs": entry.configs, "stored": stored},
-                                           "function autotune consensus")
-        differing = [r for r, d in enumerate(everyone) if (d["key"], d["configs"]) != (repr(key), entry.configs)]
-        if differing:
-            raise TuningError(
-                f"disttune.autotune: {self.__qualname__}: ranks disagree on the tuning key or pruned configs: "
-                + "; ".join(f"rank {r}: key={d['key']} with {len(d['configs'])} config(s)" for r, d in enumerate(everyone))
-            )
-        if everyone[0]["stored"] is not None:
-            return configs[everyone[0]["stored"]]
-
-        timer = self.timer or default_timer()
-        samples: list[list[float]] = [[] for _ in configs]
-        failures: dict[int, str] = {}
-        world = comm.world_size if self.split else 1
-        for slot in range(-(-len(configs) // world)):  # the same number of slots on every rank
-            index = slot * world + (comm.rank if self.split else 0)
-            config = configs[index] if index < len(configs) else None
-            for run in range(self.n_warmup + self.n_repeat):
-                comm.barrier(f"function autotune config slot {slot} run {run}")
-                if config is None or index in failures:
-                    continue
-                try:
-                    if run < self.n_warmup:
-                        self.fn(*args, **kwargs, **config)
-                    else:
-                        info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, run, comm.rank)
-                        samples[index].append(timer.time(lambda: self.fn(*args, **kwargs, **config), info)())
-                except Exception as err:  # scored inf on every rank through the agreement
-                    failures[index] = f"{type(err).__name__}: {err}"
-        reduce_stat = resolve_statistic(self.statistic)
-        unmeasured = float("nan") if self.split else float("inf")  # split: another rank timed it
-        local = [float("inf") if i in failures else float(reduce_stat(s)) if s else unmeasured
-                 for i, s in enumerate(samples)]
-        per_rank = comm.all_gather_floats(local, "function autotune agreement")
-        agreed = agree(per_rank, self.reduce, split=self.split)  # split: each config's time is its owner's
-        winner = winner_index(agreed)
-        self.last_timings = {"configs": configs, "per_rank_ms": per_rank.tolist(), "agreed_ms": agreed.tolist(),
-                             "winner": winner}
-        if winner is None:
-            reports = comm.all_gather_objects(failures, "function autotune failures")
-            raise AllConfigsFailed(f"disttune.autotune: {self.__qualname__}: every config failed on some rank: "
-                                   + "; ".join(f"rank {r} config {i}: {m}" for r, f in enumerate(reports)
-                                               for i, m in f.items()))
+        """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk."""
+        name = f"{self.fn.__module__}.{self.__qualname__}"
+        entry = stores.EntryId("function", name, stores.function_source_key(self.fn), repr(key), 0,
+                               tuple(_describe(c) for c in configs))
+        site = Site(SiteId(name, (repr(key),), 0), None, configs)
+        winners_store = engine.open_store(self.use_store, self.cache_dir, comm)
+        lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
+        site.local_answer = None if lookup is None else lookup(site)
+        agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
+        agreement.consensus([site], None, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
+                                                           reduce=self.reduce, statistic=self.statistic,
+                                                           split=self.split), [self.split])
+        if site.decided is not None:
+            return configs[site.decided]
+        if self.split:
+            site.share = (comm.rank, comm.world_size)
+        self._timed_calls(site, Schedule(site.slots(), self.n_warmup, self.n_repeat), key, args, kwargs, comm)
+        (result,) = agreement.verdicts([site])
+        self.last_timings = {"configs": configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
+                             "agreed_ms": list(result.agreed_ms), "winner": result.winner}
         if winners_store is not None and comm.rank == 0:
-            winners_store.save(entry, winner, list(agreed), {"function": self.__qualname__})
+            engine.save_winners(winners_store, [(entry, result)], self.__qualname__)
         if verbose and comm.rank == 0:
             for i, config in enumerate(configs):
-                mark = "  <- winner" if i == winner else ""
-                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {agreed[i]:.4f} ms{mark}",
+                mark = "  <- winner" if i == result.winner else ""
+                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms{mark}",
                       file=sys.stdout, flush=True)
-        return configs[winner]
+        return configs[result.winner]
+
+    def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
+                     comm: Communicator) -> None:
+        """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``."""
+        timer = self.timer or default_timer()
+        per_config = self.n_warmup + self.n_repeat
+        for run in range(schedule.runs):
+            slot, phase = divmod(run, per_config)
+            comm.barrier(f"function autotune config slot {slot} run {phase}")
+            index, timed = schedule.slot(run, len(site.configs), site.share)
+            if index is None or index in site.failures:
+                continue
+            config = site.configs[index]
+            try:
+                if not timed:
+                    self.fn(*args, **kwargs, **config)
+                else:
+                    info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
+                    site.add_sample(index, timer.time(lambda: self.fn(*args, **kwargs, **config), info)(), time.time())
+            except Exception as err:  # scored inf on every rank through the agreement
+                site.record_failure(index, err)
 
 
 def autotune(
@@ -199,7 +198,8 @@ def autotune(
     returns False for configs to skip. At call time: ``autotune=False`` uses the first config
     of the pruned space, ``autotune_verbose=True`` prints the agreed times on rank 0,
     ``autotune_pg=group`` agrees over a process subgroup. Keyword-only options:
-    ``n_warmup``, ``n_repeat``, ``timer``, ``reduce``, ``statistic``, ``comm`` (mpi4py),
+    ``n_warmup``, ``n_repeat``, ``timer``, ``reduce``, ``statistic``, ``group`` (a torch process
+    group or an mpi4py communicator; ``comm`` is the older name for the latter),
     ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
     space: only for functions with no collectives inside).
     """

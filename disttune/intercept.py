@@ -13,9 +13,9 @@ one forwarding call before stock Triton runs it. Other code that patches
 is kept (launches reach the hook through it), and a method put in its place makes the
 next scope install the hook again over it.
 
-``launch_config`` reproduces what Triton does for one tuning launch
-(``Config.pre_hook``, the tuner's ``pre_hook``/``reset_to_zero``/``restore_value``,
-the launch, ``post_hook``); ``launch_winner`` what it does for a cached launch.
+This is the first step of the walk: the launch is intercepted here and handed to a launch handler
+(:mod:`disttune.handlers`), which turns it into a site. What Triton itself would do with the launch
+(its key, its candidates, a tuning or a cached launch) lives in :mod:`disttune.triton_launch`.
 """
 
 from __future__ import annotations
@@ -62,15 +62,9 @@ def _hooked_run(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
     return handler.launch(self, args, kwargs)
 
 
-def active_handler() -> Optional[LaunchHandler]:
-    """The handler of the scope open on this thread, if any."""
-    return _current.get()
-
-
-def has_choice(autotuner: Autotuner) -> bool:
-    """Whether the autotuner has configs to choose between; one with a single config is never a site
-    (its launches are Triton's own, in tuning and fast calls alike)."""
-    return len(autotuner.configs) > 1
+#: The handler of the scope open on this thread, if any (the context variable's own ``get``: the tuned
+#: fast path asks on every call, and a bound builtin costs no Python frame).
+active_handler: Callable[[], Optional[LaunchHandler]] = _current.get
 
 
 def hook_installed() -> bool:
@@ -151,117 +145,3 @@ def intercept(handler: LaunchHandler) -> Iterator[None]:
         yield
     finally:
         close_scope(token)
-
-
-def tuning_key(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
-    """The key Triton's ``Autotuner.run`` caches under: the ``key`` arguments, then every tensor's dtype."""
-    nargs = dict(zip(autotuner.arg_names, args))
-    all_args = {**nargs, **kwargs}
-    named = {k: v for k, v in all_args.items() if k in autotuner.arg_names}
-    key = [named[k] for k in autotuner.keys if k in named]
-    key.extend(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
-    return tuple(key)
-
-
-def candidate_configs(autotuner: Autotuner, args: tuple, kwargs: dict) -> list:
-    """The configs Triton would benchmark for this launch (``early_config_prune``, ``perf_model``/``top_k``)."""
-    autotuner.nargs = dict(zip(autotuner.arg_names, args))
-    try:
-        return list(autotuner.prune_configs(kwargs))
-    finally:
-        autotuner.nargs = None
-
-
-def check_conflicts(autotuner: Autotuner, kwargs: dict, config: Any) -> None:
-    """Triton's rule: a meta-parameter set both by the caller and by a config is an error."""
-    conflicts = kwargs.keys() & config.kwargs.keys()
-    if conflicts:
-        raise ValueError(
-            f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}."
-            " Make sure that you don't re-define auto-tuned symbols."
-        )
-
-
-def launch_config(
-    autotuner: Autotuner,
-    args: tuple,
-    kwargs: dict,
-    config: Any,
-    wrap: Callable[[Callable[[], Any]], Any] = lambda launch: launch(),
-) -> Any:
-    """One tuning launch with Triton's hook semantics; ``wrap`` surrounds the bare launch (a timer).
-
-    Raises whatever the hooks or the launch raise (compile errors included), after
-    the tuner's ``post_hook`` has run, as Triton does.
-    """
-    current = dict(kwargs, **config.all_kwargs())
-    full_nargs = {**dict(zip(autotuner.arg_names, args)), **current}
-    if config.pre_hook:
-        config.pre_hook(full_nargs)
-    autotuner.pre_hook(full_nargs)
-    try:
-        result = wrap(lambda: autotuner.fn.run(*args, **current))
-    except Exception as err:
-        autotuner.post_hook(full_nargs, exception=err)
-        raise
-    autotuner.post_hook(full_nargs, exception=None)
-    return result
-
-
-def launch_winner(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any) -> Any:
-    """A launch with a chosen config, exactly as Triton's cached path does it."""
-    if config.pre_hook is not None:
-        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
-    return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
-
-
-def reset_before_real_launch(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any) -> None:
-    """What Triton does once after benchmarking: ``pre_hook(reset_only=True)`` (zeroes ``reset_to_zero``)."""
-    full_nargs = {**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()}
-    autotuner.pre_hook(full_nargs, reset_only=True)
-
-
-def kernel_name(autotuner: Autotuner) -> str:
-    """``module.qualname`` of the kernel's Python function (remembered on the autotuner)."""
-    name = autotuner.__dict__.get("_disttune_name")
-    if name is None:
-        fn = autotuner.base_fn
-        name = autotuner._disttune_name = f"{fn.__module__}.{fn.__qualname__}"
-    return name
-
-
-def can_precompile(autotuner: Autotuner) -> bool:
-    """Whether the kernel can be compiled without a launch (a JITFunction on a real GPU backend)."""
-    from triton.runtime.jit import JITFunction
-
-    from .timing import interpreting
-
-    return isinstance(autotuner.fn, JITFunction) and not interpreting()
-
-
-def current_cuda_device() -> Optional[int]:
-    import torch
-
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
-
-
-def default_compile_threads() -> int:
-    """Compile threads when none are asked for: up to 16 per rank on a GPU backend, none in the interpreter."""
-    import os
-
-    from .timing import interpreting
-
-    if interpreting() or current_cuda_device() is None:
-        return 0
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # ranks of this node compile side by side
-    return max(1, min(16, (os.cpu_count() or 2) // max(1, ranks_here)))
-
-
-def precompile(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any, device: Optional[int]) -> Any:
-    """Compile one config of a launch on a worker thread (``JITFunction.warmup``), on the caller's GPU."""
-    if device is not None:
-        import torch
-
-        torch.cuda.set_device(device)  # the CUDA device is per thread; compile for the launching rank's GPU
-    meta = {k: v for k, v in kwargs.items() if k != "warmup"}  # discovery already checked for conflicts
-    return autotuner.fn.warmup(*args, **meta, **config.all_kwargs())

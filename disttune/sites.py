@@ -3,8 +3,9 @@
 A *site* is one autotuned launch within a run of the wrapped function, named by
 (kernel, tuning key, occurrence of that kernel and key within the run). It owns its
 candidate configs and the samples this rank measured for them. Nothing here talks
-to other ranks: the caller gathers :meth:`Site.local_times` from every rank and
-hands the gathered matrix to :func:`agree`.
+to other ranks: :mod:`disttune.agreement` gathers :meth:`Site.local_times` from every
+rank and hands the gathered matrix to :func:`agree`. :func:`split_predicate` turns the
+``split=`` option into a test on a site.
 """
 
 from __future__ import annotations
@@ -79,13 +80,20 @@ class Site:
 
     def __post_init__(self) -> None:
         self.samples = [[] for _ in self.configs]
+        self.sample_times = [[] for _ in self.configs]  # when each sample was read (seconds since the epoch)
         self.active = list(range(len(self.configs)))
+
+    def add_sample(self, index: int, ms: float, at: float) -> None:
+        """One timed run of config ``index``: ``ms``, read at ``at`` (seconds since the epoch)."""
+        self.samples[index].append(ms)
+        self.sample_times[index].append(at)
 
     def keep_only(self, survivors: list[int], per_rank: np.ndarray, agreed: np.ndarray) -> None:
         """After an agreed screening round: only ``survivors`` are tuned further; their samples restart."""
         self.active = sorted(survivors)
         self.screen = (np.array(per_rank), np.array(agreed))
         self.samples = [[] for _ in self.configs]
+        self.sample_times = [[] for _ in self.configs]
 
     def with_screening(self, per_rank: np.ndarray, agreed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Final times where screened-out configs keep their (agreed) screening times."""
@@ -288,3 +296,38 @@ def winner_index(agreed: Sequence[float]) -> Optional[int]:
         if t < best_time:
             best, best_time = i, t
     return best if best_time < INF and not math.isnan(best_time) else None
+
+
+def split_predicate(spec: Any) -> Callable[["Site"], bool]:
+    """``split=`` as a test on a site: True/False, a kernel name, autotuned kernels, or a predicate.
+
+    Names match the kernel's ``module.qualname`` (as in logs and reports) or its bare function
+    name; a ``triton.autotune`` kernel object matches itself; a callable gets the ``SiteId``.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    if spec is None or spec is False:
+        return lambda site: False
+    if spec is True:
+        return lambda site: True
+    if isinstance(spec, (str, Autotuner)):
+        spec = [spec]
+    elif callable(spec):
+        predicate = spec
+        return lambda site: bool(predicate(site.id))
+    try:
+        items = list(spec)
+    except TypeError:
+        raise TypeError(f"disttune: split must be a bool, kernel names or kernels, or a predicate over a SiteId; "
+                        f"got {type(spec).__name__}") from None
+    names = {item for item in items if isinstance(item, str)}
+    kernels = {id(item) for item in items if isinstance(item, Autotuner)}
+    other = [item for item in items if not isinstance(item, (str, Autotuner))]
+    if other:
+        raise TypeError(f"disttune: split= entries must be kernel names or triton.autotune kernels, got {other!r}")
+
+    def chosen(site: Site) -> bool:
+        return (id(site.autotuner) in kernels or site.id.kernel in names
+                or getattr(site.autotuner.base_fn, "__name__", None) in names)
+
+    return chosen

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from . import env
+
 SCHEMA = 1
-CACHE_DIR_ENV = "DISTTUNE_CACHE_DIR"
-ALWAYS_TUNE_ENV = "DISTTUNE_ALWAYS_TUNE"
-PINNED_ENV = "DISTTUNE_PINNED"
 CHECKS = ("strict", "warn")
 
 
@@ -52,11 +51,7 @@ def default_cache_dir() -> Path:
 
 
 def resolve_cache_dir(cache_dir: Optional[str | os.PathLike]) -> Path:
-    return Path(cache_dir or os.environ.get(CACHE_DIR_ENV) or default_cache_dir())
-
-
-def always_tune() -> bool:
-    return os.environ.get(ALWAYS_TUNE_ENV, "0") not in ("", "0")
+    return Path(cache_dir or env.cache_dir() or default_cache_dir())
 
 
 def _sha(text: str) -> str:
@@ -96,7 +91,7 @@ def environment_fingerprint(world_size: int, local_world_size: int) -> dict:
         "cuda": torch.version.cuda,
         "world_size": world_size,
         "ranks_per_node": local_world_size,
-        "interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        "interpreter": env.interpreting(),
     }
     if torch.cuda.is_available():
         fingerprint["gpu"] = torch.cuda.get_device_name()

@@ -14,10 +14,11 @@ Tests inject their own Timer so the expected winner is computable.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
+
+from .env import interpreting
 
 Reader = Callable[[], float]
 
@@ -72,11 +73,6 @@ class CudaEventTimer:
             return float(start.elapsed_time(end))
 
         return read
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def default_timer() -> Timer:

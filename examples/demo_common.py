@@ -24,7 +24,8 @@ def print_sites(report: disttune.TuningReport) -> None:
         key = ", ".join(str(part) for part in result.site.key if "torch." not in str(part))  # sizes and modes
         name = result.site.kernel.rsplit(".", 1)[-1]
         if result.source != "tuned":
-            print(f"{name} [{key}]: winner from the {result.source} (no tuning): "
+            source = "pinned table" if result.source == "pinned" else result.source
+            print(f"{name} [{key}]: winner from the {source} (no tuning): "
                   f"{disttune.describe_config(result.config)}")
             continue
         labels = [disttune.describe_config(config) for config in result.configs]

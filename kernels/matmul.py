@@ -29,7 +29,6 @@ Interpreter notes (triton 3.6, CPU):
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -37,6 +36,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+
+from disttune.env import interpreting
 
 __all__ = [
     "HOPPER_GEMM_CONFIGS",
@@ -77,14 +78,6 @@ BF16_INTERPRETER_NOTE = (
     "The host launchers therefore refuse bf16 inputs while interpreting (a bf16 *output* from "
     "fp16/fp32 inputs is fine: only the dot is affected); bf16 is fine on a GPU."
 )
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in the CPU interpreter (TRITON_INTERPRET)."""
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:  # older triton without knobs
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def cdiv(a: int, b: int) -> int:

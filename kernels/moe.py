@@ -60,7 +60,6 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -68,6 +67,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from disttune import env
 
 from .matmul import (
     BF16_INTERPRETER_NOTE,
@@ -155,11 +156,11 @@ _INT32_MAX = 2**31 - 1
 
 #: Set to 1 to fill every buffer these functions allocate with NaN (tests: an unwritten
 #: tile or row then shows up in the result instead of passing as stale memory).
-POISON_ENV = "DISTTUNE_MOE_POISON"
+POISON_ENV = env.MOE_POISON
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
-    if os.environ.get(POISON_ENV) == "1":
+    if env.poison_buffers():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 

@@ -209,6 +209,13 @@ def case_keys_differ(ctx):
     return _tune_once(ctx, "keys_differ", make_kernel(), torch.randn(64 + 16 * ctx.rank, device=ctx.device))
 
 
+def case_options_differ(ctx):
+    """Rank 1 asks for another reduce and statistic: one error naming both options and every rank's value."""
+    odd = ctx.rank % 2 == 1
+    return _tune_once(ctx, "options_differ", make_kernel(), torch.randn(64, device=ctx.device),
+                      reduce="min" if odd else "max", statistic="mean" if odd else "median")
+
+
 def case_all_fail(ctx):
     """Every config fails on rank 0: the same AllConfigsFailed, with per-config errors, on every rank."""
 
@@ -487,7 +494,7 @@ def case_compile_split(ctx):
     asked for, when). It fails BLOCK 64 on every rank but the one whose share holds it, as a compile
     fault would; so only a failure recorded in the second pass keeps BLOCK 64 (the fastest in the fake
     timer's table) from winning."""
-    from disttune import intercept
+    from disttune import compile as compiling
 
     blocks = (16, 32, 64, 128, 256)
     owner_of_64 = (2 - 1) % ctx.world
@@ -495,7 +502,7 @@ def case_compile_split(ctx):
     table = [5.0, 2.0, 1.0, 3.0, 4.0]
     timer = TableTimer(lambda info: table[info.config_index])
     calls: list = []
-    real_precompile, real_can = intercept.precompile, intercept.can_precompile
+    real_precompile, real_can = compiling.precompile, compiling.can_precompile
     interpreted = not torch.cuda.is_available()
 
     def recording_precompile(autotuner, args, kwargs, config, device):
@@ -510,9 +517,9 @@ def case_compile_split(ctx):
         finally:
             calls.append((config.kwargs["BLOCK"], started, time.monotonic()))
 
-    intercept.precompile = recording_precompile
+    compiling.precompile = recording_precompile
     if interpreted:
-        intercept.can_precompile = lambda autotuner: True
+        compiling.can_precompile = lambda autotuner: True
     x = torch.randn(256, device=ctx.device)
     try:
         @disttune.contextual_autotune(**ctx.tuner_options("compile_split", timer=timer, store=False,
@@ -524,7 +531,7 @@ def case_compile_split(ctx):
 
         y = step()
     finally:
-        intercept.precompile, intercept.can_precompile = real_precompile, real_can
+        compiling.precompile, compiling.can_precompile = real_precompile, real_can
     (result,) = step.report.results
     mine = [blocks[0]] + [b for i, b in enumerate(blocks) if i >= 1 and (i - 1) % ctx.world == ctx.rank]
     share = [c for c in calls if c[0] in mine]

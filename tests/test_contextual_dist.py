@@ -20,7 +20,7 @@ from helpers import describe, mpi, read_rank_results, run_launch
 CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
 COMMON_CASES = ["agree_max", "agree_mean", "agree_min", "fail_one_rank", "mismatch_configs", "keys_differ",
-                "all_fail", "raise_in_run", "second_call", "early_stop"]
+                "options_differ", "all_fail", "raise_in_run", "second_call", "early_stop"]
 SPLIT_CASES = ["split", "split_early", "split_compile_fault", "split_store", "compile_split"]
 
 
@@ -122,6 +122,11 @@ def check_error(per_rank: list[dict], error_type: str, *fragments: str) -> None:
 def test_mismatched_config_list_is_an_error_on_every_rank(gloo2):
     check_error(gloo2[0]["mismatch_configs"], "TuningError", "tiny_kernels.add_block", "ranks [0]", "ranks [1]",
                 "config list")
+
+
+def test_options_that_differ_between_ranks_are_named_with_every_ranks_value(gloo2):
+    check_error(gloo2[0]["options_differ"], "TuningError", "different tuning options",
+                "reduce: rank 0: 'max', rank 1: 'min'", "statistic: rank 0: 'median', rank 1: 'mean'")
 
 
 def test_rank_dependent_keys_are_named_in_the_error(gloo2):

@@ -1,4 +1,4 @@
-"""The persistent winner store, pinned tables and the function-level autotuner.
+"""The persistent winner store and pinned tables, and the function-level autotuner across ranks.
 
 Single-process cases run here; multi-rank cases launch ``dist_cases.py`` (bounded in
 wall time) with a per-rank store directory so ranks can hold different files.
@@ -243,48 +243,6 @@ def test_pinned_table_round_trip_and_missing_entry(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a disttune winners table"):
         store.load_table(tmp_path / "bad.json")
-
-
-# -- the function-level tuner, one process ------------------------------------------------------------------
-
-def test_function_autotune_picks_stores_and_obeys_call_flags(tmp_path, capsys):
-    space = [{"chunks": c, "mode": m} for c in (1, 2, 4) for m in ("a", "b")]
-    times = {(1, "a"): 5.0, (1, "b"): 4.0, (2, "a"): 1.5, (2, "b"): 3.0, (4, "a"): 9.0, (4, "b"): 2.0}
-    calls = []
-
-    def build():
-        timer = TableTimer(lambda info: times[(info.config["chunks"], info.config["mode"])])
-
-        @disttune.autotune(space, key_fn=lambda x, **kw: (x.shape, x.dtype),
-                           prune_fn=lambda cfg, x, **kw: cfg["chunks"] <= x.shape[0], n_warmup=1, n_repeat=2,
-                           timer=timer)
-        def work(x, *, scale=1.0, chunks, mode):
-            calls.append((chunks, mode))
-            return x * chunks * scale
-
-        return work, timer
-
-    work, timer = build()
-    x = torch.ones(2, device=DEV)
-    assert torch.equal(work(x, scale=2.0, autotune_verbose=True), x * 4.0)  # winner chunks=2 (4 pruned: 4 > 2)
-    assert {(i.config["chunks"]) for i in timer.seen} == {1, 2}
-    assert len(calls) == 4 * (1 + 2) + 1
-    assert "<- winner" in capsys.readouterr().out
-    assert torch.equal(work(x, autotune=False), x * 1.0)  # first config of the pruned space
-    with pytest.raises(TypeError, match=r"got \['chunks'\] as keyword"):
-        work(x, chunks=2)
-    again, timer2 = build()  # a new process would do the same: the store answers
-    assert torch.equal(again(x), x * 2.0) and timer2.seen == []
-
-
-def test_function_autotune_bad_space():
-    with pytest.raises(ValueError, match="non-empty list of dicts"):
-        disttune.autotune([], key_fn=lambda: 0)(lambda: 0)
-    with pytest.raises(ValueError, match="reserved names"):
-        disttune.autotune([{"autotune": 1}], key_fn=lambda: 0)(lambda: 0)
-    tuner = disttune.autotune([{"a": 1}], key_fn=lambda: 0, prune_fn=lambda c: False)(lambda *, a: a)
-    with pytest.raises(ValueError, match="rejected every config"):
-        tuner()
 
 
 # -- several ranks ------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Small autotuned kernels and a table-driven Timer for the tuner's tests.
+"""Small autotuned kernels, a table-driven Timer and the wrappers the tuner's tests share.
 
 ``add_block`` writes ``x + BLOCK``: its output shows which config a launch used.
 Factories return a fresh ``Autotuner`` (empty cache) around the shared jitted body,
@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.runtime.autotuner import Autotuner
+
+import disttune
+from disttune import intercept
 from disttune.timing import LaunchInfo
+
+STOCK_RUN = Autotuner.run  # Triton's own, before any test installs the hook
 
 
 @triton.jit
@@ -82,3 +88,42 @@ def add_block_limited(x_ptr, y_ptr, n, LIMIT: tl.constexpr, BLOCK: tl.constexpr)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + BLOCK, mask=mask)
+
+
+DEV = device()
+
+
+def tuner(tmp_path, **options):
+    options.setdefault("n_warmup", 1)
+    options.setdefault("n_repeat", 2)
+    options.setdefault("verbose", False)
+    return disttune.contextual_autotune(log_dir=tmp_path / "logs", **options)
+
+
+def host_bench(kernel_call, quantiles):
+    kernel_call()
+    return [1.0, 1.0, 1.0]
+
+
+def counting_step(tmp_path, kernel, **options):
+    """A wrapped step launching ``add_block`` on its argument, and the counter of its runs."""
+    runs = {"n": 0}
+
+    @tuner(tmp_path, **options)
+    def step(x):
+        runs["n"] += 1
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    return step, runs
+
+
+def key_of(x):
+    return (x.numel(), str(x.dtype), str(x.dtype))
+
+
+def assert_no_scope_left() -> None:
+    """Every scope was closed: Triton's ``run`` can come back (the hook leaves lazily, see intercept's doc)."""
+    assert intercept.restore_triton_run(), "a scope was left open"
+    assert Autotuner.run is STOCK_RUN

@@ -1,0 +1,300 @@
+"""The cross-rank protocol of a tuning call: every collective the tuners make, and the verdict each one gives.
+
+After the launches have been intercepted, named as sites and timed (:mod:`disttune.handlers`), the
+ranks agree here. Every verdict is computed from gathered data only, so every rank reaches the same
+one: the same winners, or the same :class:`TuningError` with the same message, before the next
+collective. In the order a tuning call meets them:
+
+1. :meth:`Agreement.consensus` (one all-gather): the discovery run's error, the options that change
+   the schedule or the verdict, each rank's site digests, which sites are split, the pinned table's
+   digest, and each rank's stored/pinned answer (rank 0's decides for everyone);
+2. :meth:`Agreement.check_run` (one all-gather of a flag per run, a second only on trouble): an
+   error in any rank's tuning run is an error on all;
+3. :meth:`Agreement.gather_agreed` (one all-gather of every site's per-config statistic) and
+   :meth:`Agreement.verdicts`: the agreed vector (``reduce`` over ranks, ``inf`` where a config failed
+   on any rank), the winner (argmin, ties to the lowest index), :class:`SiteResult` per site; every
+   config failing is :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
+4. :meth:`Agreement.final_run_status` (one all-gather, when a site was split): an error or a split
+   winner failing on any rank in the final run; :meth:`Agreement.drop_failed_winners` scores
+   such winners ``inf`` and takes the next best.
+
+Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+from .comm import Communicator
+from .compat import config_text
+from .logs import RankLog
+from .sites import AllConfigsFailed, Site, Statistic, SiteId, agree, winner_index
+
+INF = float("inf")
+
+
+class TuningError(RuntimeError):
+    """Tuning could not complete; raised with the same message on every rank."""
+
+
+@dataclass(frozen=True)
+class SiteResult:
+    """The outcome of one site: candidates, agreed times (ms, inf = failed), the winner.
+
+    ``per_rank_ms[r][c]`` is what rank ``r`` measured for config ``c`` (its statistic over the
+    timed runs; ``inf``: failed or pruned there). For a *split* site each config is timed by one
+    rank only, ``c % world`` of its position in the running: the other ranks hold ``nan`` there
+    ("not timed here"), and ``agreed_ms[c]`` is the owner's time (``inf`` if it failed on any rank).
+    """
+
+    site: SiteId
+    configs: tuple
+    per_rank_ms: tuple  # [rank][config]
+    agreed_ms: tuple
+    winner: int
+    source: str  # "tuned", "cached", "store" or "pinned"
+    split: bool = False  # configs were divided among the ranks (see above)
+
+    @property
+    def config(self) -> Any:
+        return self.configs[self.winner]
+
+
+@dataclass(frozen=True)
+class TuningReport:
+    """What one tuning call did."""
+
+    results: tuple
+    function_runs: int
+    wall_s: float
+    world_size: int
+
+
+def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:
+    """None when every rank has the same site list; else which site differs on which ranks."""
+    reference = per_rank_sites[0]
+    if all(sites == reference for sites in per_rank_sites):
+        return None
+    longest = max(len(s) for s in per_rank_sites)
+    for position in range(longest):
+        groups: dict[Any, list[int]] = {}
+        for rank, sites in enumerate(per_rank_sites):
+            groups.setdefault(sites[position] if position < len(sites) else None, []).append(rank)
+        if len(groups) > 1:
+            described = []
+            for entry, ranks in groups.items():
+                if entry is None:
+                    described.append(f"ranks {ranks}: no such launch")
+                else:
+                    kernel, key, occurrence, configs = entry
+                    described.append(
+                        f"ranks {ranks}: kernel {kernel} key={key} occurrence={occurrence} with {len(configs)} "
+                        f"config(s) [{'; '.join(configs)}]"
+                    )
+            return (
+                f"autotuned launch #{position} differs between ranks (different kernels, keys, or config lists "
+                "after pruning):\n  " + "\n  ".join(described)
+                + "\nMake the tuning key rank-independent (e.g. a bucketed global size) so all ranks tune the same sites."
+            )
+    return "site lists differ"  # unreachable: unequal lists differ at some position
+
+
+def describe_option_mismatch(per_rank_options: list[dict]) -> Optional[str]:
+    """None when every rank set the same options; else each differing option with every rank's value."""
+    names = sorted({name for options in per_rank_options for name in options})
+    lines = []
+    for name in names:
+        values = [options.get(name) for options in per_rank_options]
+        if len(set(values)) > 1:
+            lines.append(f"{name}: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+    return "\n  ".join(lines) or None
+
+
+def _raise_rank_errors(message: str, errors: list[tuple[int, str]], local: Optional[tuple]) -> None:
+    """Raise ``message`` and every rank's error as one TuningError, chained to this rank's own exception."""
+    text = (message + " on rank(s) " + ", ".join(str(r) for r, _ in errors) + ":\n  "
+            + "\n  ".join(f"rank {r}: {msg}" for r, msg in errors))
+    if local:
+        raise TuningError(text) from local[0]
+    raise TuningError(text)
+
+
+class Agreement:
+    """The collectives of one tuner over ``comm``; ``name`` (the wrapped function's) heads every error."""
+
+    def __init__(self, comm: Communicator, name: str, reduce: str = "max", statistic: Statistic = "median") -> None:
+        self.comm, self.name, self.reduce, self.statistic = comm, name, reduce, statistic
+
+    def consensus(self, sites: Sequence[Site], error: Optional[tuple], options: dict[str, str],
+                  split: Sequence[bool], table: Optional[str] = None, pinned: Any = None) -> None:
+        """One all-gather of what each rank found; the same verdict on every rank, applied to ``sites``.
+
+        ``error``: this rank's discovery error as ``(exception, message)``; ``options``: a stable text
+        per option that changes the schedule or the verdict; ``split``: per site, whether it is split;
+        ``table``: the pinned table's digest (``pinned`` names it in errors). Sites cached on some ranks
+        only are tuned everywhere; rank 0's stored or pinned answer decides a site for every rank.
+        """
+        mine = {
+            "error": error[1] if error else None,
+            "options": options,
+            "sites": [s.digest()[:4] for s in sites],
+            "presets": [s.digest()[4] for s in sites],
+            "lookups": [s.local_answer for s in sites],
+            "table": table,
+            "split": list(split),
+        }
+        everyone = self.comm.all_gather_objects(mine, "consensus (site digest)")
+        failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
+        if failed:
+            _raise_rank_errors(f"disttune: {self.name}: the discovery run raised", failed, error)
+        differing = describe_option_mismatch([d["options"] for d in everyone])
+        if differing:
+            raise TuningError(f"disttune: {self.name}: ranks set different tuning options (every rank must pass "
+                              f"the same):\n  {differing}")
+        mismatch = describe_mismatch([d["sites"] for d in everyone])
+        if mismatch:
+            raise TuningError(f"disttune: {self.name}: ranks disagree on what to tune: {mismatch}")
+        split_views = [d["split"] for d in everyone]
+        if any(view != split_views[0] for view in split_views):
+            differ = [site.id.describe() for i, site in enumerate(sites) if len({view[i] for view in split_views}) > 1]
+            raise TuningError(f"disttune: {self.name}: ranks disagree on which sites are split (split= "
+                              f"must choose the same sites on every rank): {'; '.join(differ)}")
+        if len({d["table"] for d in everyone}) != 1:
+            raise TuningError(f"disttune: {self.name}: ranks loaded different pinned winner tables "
+                              f"(digests by rank: {[d['table'] for d in everyone]}); deploy the same file to all")
+        missing = []
+        for index, site in enumerate(sites):
+            if len({d["presets"][index] for d in everyone}) != 1:
+                site.preset = None  # cached on some ranks only, or differently: tune it everywhere
+            answer = everyone[0]["lookups"][index]  # rank 0's entry decides for everyone
+            if table is not None:
+                site.preset = None
+                if answer is None:
+                    missing.append(site.id.describe())
+                site.decided, site.decided_by = answer, "pinned"
+            elif site.preset is None and answer is not None:
+                site.decided, site.decided_by = answer, "store"
+        if missing:
+            raise TuningError(f"disttune: {self.name}: pinned table {pinned} has no winner for: " + "; ".join(missing)
+                              + ". Export a table that covers these sites (disttune.store.export_table after a "
+                              "tuning run).")
+
+    def check_run(self, problems: list[str], step: str) -> None:
+        """After each tuning run: one flag per rank; any rank's problem is the same TuningError on all."""
+        flags = self.comm.all_gather_floats([1.0 if problems else 0.0], step)
+        if flags.any():
+            reports = self.comm.all_gather_objects(problems, step + " (errors)")
+            lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
+            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
+
+    def gather_agreed(self, tuned: Sequence[Site], step: str) -> list[tuple]:
+        """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site."""
+        local: list[float] = []
+        for site in tuned:
+            local.extend(site.local_times(self.statistic))
+        gathered = self.comm.all_gather_floats(local, step) if tuned else None
+        out, offset = [], 0
+        for site in tuned:
+            per_rank = gathered[:, offset : offset + len(site.configs)]
+            offset += len(site.configs)
+            out.append((per_rank, agree(per_rank, self.reduce, split=site.split)))
+        return out
+
+    def verdicts(self, tuned: Sequence[Site], log: Optional[RankLog] = None) -> list[SiteResult]:
+        """The agreement proper: each tuned site's agreed times and winner (logged per rank when ``log``)."""
+        results, dead = [], []
+        for site, (per_rank, agreed) in zip(tuned, self.gather_agreed(tuned, "agreement")):
+            per_rank, agreed = site.with_screening(per_rank, agreed)  # screened-out configs: screening times
+            winner = winner_index([agreed[c] if c in site.active else INF for c in range(len(agreed))])
+            if log is not None:
+                for index, samples in enumerate(site.samples):
+                    for iteration, (ms, at) in enumerate(zip(samples, site.sample_times[index])):
+                        log.measure(site.id.kernel, site.id.key, index, config_text(site.configs[index]), iteration,
+                                    ms, at)
+                for c, config in enumerate(site.configs):
+                    log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, config_text(config),
+                                      list(per_rank[:, c]), float(agreed[c]), site.failures.get(c))
+            if winner is None:
+                dead.append(site)
+                continue
+            if log is not None:
+                log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, config_text(site.configs[winner]),
+                           float(agreed[winner]), "tuned")
+            results.append(SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in per_rank),
+                                      tuple(map(float, agreed)), winner, "tuned", site.split))
+        if dead:
+            self.raise_all_failed(dead)
+        return results
+
+    def raise_all_failed(self, dead: Sequence[Site]) -> None:
+        """Every config of ``dead`` failed somewhere: gather each rank's reasons and raise them on all."""
+        failures = self.comm.all_gather_objects([dict(s.failures) for s in dead], "agreement (failures)")
+        parts = []
+        for i, site in enumerate(dead):
+            lines = [
+                f"    config[{c}] {{{site.configs[c]}}}: "
+                + "; ".join(f"rank {r}: {rank_failures[i][c]}" for r, rank_failures in enumerate(failures)
+                            if c in rank_failures[i])
+                for c in range(len(site.configs))
+            ]
+            parts.append(f"  {site.id.describe()}: every config failed or was pruned on some rank:\n"
+                         + "\n".join(lines))
+        raise AllConfigsFailed(f"disttune: {self.name}: no config works for:\n" + "\n".join(parts))
+
+    def final_run_status(self, results: Sequence[SiteResult], error: Optional[tuple], failures: dict,
+                         step: str) -> dict[tuple, list[str]]:
+        """After a final run with split winners: one all-gather of its error and its failed winners.
+
+        An error on any rank is the same TuningError on all. Returns ``(result index, config index) ->
+        ["rank r: message", ...]`` for each winner that failed on some rank (empty: all ran).
+        """
+        failed = [(i, *failures[r.site]) for i, r in enumerate(results) if r.site in failures]
+        everyone = self.comm.all_gather_objects({"error": error[1] if error else None, "failed": failed}, step)
+        errors = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
+        if errors:
+            _raise_rank_errors(f"disttune: {self.name}: the final run (with the winners) failed", errors, error)
+        gathered: dict[tuple, list[str]] = {}
+        for rank, report in enumerate(everyone):
+            for i, config_index, msg in report["failed"]:
+                gathered.setdefault((i, config_index), []).append(f"rank {rank}: {msg}")
+        return gathered
+
+    def drop_failed_winners(self, results: list[SiteResult], failed: dict[tuple, list[str]],
+                            sites: dict[SiteId, Site], log: RankLog) -> list[SiteResult]:
+        """Score each winner that failed in the final run ``inf`` on every rank and take the next best."""
+        results = list(results)
+        for (i, config_index), messages in sorted(failed.items()):
+            old = results[i]
+            site = sites[old.site]
+            site.record_failure(config_index, RuntimeError("; ".join(messages)))
+            agreed = list(old.agreed_ms)
+            agreed[config_index] = INF
+            winner = winner_index([agreed[c] if c in site.active else INF for c in range(len(agreed))])
+            log.config_result(old.site.kernel, old.site.key, old.site.occurrence, config_index,
+                              str(old.configs[config_index]), [float("nan")] * self.comm.world_size, INF,
+                              "failed in the final run: " + "; ".join(messages))
+            if winner is None:
+                raise AllConfigsFailed(
+                    f"disttune: {self.name}: no config works for:\n  {old.site.describe()}: the last "
+                    f"candidate, config[{config_index}] {{{old.configs[config_index]}}}, was timed on one rank "
+                    "(split) but failed on others in the final run: " + "; ".join(messages))
+            log.winner(old.site.kernel, old.site.key, old.site.occurrence, winner, str(old.configs[winner]),
+                       agreed[winner], "tuned")
+            results[i] = replace(old, agreed_ms=tuple(agreed), winner=winner)
+        return results
+
+
+def settled_results(sites: Sequence[Site], log: Optional[RankLog] = None) -> list[SiteResult]:
+    """The sites the consensus decided without tuning: a stored or pinned winner, or the kernels' own cache."""
+    results = []
+    for site in sites:
+        if site.decided is not None:
+            if log is not None:
+                log.winner(site.id.kernel, site.id.key, site.id.occurrence, site.decided,
+                           config_text(site.configs[site.decided]), float("nan"), site.decided_by)
+            results.append(SiteResult(site.id, tuple(site.configs), (), (), site.decided, site.decided_by))
+        elif site.preset is not None:
+            index = site.configs.index(site.preset) if site.preset in site.configs else -1
+            results.append(SiteResult(site.id, tuple(site.configs), (), (), index, "cached"))
+    return results

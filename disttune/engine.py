@@ -1,0 +1,215 @@
+"""The steps of one tuning call, shared by the tuners: run, check with the peers, commit, store, report.
+
+A tuning call walks the protocol in this order (``contextual.py`` lists it as a flat sequence):
+each run of the wrapped function is made under a launch handler (:mod:`disttune.handlers`), which
+names every intercepted launch as a site and times it; after each run the ranks compare notes
+(:class:`~disttune.agreement.Agreement`); the agreed winners are committed to the kernels' own
+caches, saved to the persistent store by one writer (:mod:`disttune.store`), and summarised.
+
+Every step here either runs the function, talks through the Agreement, or writes what was agreed;
+none decides a winner by itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from . import env
+from . import store as stores
+from .agreement import Agreement, SiteResult, TuningError
+from .comm import Communicator, LocalComm
+from .compat import config_text
+from .handlers import Final, SiteLaunches, Tune
+from .intercept import intercept
+from .logs import RankLog
+from .sites import Schedule, Site, SiteId, describe_config, screening_keep, survivors
+from .timing import Timer
+
+
+def refuse_graph_capture(name: str) -> None:
+    """Tuning synchronizes (CUDA events, the peers' agreement), which a CUDA graph capture forbids:
+    a clear error instead of an invalidated capture."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TuningError(f"disttune: {name} is being captured in a CUDA graph but is not tuned: tuning runs the function "
+                          "many times and synchronizes with the GPU and the peers. Call it once before the capture "
+                          "(the warm-up torch.cuda.graph asks for anyway); the captured call then takes the tuned "
+                          "fast path")
+
+
+def run_once(fn: Callable[..., Any], handler: SiteLaunches, args: tuple, kwargs: dict) -> tuple[Any, Optional[tuple]]:
+    """One run of ``fn`` with its launches routed to ``handler``; returns (result, None) or
+    (None, (exception, message)): the exception is kept to be shared with the peers, not raised."""
+    with intercept(handler):
+        try:
+            return fn(*args, **kwargs), None
+        except Exception as err:
+            return None, (err, f"{type(err).__name__}: {err}")
+
+
+class Runs:
+    """The tuning and final runs of one tuning call of ``fn(*args, **kwargs)`` over ``sites``."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, sites: dict[SiteId, Site],
+                 agreement: Agreement, timer: Timer, progress: bool = False) -> None:
+        self.fn, self.args, self.kwargs, self.sites = fn, args, kwargs, sites
+        self.agreement, self.timer, self.progress = agreement, timer, progress
+
+    def stage(self, schedule: Schedule, label: str) -> int:
+        """Run the function ``schedule.runs`` times, checking with the peers after each run; returns the count."""
+        comm = self.agreement.comm
+        bar = progress_bar(self.progress and comm.rank == 0, schedule.runs,
+                           f"disttune {self.agreement.name}: {label}s")
+        for run in range(schedule.runs):
+            handler = Tune(self.sites, schedule, run, self.timer, comm.rank)
+            _, error = run_once(self.fn, handler, self.args, self.kwargs)
+            problems = handler.finish() + ([error[1]] if error else [])
+            self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return schedule.runs
+
+    def screen(self, tuned: Sequence[Site]) -> int:
+        """Early stopping: one warm-up and one timed run per config, agreed; the fastest quarter goes on."""
+        screening = Schedule(max(s.slots() for s in tuned), 1, 1)
+        runs = self.stage(screening, "screening run")
+        for site, (per_rank, agreed) in zip(tuned, self.agreement.gather_agreed(tuned, "screening agreement")):
+            site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
+        return runs
+
+    def final(self, winners: dict[SiteId, Any]) -> Any:
+        """The run with the winners; its result (or its exception) is the caller's."""
+        with intercept(Final(self.sites, winners)):
+            return self.fn(*self.args, **self.kwargs)
+
+    def checked_final(self, results: list[SiteResult], winners: dict[SiteId, Any], log: RankLog,
+                      commit: Callable[[list[SiteResult]], dict]) -> tuple[Any, list[SiteResult], int]:
+        """The final run when some site was split; returns (its result, the results, runs made).
+
+        A split winner was timed by one rank only, so this run is also its first launch on the
+        others. A winner that failed anywhere is scored ``inf`` on every rank, the next best is
+        committed and the run is repeated; an exception in the run is the same TuningError on all.
+        """
+        runs = 0
+        while True:
+            handler = Final(self.sites, winners)
+            result, error = run_once(self.fn, handler, self.args, self.kwargs)
+            runs += 1
+            failed = self.agreement.final_run_status(results, error, handler.failures,
+                                                     f"final run {runs} (split winners)")
+            if not failed:
+                return result, results, runs
+            results = self.agreement.drop_failed_winners(results, failed, self.sites, log)
+            winners = commit(results)
+
+
+def commit(sites: dict[SiteId, Site], results: Sequence[SiteResult]) -> dict[SiteId, Any]:
+    """Each site's winner into its kernel's own cache (later launches, inside or outside, use it); returns
+    the winners by site. A kernel's cache holds one config per key: its first occurrence's."""
+    winners, committed = {}, set()
+    for result in sorted(results, key=lambda r: r.site.occurrence):
+        site = sites[result.site]
+        config = site.preset if result.source == "cached" else result.config
+        winners[result.site] = config
+        if (id(site.autotuner), result.site.key) not in committed:
+            committed.add((id(site.autotuner), result.site.key))
+            site.autotuner.cache[result.site.key] = config
+    return winners
+
+
+# -- the persistent store ----------------------------------------------------------------------------------
+
+def open_store(use: bool, cache_dir: Any, comm: Communicator, check: str = "strict") -> Optional[stores.WinnerStore]:
+    """The winner store of this environment (None when ``use`` is off)."""
+    if not use:
+        return None
+    fingerprint = stores.environment_fingerprint(comm.world_size, env.local_world_size())
+    return stores.WinnerStore(cache_dir, fingerprint, check)
+
+
+def kernel_entry(site: Site) -> stores.EntryId:
+    return stores.EntryId("kernel", site.id.kernel, stores.kernel_source_key(site.autotuner), repr(site.id.key),
+                          site.id.occurrence, tuple(config_text(c) for c in site.configs))
+
+
+def lookup(winners_store: Optional[stores.WinnerStore], table: Optional[dict], always_tune: bool,
+           entry: Callable[[Site], stores.EntryId] = kernel_entry) -> Optional[Callable[[Site], Optional[int]]]:
+    """How this rank answers for a new site: its pinned-table or stored winner index, or None (tune)."""
+    if table is not None:
+        return lambda site: stores.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
+                                                 tuple(config_text(c) for c in site.configs))
+    if winners_store is None or always_tune or env.always_tune():
+        return None
+
+    def stored(site: Site) -> Optional[int]:
+        record = winners_store.load(entry(site))
+        return None if record is None else record["winner"]
+
+    return stored
+
+
+def save_winners(winners_store: stores.WinnerStore, tuned: Sequence[tuple[stores.EntryId, SiteResult]],
+                 function: str) -> None:
+    """Store each tuned winner with its agreed times (the caller is the one writer)."""
+    for entry, result in tuned:
+        if result.source == "tuned":
+            winners_store.save(entry, result.winner, list(result.agreed_ms), {"function": function})
+
+
+def global_rank(comm: Communicator) -> int:
+    """The rank that names the log file and writes the store: the process's rank in the whole job."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    if not isinstance(comm, LocalComm):
+        try:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD.Get_rank()
+        except ImportError:
+            pass
+    return comm.rank
+
+
+def is_store_writer(writer: str, comm: Communicator) -> bool:
+    """``"global"``: global rank 0 writes; ``"node"``: local rank 0 of each node does."""
+    return env.local_rank() == 0 if writer == "node" else global_rank(comm) == 0
+
+
+# -- what the user sees --------------------------------------------------------------------------------------
+
+def progress_bar(wanted: bool, total: int, description: str) -> Any:
+    """A tqdm bar on stderr when wanted, on a terminal, and not disabled by DISTTUNE_PROGRESS=0."""
+    if not wanted or total == 0 or not env.progress_enabled() or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=description, unit="run", leave=False, file=sys.stderr)
+
+
+def print_summary(name: str, report: Any, reduce: str, log: RankLog) -> None:
+    """Rank 0's summary: the tuning's cost and each site's winner with its agreed time."""
+    lines = [f"disttune: tuned {name} over {report.world_size} rank(s) in {report.wall_s:.2f} s "
+             f"({report.function_runs} runs of the function); log: {log.path}"]
+    for r in report.results:
+        agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({reduce})" if r.source == "tuned" else r.source
+        lines.append(f"  {r.site.describe()} -> {describe_config(r.config)}: {agreed}")
+    print("\n".join(lines), file=sys.stdout, flush=True)
+
+
+def print_triton_style(report: Any, rank: int) -> None:
+    """What Triton prints after tuning, per site, when TRITON_PRINT_AUTOTUNING=1."""
+    for r in report.results:
+        print(f"Triton autotuning for function {r.site.kernel} (disttune, rank {rank}),\n"
+              f"with key as {r.site.key},\nfinished after {report.wall_s:.2f}s,\n"
+              f"best config selected: {r.config};", flush=True)

@@ -1,0 +1,362 @@
+"""The environment, read in one place: ``DISTTUNE_*`` settings and what the launcher says about this rank.
+
+Every other module asks here rather than reading ``os.environ`` itself, so a setting means the same
+everywhere and a bad value is one clear error:
+
+* :func:`timeout_s`: the per-collective timeout, ``timeout_s=`` else ``$DISTTUNE_TIMEOUT`` else 300 s;
+  zero, negative or non-numeric is a :class:`DistEnvError` (a ``ValueError``) naming its source;
+* :func:`interpreting`: whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``);
+* :func:`detect`: the launcher and this process's rank, world size, local rank and local world size, for
+  **torchrun** (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR/PORT``),
+  **Open MPI** (``OMPI_COMM_WORLD_*``), **MPICH / Intel MPI Hydra** (``PMI_RANK``, ``PMI_SIZE``,
+  ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``), **PMIx** (``PMIX_RANK``, ...) and **Slurm's srun**
+  (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``);
+  gaps are filled by asking MPI through mpi4py;
+* :func:`local_rank` / :func:`local_world_size`: the same variables, read without starting anything
+  (the tuners use them to share compiles and store writes among the ranks of a node);
+* the store's, the progress bar's and the MoE test switches.
+
+Reading costs a dictionary lookup or two; nothing is cached, so a test can change a variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Literal, Mapping, Optional
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "interpreting",
+    "local_rank", "local_world_size", "mpi_comm_world", "pinned_table", "poison_buffers", "progress_enabled",
+    "timeout_s", "triton_prints_autotuning",
+]
+
+Launcher = Literal["torchrun", "mpi", "single"]
+
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT = "DISTTUNE_TIMEOUT"
+CACHE_DIR = "DISTTUNE_CACHE_DIR"
+ALWAYS_TUNE = "DISTTUNE_ALWAYS_TUNE"
+PINNED = "DISTTUNE_PINNED"
+PROGRESS = "DISTTUNE_PROGRESS"
+MOE_POISON = "DISTTUNE_MOE_POISON"
+
+
+class DistEnvError(RuntimeError, ValueError):
+    """A launcher or ``DISTTUNE_*`` variable is missing, malformed or inconsistent (the message says which)."""
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def timeout_s(value: Optional[float] = None, environ: Mapping[str, str] = os.environ) -> float:
+    """The per-collective timeout in seconds: ``value`` if given, else ``$DISTTUNE_TIMEOUT``, else 300.
+
+    Raises :class:`DistEnvError` (a ``ValueError``) for zero, a negative number, infinity, NaN or text
+    that is not a number, naming where the value came from: never a silent default.
+    """
+    source = "timeout_s"
+    if value is None:
+        raw = environ.get(TIMEOUT)
+        if raw is None or not raw.strip():
+            return DEFAULT_TIMEOUT_S
+        source = TIMEOUT
+        try:
+            value = float(raw)
+        except ValueError:
+            raise DistEnvError(f"disttune: {TIMEOUT}={raw!r} is not a number of seconds; e.g. "
+                               f"export {TIMEOUT}=300") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise DistEnvError(f"disttune: timeout_s must be a positive number of seconds, got {value!r} ({source})")
+    return float(value)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter: Triton's own knob, else ``TRITON_INTERPRET``."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # a triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def cache_dir() -> Optional[str]:
+    """``$DISTTUNE_CACHE_DIR``: where the winner store lives (None: the platform's cache folder)."""
+    return os.environ.get(CACHE_DIR) or None
+
+
+def always_tune() -> bool:
+    """``DISTTUNE_ALWAYS_TUNE=1``: ignore stored winners and tune again."""
+    return os.environ.get(ALWAYS_TUNE, "0") not in ("", "0")
+
+
+def pinned_table() -> Optional[str]:
+    """``$DISTTUNE_PINNED``: a winners table to use instead of tuning (None: tune)."""
+    return os.environ.get(PINNED) or None
+
+
+def progress_enabled() -> bool:
+    """False when ``DISTTUNE_PROGRESS=0`` turns the tuning progress bar off."""
+    return os.environ.get(PROGRESS, "1") != "0"
+
+
+def triton_prints_autotuning() -> bool:
+    """Whether Triton is asked to print its autotuning (``TRITON_PRINT_AUTOTUNING=1``, through its knob)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.autotuning.print)
+    except (ImportError, AttributeError):  # a triton without knobs
+        return os.environ.get("TRITON_PRINT_AUTOTUNING", "0") == "1"
+
+
+def poison_buffers() -> bool:
+    """``DISTTUNE_MOE_POISON=1``: the MoE host functions fill what they allocate with NaN (tests)."""
+    return os.environ.get(MOE_POISON) == "1"
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What the environment says, before any process group exists."""
+
+    launcher: Launcher
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+    source: str  # e.g. "torchrun", "Open MPI", "MPICH/Hydra (PMI)", for error messages
+
+
+#: (local rank, local size) variables of each launcher, in the order :func:`detect` tries them
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK", "SLURM_LOCALID")
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE")
+
+
+def local_rank(default: int = 0, environ: Mapping[str, str] = os.environ) -> int:
+    """This rank's index among the ranks of its node, as the launcher says; ``default`` without one."""
+    for name in LOCAL_RANK_VARS:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return default
+
+
+def local_world_size(environ: Mapping[str, str] = os.environ) -> int:
+    """How many ranks run on this node, as the launcher says; 1 without one."""
+    for name in LOCAL_SIZE_VARS:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return _slurm_local_size(environ) or 1
+
+
+def _slurm_local_size(environ: Mapping[str, str]) -> Optional[int]:
+    """This node's task count from srun's ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``) and ``SLURM_NODEID``."""
+    layout, node = environ.get("SLURM_STEP_TASKS_PER_NODE", ""), environ.get("SLURM_NODEID", "")
+    if not layout or not node.isdigit():
+        return None
+    counts: list[int] = []
+    for part in layout.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts[int(node)] if int(node) < len(counts) else None
+
+
+def _env_int(env: Mapping[str, str], name: str, hint: str, minimum: int = 0) -> int:
+    """Parse ``env[name]`` as an int >= ``minimum``; ``DistEnvError`` naming the variable otherwise."""
+    raw = env.get(name)
+    if raw is None:
+        raise DistEnvError(f"disttune.dist: environment variable {name} is not set. {hint}")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise DistEnvError(f"disttune.dist: {name}={raw!r} is not an integer. {hint}") from None
+    if value < minimum:
+        raise DistEnvError(f"disttune.dist: {name}={value} must be >= {minimum}. {hint}")
+    return value
+
+
+def _env_opt_int(env: Mapping[str, str], names: tuple[str, ...], hint: str, minimum: int = 0) -> int | None:
+    """The first of ``names`` that is set, parsed as an int; ``None`` when none is set."""
+    for name in names:
+        if name in env:
+            return _env_int(env, name, hint, minimum)
+    return None
+
+
+def _check_ranks(env: LaunchEnv, hint: str) -> LaunchEnv:
+    if not 0 <= env.rank < env.world_size:
+        raise DistEnvError(
+            f"disttune.dist: {env.source} gives rank {env.rank} but world size {env.world_size}; "
+            f"the rank must lie in [0, world size). {hint}"
+        )
+    if not 0 <= env.local_rank < env.local_world_size:
+        raise DistEnvError(
+            f"disttune.dist: {env.source} gives local rank {env.local_rank} but local world size "
+            f"{env.local_world_size}; the local rank must lie in [0, local world size). {hint}"
+        )
+    if env.local_world_size > env.world_size:
+        raise DistEnvError(
+            f"disttune.dist: {env.source} gives local world size {env.local_world_size} > world size "
+            f"{env.world_size}. {hint}"
+        )
+    return env
+
+
+def _master_from_env(env: Mapping[str, str], hint: str) -> tuple[str | None, int | None]:
+    addr = env.get("MASTER_ADDR") or None
+    port = _env_opt_int(env, ("MASTER_PORT",), hint, minimum=1) if env.get("MASTER_PORT") else None
+    if port is not None and port > 65535:
+        raise DistEnvError(f"disttune.dist: MASTER_PORT={port} is not a TCP port (1..65535). {hint}")
+    return addr, port
+
+
+def _torchrun_env(env: Mapping[str, str]) -> LaunchEnv:
+    hint = (
+        "Launch with `bash scripts/launch.sh script.py` or `torchrun --nproc_per_node=N script.py`, "
+        "which set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "
+        "or unset RANK/WORLD_SIZE to run as a single process."
+    )
+    if "RANK" in env and "WORLD_SIZE" not in env:
+        raise DistEnvError(
+            f"disttune.dist: RANK={env['RANK']!r} is set but WORLD_SIZE is not; export WORLD_SIZE "
+            f"(the total number of processes) as well. {hint}"
+        )
+    if "WORLD_SIZE" in env and "RANK" not in env:
+        raise DistEnvError(
+            f"disttune.dist: WORLD_SIZE={env['WORLD_SIZE']!r} is set but RANK is not; export RANK "
+            f"(this process's global rank, 0..WORLD_SIZE-1) as well. {hint}"
+        )
+    rank = _env_int(env, "RANK", hint)
+    world_size = _env_int(env, "WORLD_SIZE", hint, minimum=1)
+    # Launchers other than torchrun sometimes leave the local values out; assume one node then.
+    local_rank = _env_opt_int(env, ("LOCAL_RANK",), hint)
+    local_world_size = _env_opt_int(env, ("LOCAL_WORLD_SIZE",), hint, minimum=1)
+    if local_rank is None:
+        local_rank = rank if local_world_size is None else rank % local_world_size
+    if local_world_size is None:
+        local_world_size = world_size
+    addr, port = _master_from_env(env, hint)
+    if world_size > 1:
+        for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)):
+            if value is None:
+                raise DistEnvError(
+                    f"disttune.dist: RANK and WORLD_SIZE={world_size} are set but {name} is not; every "
+                    f"rank needs MASTER_ADDR (host of rank 0) and MASTER_PORT (a free TCP port there). "
+                    f"{hint}"
+                )
+    launch = LaunchEnv("torchrun", rank, world_size, local_rank, local_world_size, addr, port, "torchrun")
+    return _check_ranks(launch, hint)
+
+
+_MPI_FLAVOURS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = (
+    # (source, rank var, size vars, local rank vars, local size vars)
+    (
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        ("OMPI_COMM_WORLD_SIZE",),
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+    ),
+    ("MPICH/Hydra (PMI)", "PMI_RANK", ("PMI_SIZE",), ("MPI_LOCALRANKID",), ("MPI_LOCALNRANKS",)),
+    ("PMIx", "PMIX_RANK", ("PMIX_SIZE",), ("PMIX_LOCAL_RANK",), ("PMIX_LOCAL_SIZE",)),
+    # srun sets SLURM_STEP_NUM_TASKS in each task of a step (a batch script's own shell has SLURM_PROCID only)
+    ("Slurm (srun)", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS",), ("SLURM_LOCALID",), ()),
+)
+
+
+def _mpi_env(env: Mapping[str, str]) -> LaunchEnv | None:
+    """Rank and sizes from an MPI launcher's variables; gaps are filled by mpi4py (which starts MPI)."""
+    for source, rank_var, size_vars, local_rank_vars, local_size_vars in _MPI_FLAVOURS:
+        if rank_var not in env or (rank_var == "SLURM_PROCID" and "SLURM_STEP_NUM_TASKS" not in env):
+            continue
+        hint = (
+            f"This process looks launched by {source} ({rank_var} is set). Launch with "
+            "`bash scripts/launch.sh --mpi -n N script.py` or `mpiexec -n N python script.py`, "
+            f"or unset {rank_var} to run as a single process."
+        )
+        rank = _env_int(env, rank_var, hint)
+        world_size = _env_opt_int(env, size_vars, hint, minimum=1)
+        local_rank = _env_opt_int(env, local_rank_vars, hint)
+        local_world_size = _env_opt_int(env, local_size_vars, hint, minimum=1) or _slurm_local_size(env)
+        if world_size is None or local_rank is None or local_world_size is None:
+            comm = _mpi_world_or_none()
+            if comm is None:
+                if world_size is None:
+                    raise DistEnvError(
+                        f"disttune.dist: {rank_var} is set but {'/'.join(size_vars)} is not, and mpi4py "
+                        f"is not installed to ask MPI for the world size. `pip install mpi4py`, or "
+                        f"export {size_vars[0]}. {hint}"
+                    )
+                # No way to learn the node layout: assume one node.
+                local_world_size = world_size if local_world_size is None else local_world_size
+                local_rank = rank % local_world_size if local_rank is None else local_rank
+            else:
+                check_mpi_agrees(comm, rank, world_size, source)
+                world_size = comm.Get_size() if world_size is None else world_size
+                if local_rank is None or local_world_size is None:
+                    from mpi4py import MPI
+
+                    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+                    local_rank = node.Get_rank() if local_rank is None else local_rank
+                    local_world_size = node.Get_size() if local_world_size is None else local_world_size
+                    node.Free()
+        addr, port = _master_from_env(env, hint)
+        launch = LaunchEnv("mpi", rank, world_size, local_rank, local_world_size, addr, port, source)
+        return _check_ranks(launch, hint)
+    return None
+
+
+def detect(env: Mapping[str, str]) -> LaunchEnv:
+    """Which launcher started us and what it says. Pure env parsing, except mpi4py for gaps."""
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _torchrun_env(env)
+    mpi = _mpi_env(env)
+    if mpi is not None:
+        return mpi
+    return LaunchEnv("single", 0, 1, 0, 1, None, None, "no launcher")
+
+
+
+# --------------------------------------------------------------------------- MPI
+
+
+def mpi_comm_world() -> Any:
+    """``mpi4py.MPI.COMM_WORLD``. The first call imports mpi4py, which initialises MPI (milliseconds)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise ImportError(
+            "disttune.dist: mpi4py is needed for MPI launches (mpiexec/mpirun/srun --mpi) but is not "
+            "importable. Install it with `pip install mpi4py` (plus an MPI, e.g. `pip install mpich` or "
+            "your system's Open MPI), or launch with torchrun / `bash scripts/launch.sh` instead. "
+            f"Import error: {err}"
+        ) from err
+    return MPI.COMM_WORLD
+
+
+def _mpi_world_or_none() -> Any:
+    try:
+        return mpi_comm_world()
+    except ImportError:
+        return None
+
+
+def check_mpi_agrees(comm: Any, rank: int, world_size: int | None, source: str) -> None:
+    """Catch mpi4py built against a different MPI than the launcher: each rank then sees a world of 1."""
+    mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
+    if mpi_rank != rank or (world_size is not None and mpi_size != world_size):
+        raise DistEnvError(
+            f"disttune.dist: the launcher's environment ({source}) says rank {rank} of "
+            f"{world_size if world_size is not None else '?'} but mpi4py says rank {mpi_rank} of {mpi_size}. mpi4py is probably "
+            "linked against a different MPI than the `mpiexec` that started this job; use the mpiexec "
+            "of the MPI that mpi4py was built with (`python -c 'import mpi4py; print(mpi4py.get_config())'`)."
+        )

@@ -1,0 +1,226 @@
+"""Launch handlers: what an intercepted launch does in each run of a tuning call, one class per run kind.
+
+:mod:`disttune.intercept` hands every autotuned launch inside the wrapped function to the handler
+of the current run. Each handler names the launch as a *site* (kernel, Triton's tuning key,
+occurrence of that kernel and key within the run; see :mod:`disttune.sites`) and then:
+
+* :class:`Discover` (the first run) registers the site, starts compiling its candidates and
+  launches the first config that works on this rank (or a stored / pinned / cached winner);
+* :class:`Tune` (each tuning run) launches the config the rank-independent schedule gives the
+  site for this run, timed by the Timer when the schedule says so; a config that fails here keeps
+  its turns with a stand-in launch and is scored ``inf``;
+* :class:`Final` (the run whose result the caller gets) launches the agreed winners, with Triton's
+  one reset after benchmarking; a split winner that fails here is recorded for the agreement;
+* :class:`Fast` launches the winners of a finished tuning: the tuned fast path
+  (:mod:`disttune.fast_path`) hands it the launches its plan does not cover.
+
+Handlers only launch and record; the agreement between ranks lives in :mod:`disttune.agreement`.
+Naming a launch costs Triton's key computation and a dictionary update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from . import triton_launch as triton
+from .compile import CompilePool
+from .intercept import triton_run
+from .sites import Schedule, Site, SiteId
+from .timing import LaunchInfo, Timer
+
+
+class SiteLaunches:
+    """The part every handler shares: a launch with configs to choose between becomes a site."""
+
+    def __init__(self, occurrences: Optional[dict] = None) -> None:
+        self.occurrences: dict[tuple, int] = {} if occurrences is None else occurrences
+
+    def launch(self, autotuner: Any, args: tuple, kwargs: dict) -> Any:
+        if not triton.has_choice(autotuner):
+            return triton_run(autotuner, *args, **kwargs)
+        key = triton.tuning_key(autotuner, args, kwargs)
+        name = triton.kernel_name(autotuner)
+        occurrence = self.occurrences.get((name, key), 0)
+        self.occurrences[(name, key)] = occurrence + 1
+        return self.launch_site(SiteId(name, key, occurrence), autotuner, key, args, kwargs)
+
+    def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def finish(self) -> list[str]:
+        """End of the run: what went wrong on this rank that the peers must hear of (none by default)."""
+        return []
+
+
+class Discover(SiteLaunches):
+    """The discovery run: registers each site in ``sites`` and launches a config that works here.
+
+    ``lookup(site)`` is this rank's stored or pinned winner for a new site (None: tune it);
+    ``always_tune`` ignores winners already in the kernels' caches; ``compiles`` compiles ahead.
+    """
+
+    def __init__(self, sites: dict[SiteId, Site], always_tune: bool,
+                 lookup: Optional[Callable[[Site], Optional[int]]] = None,
+                 compiles: Optional[CompilePool] = None) -> None:
+        super().__init__()
+        self.sites, self.always_tune, self.lookup, self.compiles = sites, always_tune, lookup, compiles
+
+    def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        configs = triton.candidate_configs(autotuner, args, kwargs)
+        for config in configs:
+            triton.check_conflicts(autotuner, kwargs, config)
+        preset = None if self.always_tune else autotuner.cache.get(key)
+        site = Site(ident, autotuner, configs, preset)
+        self.sites[ident] = site
+        if preset is not None:
+            return triton.launch_winner(autotuner, args, kwargs, preset)
+        site.local_answer = self.lookup(site) if self.lookup is not None else None
+        if site.local_answer is not None:
+            # A stored or pinned winner: compile and launch just that one (a warm start compiles nothing else).
+            try:
+                result = triton.launch_config(autotuner, args, kwargs, configs[site.local_answer])
+                site.stand_in = site.local_answer
+                return result
+            except Exception as err:
+                site.record_failure(site.local_answer, err)
+        compiles = self.compiles.start(site, args, kwargs) if self.compiles is not None else []
+        for index, config in enumerate(configs):
+            if index in site.failures:
+                continue
+            try:
+                if compiles and compiles[index] is not None:
+                    compiles[index].result()  # this config compiled (the rest go on in the background)
+                result = triton.launch_config(autotuner, args, kwargs, config)
+            except Exception as err:  # a config that fails here is scored inf, not fatal
+                site.record_failure(index, err)
+                continue
+            site.stand_in = index
+            return result
+        return None  # nothing launches on this rank; agreement fails the site on every rank
+
+
+def launch_stand_in(site: Site, args: tuple, kwargs: dict, problems: list[str]) -> Any:
+    """The site's stand-in config (one that launched fine here), in place of a config that cannot run."""
+    if site.stand_in is None:
+        return None
+    try:
+        return triton.launch_config(site.autotuner, args, kwargs, site.configs[site.stand_in])
+    except Exception as err:
+        problems.append(f"stand-in config of {site.id.describe()} failed: {type(err).__name__}: {err}")
+        return None
+
+
+class Tune(SiteLaunches):
+    """Tuning run ``run`` of ``schedule``: each site launches the config the schedule gives it, timed or not."""
+
+    def __init__(self, sites: dict[SiteId, Site], schedule: Schedule, run: int, timer: Timer, rank: int) -> None:
+        super().__init__()
+        self.sites, self.schedule, self.run, self.timer, self.rank = sites, schedule, run, timer, rank
+        self.launched: set[SiteId] = set()
+        self.problems: list[str] = []
+        self.readers: list[tuple[Site, int, Callable[[], float]]] = []
+
+    def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        site = self.sites.get(ident)
+        if site is None:
+            self.problems.append(
+                f"tuning run {self.run + 1} launched {ident.describe()}, which the discovery run did not: the "
+                "wrapped function must launch the same autotuned kernels with the same keys on every run"
+            )
+            return None
+        self.launched.add(ident)
+        if site.preset is not None:
+            return triton.launch_winner(autotuner, args, kwargs, site.preset)
+        position, timed = self.schedule.slot(self.run, len(site.active), site.share)
+        index = None if position is None else site.active[position]
+        if index is None or index in site.failures:
+            return launch_stand_in(site, args, kwargs, self.problems)
+        config = site.configs[index]
+        try:
+            if not timed:
+                return triton.launch_config(autotuner, args, kwargs, config)
+            info = LaunchInfo(site.id.kernel, site.id.key, site.id.occurrence, index, config, self.run, self.rank)
+            outcome: dict = {}
+
+            def timed_launch(launch: Callable[[], Any]) -> None:
+                outcome["read"] = self.timer.time(lambda: outcome.__setitem__("result", launch()), info)
+
+            triton.launch_config(autotuner, args, kwargs, config, timed_launch)
+            self.readers.append((site, index, outcome["read"]))
+            return outcome.get("result")
+        except Exception as err:
+            site.record_failure(index, err)
+            return launch_stand_in(site, args, kwargs, self.problems)
+
+    def finish(self) -> list[str]:
+        """Read this run's timers into the sites' samples and check that every site launched."""
+        now = time.time()
+        for site, index, read in self.readers:
+            site.add_sample(index, read(), now)
+        missing = [ident.describe() for ident in self.sites if ident not in self.launched]
+        if missing:
+            self.problems.append(
+                "the wrapped function did not launch " + "; ".join(missing)
+                + f" in tuning run {self.run + 1}, though the discovery run did: it must launch the same "
+                "autotuned kernels with the same keys on every run"
+            )
+        return self.problems
+
+
+def launch_fast(ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict, winners: dict,
+                stale: list[str]) -> Any:
+    """A launch with the site's winner, else the kernel's cached one, else its first candidate (noted as stale)."""
+    config = winners.get(ident) or autotuner.cache.get(key)
+    if config is None:
+        config = triton.candidate_configs(autotuner, args, kwargs)[0]
+        stale.append(ident.describe())
+    return triton.launch_winner(autotuner, args, kwargs, config)
+
+
+class Final(SiteLaunches):
+    """The run with the agreed ``winners``; its result is the caller's.
+
+    Each site's first launch is preceded by Triton's reset after benchmarking (``reset_to_zero``).
+    A split site's winner was timed by one rank only, so its first launch here may fail: the failure
+    is kept in ``failures`` (site -> (config index, message)) and the run goes on with the stand-in.
+    """
+
+    def __init__(self, sites: dict[SiteId, Site], winners: dict[SiteId, Any]) -> None:
+        super().__init__()
+        self.sites, self.winners = sites, winners
+        self.reset_done: set[SiteId] = set()
+        self.failures: dict[SiteId, tuple[int, str]] = {}
+        self.stale: list[str] = []
+
+    def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        config = self.winners.get(ident)
+        if config is None:
+            return launch_fast(ident, autotuner, key, args, kwargs, self.winners, self.stale)
+        site = self.sites.get(ident)
+        try:
+            if ident not in self.reset_done:
+                self.reset_done.add(ident)
+                triton.reset_before_real_launch(autotuner, args, kwargs, config)
+            return triton.launch_winner(autotuner, args, kwargs, config)
+        except Exception as err:
+            if site is None or not site.split:
+                raise
+            self.failures.setdefault(ident, (site.configs.index(config), f"{type(err).__name__}: {err}"))
+            return launch_stand_in(site, args, kwargs, [])
+
+
+class Fast(SiteLaunches):
+    """Launches after tuning that the fast path's plan does not cover; ``stale`` names untuned sites.
+
+    ``occurrences`` is shared with the fast-path call that hands launches over, so a site is named
+    as it would have been had this handler seen the whole call.
+    """
+
+    def __init__(self, winners: dict[SiteId, Any], occurrences: Optional[dict] = None) -> None:
+        super().__init__(occurrences)
+        self.winners = winners
+        self.stale: list[str] = []
+
+    def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        return launch_fast(ident, autotuner, key, args, kwargs, self.winners, self.stale)

@@ -1,0 +1,54 @@
+"""The options both tuners share, checked once when a tuner is built, and their text for the consensus.
+
+Options that change the schedule (``n_warmup``, ``n_repeat``, ``early_stop``, ``split``,
+``compile_split``) or the verdict (``reduce``, ``statistic``) must be the same on every rank: the
+consensus (:meth:`disttune.agreement.Agreement.consensus`) compares :func:`describe_options` of
+each rank's and names the option and every rank's value where they differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .sites import REDUCTIONS, Statistic, resolve_statistic
+from .timing import Timer
+
+#: The options that change the schedule or the verdict (compared across ranks by the consensus).
+AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "early_stop", "split", "compile_split")
+
+
+def check_count(name: str, value: Any, minimum: int) -> None:
+    """``value`` must be an int (not a bool) of at least ``minimum``; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"disttune: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_common(n_warmup: int, n_repeat: int, reduce: str, statistic: Statistic, timer: Optional[Timer]) -> None:
+    """The checks both tuners make of their shared options; a clear ValueError or TypeError."""
+    check_count("n_repeat", n_repeat, minimum=1)
+    check_count("n_warmup", n_warmup, minimum=0)
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {', '.join(REDUCTIONS)}")
+    resolve_statistic(statistic)
+    if timer is not None and not isinstance(timer, Timer):
+        raise TypeError(f"disttune: timer must have a .time(launch, info) method, got {type(timer).__name__}")
+
+
+def describe_value(value: Any) -> str:
+    """A text for an option's value that is the same on every rank for the same setting (no addresses)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    base = getattr(value, "base_fn", None)  # a triton.autotune kernel: its function's name
+    if base is not None:
+        return f"kernel {base.__module__}.{base.__qualname__}"
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    try:
+        return "[" + ", ".join(sorted(describe_value(item) for item in value)) + "]"
+    except TypeError:
+        return type(value).__name__
+
+
+def describe_options(**options: Any) -> dict[str, str]:
+    """``{name: text}`` for the consensus: equal texts mean equal settings on every rank."""
+    return {name: describe_value(value) for name, value in options.items()}

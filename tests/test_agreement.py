@@ -1,0 +1,135 @@
+"""The verdicts of the agreement: all configs failing is an error, ties go to the lowest index, and
+what one rank decides alone (options, a discovery error) is the same verdict on every rank (ranks as threads).
+
+Kernels run under TRITON_INTERPRET=1 on the CPU (see conftest.py); fake timers from
+``tiny_kernels.TableTimer`` make the expected winners computable.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import disttune
+from disttune.agreement import Agreement
+from disttune.options import describe_options
+from tiny_kernels import DEV, launch_add, make_kernel, TableTimer, tuner
+
+
+def test_all_configs_failing_is_an_error_not_a_default(tmp_path):
+    def fault(nargs):
+        raise RuntimeError("cannot run")
+
+    kernel = make_kernel(blocks=(16, 32), pre_hooks={0: fault, 1: fault})
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 1.0))
+    def step(x):
+        launch_add(kernel, x, torch.empty_like(x))
+
+    with pytest.raises(disttune.AllConfigsFailed, match=r"config\[1\].*rank 0: RuntimeError: cannot run"):
+        step(torch.randn(64, device=DEV))
+    assert kernel.cache == {}
+
+
+def test_ties_go_to_the_lowest_config_index(tmp_path):
+    kernel = make_kernel(blocks=(16, 32, 64))
+
+    @tuner(tmp_path, timer=TableTimer(lambda i: 2.0 if i.config_index == 0 else 1.0))
+    def step(x):
+        launch_add(kernel, x, torch.empty_like(x))
+
+    step(torch.randn(64, device=DEV))
+    assert step.report.results[0].winner == 1
+
+
+# -- two ranks as threads: the verdicts are the same on every rank ------------------------------------------
+
+class ThreadComm:
+    """A Communicator whose ranks are threads of this process (all-gathers through a shared list)."""
+
+    def __init__(self, world: "ThreadWorld", rank: int) -> None:
+        self.world, self.rank, self.world_size = world, rank, world.size
+
+    def all_gather_objects(self, obj, step):
+        world = self.world
+        world.barrier.wait()
+        world.slots[self.rank] = obj
+        world.barrier.wait()
+        gathered = list(world.slots)
+        world.barrier.wait()
+        return gathered
+
+    def all_gather_floats(self, values, step):
+        return np.array(self.all_gather_objects([float(v) for v in values], step), dtype=np.float64)
+
+    def barrier(self, step):
+        self.world.barrier.wait()
+
+
+class ThreadWorld:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=30)  # a hang fails the test
+        self.slots: list = [None] * size
+
+
+def on_every_rank(size: int, body) -> list:
+    """Run ``body(comm)`` on ``size`` thread-ranks; each rank's return value or exception, by rank."""
+    world, outcomes = ThreadWorld(size), [None] * size
+
+    def rank_main(rank):
+        try:
+            outcomes[rank] = body(ThreadComm(world, rank))
+        except Exception as err:  # the outcome under test
+            outcomes[rank] = err
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    return outcomes
+
+
+def test_options_that_differ_are_the_same_error_on_every_rank_naming_option_and_values():
+    def body(comm):
+        options = describe_options(reduce=("max", "min")[comm.rank], n_repeat=5, split=("add_block", True)[comm.rank])
+        Agreement(comm, "step").consensus([], None, options, [])
+
+    outcomes = on_every_rank(2, body)
+    assert all(isinstance(o, disttune.TuningError) for o in outcomes), outcomes
+    assert len({str(o) for o in outcomes}) == 1, "ranks raised different messages"
+    message = str(outcomes[0])
+    assert "reduce: rank 0: 'max', rank 1: 'min'" in message
+    assert "split: rank 0: 'add_block', rank 1: True" in message
+    assert "n_repeat" not in message, "only the options that differ are named"
+
+
+def test_the_function_tuner_agrees_its_options_and_its_winner():
+    table = {0: [3.0, 1.0, 2.0], 1: [1.0, 3.0, 2.0]}  # alone each rank would pick another config; max picks 2
+
+    def tune(comm, n_repeat):
+        timer = TableTimer(lambda info: table[comm.rank][info.config_index])
+        pick = disttune.autotune([{"variant": v} for v in range(3)], key_fn=lambda: 0, n_warmup=0,
+                                 n_repeat=n_repeat, timer=timer, group=comm, store=False)(lambda *, variant: variant)
+        return pick()
+
+    assert on_every_rank(2, lambda comm: tune(comm, 2)) == [2, 2]
+    outcomes = on_every_rank(2, lambda comm: tune(comm, 1 + comm.rank))
+    assert all(isinstance(o, disttune.TuningError) for o in outcomes), outcomes
+    assert "n_repeat: rank 0: 1, rank 1: 2" in str(outcomes[0]) and str(outcomes[0]) == str(outcomes[1])
+
+
+def test_a_discovery_error_on_one_rank_is_the_same_error_on_all():
+    def body(comm):
+        error = (ValueError("bad input"), "ValueError: bad input") if comm.rank == 1 else None
+        Agreement(comm, "step").consensus([], error, {}, [])
+
+    outcomes = on_every_rank(2, body)
+    assert [type(o) for o in outcomes] == [disttune.TuningError] * 2 and str(outcomes[0]) == str(outcomes[1])
+    assert "discovery run raised on rank(s) 1" in str(outcomes[0]) and "rank 1: ValueError: bad input" in str(outcomes[0])
+    assert isinstance(outcomes[1].__cause__, ValueError), "the failing rank chains its own exception"

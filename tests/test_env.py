@@ -1,0 +1,117 @@
+"""disttune.env: the one reader of DISTTUNE_* settings and launcher variables.
+
+Launchers are told apart by their variables (torchrun, Open MPI, MPICH/Hydra, PMIx, Slurm's srun),
+and every bad value is one clear error that names the variable.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from disttune import env
+
+
+def test_env_errors_name_the_variable(monkeypatch) -> None:
+    cases = [
+        ({"RANK": "0"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "2"}, "RANK"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "[0, world size)"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "MASTER_ADDR"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT"),
+        ({"PMI_RANK": "abc", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}, "PMI_RANK"),
+    ]
+    for variables, needle in cases:
+        with pytest.raises(env.DistEnvError, match=re.escape(needle)):
+            env.detect(variables)
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "soon")
+    with pytest.raises(env.DistEnvError, match="DISTTUNE_TIMEOUT"):
+        env.timeout_s(None)
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "7.5")
+    assert env.timeout_s(None) == 7.5
+    assert env.timeout_s(3) == 3.0
+
+
+def test_env_detection() -> None:
+    tr = env.detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "node0", "MASTER_PORT": "29501"})
+    assert (tr.launcher, tr.rank, tr.world_size, tr.local_rank, tr.local_world_size) == ("torchrun", 3, 8, 1, 2)
+    assert (tr.master_addr, tr.master_port) == ("node0", 29501)
+    ompi = env.detect({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6",
+                         "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"})
+    assert (ompi.launcher, ompi.rank, ompi.world_size, ompi.local_rank, ompi.local_world_size) == ("mpi", 5, 6, 2, 3)
+    hydra = env.detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (hydra.launcher, hydra.rank, hydra.world_size, hydra.local_rank) == ("mpi", 1, 2, 1)
+    assert hydra.master_addr is None and hydra.master_port is None
+    single = env.detect({})
+    assert (single.launcher, single.rank, single.world_size) == ("single", 0, 1)
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon", "nan", "inf"])
+def test_a_bad_timeout_in_the_environment_is_a_value_error_never_the_default(monkeypatch, raw):
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", raw)
+    with pytest.raises(ValueError, match="DISTTUNE_TIMEOUT"):
+        env.timeout_s()
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "30", True])
+def test_a_bad_timeout_argument_is_a_value_error(value):
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        env.timeout_s(value)
+
+
+def test_timeout_defaults_to_300_seconds_and_an_explicit_value_wins(monkeypatch):
+    monkeypatch.delenv("DISTTUNE_TIMEOUT", raising=False)
+    assert env.timeout_s() == env.DEFAULT_TIMEOUT_S == 300.0
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", " ")
+    assert env.timeout_s() == 300.0, "an empty variable means unset"
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "12")
+    assert env.timeout_s(4) == 4.0 and env.timeout_s() == 12.0
+
+
+def test_both_tuners_reject_a_zero_timeout(monkeypatch):
+    import disttune
+
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="DISTTUNE_TIMEOUT"):
+        disttune.contextual_autotune()(lambda: None)
+    with pytest.raises(ValueError, match="DISTTUNE_TIMEOUT"):
+        disttune.autotune([{"a": 1}], key_fn=lambda: 0)(lambda *, a: a)
+    monkeypatch.delenv("DISTTUNE_TIMEOUT")
+    with pytest.raises(ValueError, match="timeout_s must be a positive"):
+        disttune.autotune([{"a": 1}], key_fn=lambda: 0, timeout_s=0)(lambda *, a: a)
+
+
+@pytest.mark.parametrize("variables, local", [
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, (1, 4)),
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, (2, 3)),
+    ({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}, (0, 2)),
+    ({"PMIX_LOCAL_RANK": "3", "PMIX_LOCAL_SIZE": "8"}, (3, 8)),
+    ({"SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4,2(x2)", "SLURM_NODEID": "2"}, (1, 2)),
+    ({}, (7, 1)),
+])
+def test_local_rank_and_size_of_every_launcher(variables, local):
+    assert (env.local_rank(default=7, environ=variables), env.local_world_size(environ=variables)) == local
+
+
+def test_slurm_srun_is_detected_but_a_batch_shell_is_not():
+    srun = env.detect({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+                       "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"})
+    assert (srun.launcher, srun.rank, srun.world_size, srun.local_rank, srun.local_world_size) == ("mpi", 3, 4, 1, 2)
+    assert srun.source == "Slurm (srun)"
+    batch = env.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})  # the batch script's own shell
+    assert (batch.launcher, batch.world_size) == ("single", 1)
+
+
+def test_interpreter_flag_follows_triton(monkeypatch):
+    import torch
+    from triton import knobs
+
+    assert env.interpreting() == (not torch.cuda.is_available()), "conftest interprets where there is no GPU"
+    monkeypatch.setattr(knobs.runtime, "interpret", True)
+    assert env.interpreting()
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    assert not env.interpreting()
