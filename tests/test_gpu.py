@@ -1,7 +1,7 @@
 """GPU checks: NCCL, CUDA events and the AG-GEMM example tuned in context on two GPUs.
 
-Skipped on machines without CUDA GPUs (CI); run on the lent 2-GPU machine with
-``bash scripts/gpu_check.sh``. The rest of the suite also runs there, under NCCL.
+Skipped on machines without CUDA GPUs (CI); run on a GPU machine with ``bash scripts/gpu_check.sh``.
+The rest of the suite also runs there, under NCCL.
 """
 
 from __future__ import annotations
@@ -34,9 +34,26 @@ def test_ag_gemm_tuned_in_context_with_the_12_config_space(launcher, tmp_path):
     assert proc.returncode == 0, describe(proc)
     assert "correct on every rank: True" in proc.stdout, describe(proc)
     rows = re.findall(r"^BLOCK_M=.*$", proc.stdout, flags=re.M)
-    assert len(rows) == 12, describe(proc)
-    assert sum("<- winner" in row for row in rows) == 1
+    assert len(rows) == 2 * 12, describe(proc)  # decomposed design: one GEMM site per shard
+    assert sum("<- winner" in row for row in rows) == 2
+    assert re.search(r"NCCL all-gather then cuBLAS: [0-9.]+ ms", proc.stdout), describe(proc)
     print(proc.stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ag_gemm_demo_on_one_gpu_then_from_the_store(tmp_path):
+    env = {"DISTTUNE_CACHE_DIR": str(tmp_path / "store")}
+    shape = ["--M", "4096", "--K", "4096", "--N", "4096", "--samples", "10"]
+    first = run_launch(["--nproc_per_node=1", "examples/ag_gemm.py", *shape], timeout=540, extra_env=env)
+    second = run_launch(["--nproc_per_node=1", "examples/ag_gemm.py", *shape], timeout=540, extra_env=env)
+    for proc in (first, second):
+        assert proc.returncode == 0 and "correct on every rank: True" in proc.stdout, describe(proc)
+        assert "one GPU: there is no communication to overlap" in proc.stdout, describe(proc)
+    rows = re.findall(r"^BLOCK_M=.*$", first.stdout, flags=re.M)
+    assert len(rows) >= 2 and sum("<- winner" in row for row in rows) == 1, describe(first)
+    assert "winner from the store (no tuning)" in second.stdout, describe(second)
+    print(first.stdout, second.stdout)
 
 
 @pytest.mark.gpu
