@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import platform
 import sys
 import time
 
@@ -100,13 +101,20 @@ def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
     assert [row["rank"] for row in rows] == [0] and rows[0]["world"] == 2
 
 
+def expected_device() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def test_environment_names_device_versions_and_date():
     import triton
 
     env = benchmark.environment(bench="x")
     assert env["world"] == 1 and env["bench"] == "x"
     assert env["torch"] == torch.__version__ and env["triton"] == triton.__version__
-    assert env["device"].startswith("cpu") and "cuda" in env and env["interpreter"] is True
+    assert env["device"] == expected_device() and "cuda" in env
+    assert env["interpreter"] is (not torch.cuda.is_available())
     assert datetime.datetime.fromisoformat(env["date"]).tzinfo is not None
 
 
@@ -118,7 +126,7 @@ def test_append_rows_writes_only_where_asked(tmp_path):
     benchmark.append_rows(path, [{"a": 3, "device": "mine"}], meta={"device": "given", "world": 4})
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [row["a"] for row in rows] == [1, 2, 3]
-    assert rows[0]["device"].startswith("cpu") and rows[0]["torch"] == torch.__version__
+    assert rows[0]["device"] == expected_device() and rows[0]["torch"] == torch.__version__
     assert rows[2]["device"] == "mine" and rows[2]["world"] == 4 and "torch" not in rows[2]
 
 
@@ -128,9 +136,21 @@ def test_rel_error():
     assert benchmark.rel_error(torch.tensor([3.0, 4.5]), want) == pytest.approx(0.1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal applies without a GPU")
 def test_capture_graph_refuses_without_a_gpu():
     with pytest.raises(RuntimeError, match="CUDA graphs"):
         benchmark.capture_graph(lambda: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_graph_replays_the_step():
+    x = torch.zeros(4, device="cuda")
+    graph = benchmark.capture_graph(lambda: x.add_(1))  # warm-up runs and the capture itself count too
+    before = x.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before + 1)
 
 
 def test_cprofile_names_the_profiled_function():
