@@ -6,7 +6,9 @@ and every bad value is one clear error that names the variable.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,67 @@ def test_interpreter_flag_follows_triton(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     assert not env.interpreting()
+
+
+def test_log_dir_comes_from_the_environment_and_an_argument_wins(monkeypatch, tmp_path):
+    from disttune.logs import RankLog, resolve_log_dir
+
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "from-env"))
+    assert env.log_dir() == str(tmp_path / "from-env")
+    assert resolve_log_dir(None) == tmp_path / "from-env"
+    assert resolve_log_dir(tmp_path / "given") == tmp_path / "given"
+    assert RankLog(None, 3).path == tmp_path / "from-env" / "rank-3.log"
+    for unset in ("", None):
+        if unset is None:
+            monkeypatch.delenv("DISTTUNE_LOG_DIR")
+        else:
+            monkeypatch.setenv("DISTTUNE_LOG_DIR", unset)
+        assert env.log_dir() is None and resolve_log_dir(None) == Path("logs"), f"{unset!r} means unset"
+
+
+def test_a_child_environment_sends_its_logs_where_asked(monkeypatch, tmp_path):
+    parent = {"PATH": "/bin", "DISTTUNE_LOG_DIR": "old"}
+    assert env.environ_with_log_dir(tmp_path, parent) == {"PATH": "/bin", "DISTTUNE_LOG_DIR": str(tmp_path)}
+    assert parent["DISTTUNE_LOG_DIR"] == "old", "the parent's mapping is left alone"
+    monkeypatch.setenv("DISTTUNE_MARKER", "kept")
+    child = env.environ_with_log_dir(tmp_path / "child")
+    assert child["DISTTUNE_MARKER"] == "kept" and child["DISTTUNE_LOG_DIR"] == str(tmp_path / "child")
+    assert os.environ["DISTTUNE_LOG_DIR"] != child["DISTTUNE_LOG_DIR"], "this process's environment is left alone"
+
+
+def _write_one_tuning(log_dir: Path) -> None:
+    from disttune.logs import RankLog
+
+    log = RankLog(log_dir, 0, "step")
+    for index, ms in enumerate((2.0, 1.0)):
+        log.config_result("add_kernel", (64,), 0, index, f"BLOCK: {64 << index}", [ms], ms, None)
+    log.winner("add_kernel", (64,), 0, 1, "BLOCK: 128", 1.0, "tuned")
+    log.tuning("step", 0.1, 5, 1, 1, "max", "median")
+    log.flush()
+
+
+def test_the_report_command_finds_the_logs_where_the_tuner_writes_them(monkeypatch, tmp_path, capsys):
+    from disttune.cli import main
+
+    _write_one_tuning(tmp_path / "chosen")
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "chosen"))
+    assert main(["report"]) == 0, capsys.readouterr().err
+    assert f"report: {tmp_path / 'chosen' / 'report' / 'report.md'}" in capsys.readouterr().out
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", "")  # unset, as for the tuner: ./logs
+    monkeypatch.chdir(tmp_path)
+    assert main(["report"]) == 1
+    assert "'logs' does not exist" in capsys.readouterr().err
+
+
+def test_the_demo_sends_its_ranks_logs_to_the_log_dir(monkeypatch, tmp_path):
+    import disttune.cli
+
+    launched = []
+    monkeypatch.setattr(disttune.cli.subprocess, "call", lambda command, env: launched.append(env) or 3)
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "from-env"))
+    assert disttune.cli.main(["demo"]) == 3
+    monkeypatch.chdir(tmp_path)
+    assert disttune.cli.main(["demo", "--log-dir", "given"]) == 3
+    expected = [str((tmp_path / "from-env").resolve()), str((tmp_path / "given").resolve())]
+    assert [child["DISTTUNE_LOG_DIR"] for child in launched] == expected
+
