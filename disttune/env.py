@@ -16,7 +16,7 @@ everywhere and a bad value is one clear error:
   (the tuners use them to share compiles and store writes among the ranks of a node);
 * :func:`log_dir`, :func:`environ_with_log_dir`: where the rank logs go, and a child process's
   environment that sends them elsewhere;
-* the store's, the progress bar's and the MoE test switches.
+* the store's (and the user cache root it falls back on), the progress bar's and the MoE test switches.
 
 Reading costs a dictionary lookup or two; nothing is cached, so a test can change a variable.
 """
@@ -32,7 +32,7 @@ from typing import Any, Literal, Mapping, Optional
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
-    "progress_enabled", "timeout_s", "triton_prints_autotuning",
+    "progress_enabled", "timeout_s", "triton_prints_autotuning", "xdg_cache_home",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -89,6 +89,11 @@ def interpreting() -> bool:
 def cache_dir() -> Optional[str]:
     """``$DISTTUNE_CACHE_DIR``: where the winner store lives (None: the platform's cache folder)."""
     return os.environ.get(CACHE_DIR) or None
+
+
+def xdg_cache_home() -> Optional[str]:
+    """``$XDG_CACHE_HOME``: the user's cache root, for when platformdirs is not installed (None: ``~/.cache``)."""
+    return os.environ.get("XDG_CACHE_HOME") or None
 
 
 def log_dir() -> Optional[str]:
@@ -328,8 +333,11 @@ def _mpi_env(env: Mapping[str, str]) -> LaunchEnv | None:
     return None
 
 
-def detect(env: Mapping[str, str]) -> LaunchEnv:
-    """Which launcher started us and what it says. Pure env parsing, except mpi4py for gaps."""
+def detect(env: Mapping[str, str] = os.environ) -> LaunchEnv:
+    """Which launcher started us and what it says (``env``: default this process's environment).
+
+    Pure env parsing, except mpi4py for gaps.
+    """
     if "RANK" in env or "WORLD_SIZE" in env:
         return _torchrun_env(env)
     mpi = _mpi_env(env)

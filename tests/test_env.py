@@ -6,8 +6,11 @@ and every bad value is one clear error that names the variable.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,47 @@ def test_the_demo_sends_its_ranks_logs_to_the_log_dir(monkeypatch, tmp_path):
     expected = [str((tmp_path / "from-env").resolve()), str((tmp_path / "given").resolve())]
     assert [child["DISTTUNE_LOG_DIR"] for child in launched] == expected
 
+
+def test_the_store_falls_back_on_the_xdg_cache_root_without_platformdirs(monkeypatch, tmp_path):
+    from disttune import store
+
+    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import platformdirs now raises ImportError
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert store.default_cache_dir() == tmp_path / "xdg" / "disttune"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert store.default_cache_dir() == Path.home() / ".cache" / "disttune"
+
+
+def test_detect_reads_this_processs_environment_by_default(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    launch = env.detect()
+    assert (launch.launcher, launch.rank, launch.world_size, launch.master_port) == ("torchrun", 1, 2, 29500)
+
+
+def _reads_the_environment(tree: ast.AST) -> list[int]:
+    """Lines that touch ``os.environ`` / ``os.getenv`` (or import them from ``os``)."""
+    names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            if node.attr in names:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            if any(alias.name in names for alias in node.names):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_env_module_reads_the_environment():
+    packages = [Path(env.__file__).parent, Path(importlib.util.find_spec("disttune.kernels").origin).parent]
+    readers = {}
+    for package in packages:
+        for path in sorted(package.glob("*.py")):
+            if path != Path(env.__file__):
+                lines = _reads_the_environment(ast.parse(path.read_text(encoding="utf-8")))
+                if lines:
+                    readers[f"{package.name}/{path.name}"] = lines
+    assert len(list(packages[0].glob("*.py"))) > 10, "the scan must see the package's modules"
+    assert readers == {}, f"read the environment through disttune.env instead: {readers}"
