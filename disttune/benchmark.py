@@ -117,34 +117,11 @@ class _Stopwatch:
         return (self._t1 - self._t0) * 1e3
 
 
-def one_call_ms(fn: Step, *, samples: int = 30, warmup: int = 5, barrier: Optional[bool] = None) -> float:
-    """Milliseconds of one call from an idle device: the median of ``samples`` single calls.
+def _median_run_ms(fn: Step, *, calls: int, runs: int, warmup: int, barrier: Optional[bool]) -> float:
+    """Milliseconds per call, the median over ``runs`` runs of ``calls`` back-to-back calls.
 
-    Each sample starts after a device sync and, when distributed (or ``barrier=True``), a barrier,
-    so every rank starts together and the host's launch latency is part of the time. CUDA events
-    around the call on GPUs, the host clock on CPUs (where the call's work is done when it returns).
-    Cost: ``warmup + samples`` calls, one sync (and barrier) per sample.
-    """
-    for _ in range(warmup):
-        fn()
-    watch, times = _Stopwatch(), []
-    for _ in range(max(1, samples)):
-        _start_together(barrier)
-        watch.start()
-        fn()
-        watch.stop()
-        times.append(watch.ms())
-    return statistics.median(times)
-
-
-def steady_ms(fn: Step, *, calls: int = 10, runs: int = 10, warmup: int = 3,
-              barrier: Optional[bool] = None) -> float:
-    """Milliseconds per call in steady state: ``calls`` calls back to back between two events.
-
-    The host issues the next call while the device runs the last one, as in a model, so this is the
-    device time a step costs once the host keeps ahead (or the host time, where it cannot). The
-    median over ``runs`` runs, each started after a device sync and, when distributed (or
-    ``barrier=True``), a barrier. Cost: ``warmup + runs * calls`` calls, one sync per run.
+    ``warmup`` calls first; each run starts after a device sync and, when distributed (or
+    ``barrier=True``), a barrier.
     """
     for _ in range(warmup):
         fn()
@@ -157,6 +134,29 @@ def steady_ms(fn: Step, *, calls: int = 10, runs: int = 10, warmup: int = 3,
         watch.stop()
         times.append(watch.ms() / calls)
     return statistics.median(times)
+
+
+def one_call_ms(fn: Step, *, samples: int = 30, warmup: int = 5, barrier: Optional[bool] = None) -> float:
+    """Milliseconds of one call from an idle device: the median of ``samples`` single calls.
+
+    Each sample starts after a device sync and, when distributed (or ``barrier=True``), a barrier,
+    so every rank starts together and the host's launch latency is part of the time. CUDA events
+    around the call on GPUs, the host clock on CPUs (where the call's work is done when it returns).
+    Cost: ``warmup + samples`` calls, one sync (and barrier) per sample.
+    """
+    return _median_run_ms(fn, calls=1, runs=samples, warmup=warmup, barrier=barrier)
+
+
+def steady_ms(fn: Step, *, calls: int = 10, runs: int = 10, warmup: int = 3,
+              barrier: Optional[bool] = None) -> float:
+    """Milliseconds per call in steady state: ``calls`` calls back to back between two events.
+
+    The host issues the next call while the device runs the last one, as in a model, so this is the
+    device time a step costs once the host keeps ahead (or the host time, where it cannot). The
+    median over ``runs`` runs, each started after a device sync and, when distributed (or
+    ``barrier=True``), a barrier. Cost: ``warmup + runs * calls`` calls, one sync per run.
+    """
+    return _median_run_ms(fn, calls=calls, runs=runs, warmup=warmup, barrier=barrier)
 
 
 @overload

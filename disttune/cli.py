@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from . import __version__, store
+from . import __version__, env, store
+from .logs import resolve_log_dir
 from .sites import describe_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +64,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not example.exists():
         print(f"disttune demo: the {args.kernel} example is missing from this checkout ({example})", file=sys.stderr)
         return 2
-    log_dir = Path(args.log_dir or os.environ.get("DISTTUNE_LOG_DIR") or "logs").resolve()
-    env = {**os.environ, "DISTTUNE_LOG_DIR": str(log_dir)}
+    log_dir = resolve_log_dir(args.log_dir).resolve()
     command = ["bash", str(launcher)] + ([f"--nproc_per_node={args.nproc}"] if args.nproc else []) + [str(example)]
-    code = subprocess.call(command + list(args.example_args), env=env)
+    code = subprocess.call(command + list(args.example_args), env=env.environ_with_log_dir(log_dir))
     if code != 0:
         return code
     from .report import build_report
@@ -80,7 +79,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import build_report
 
-    report = build_report(args.log_dir, args.out, history=args.all)  # OSError: no logs there, or unwritable
+    report = build_report(resolve_log_dir(args.log_dir), args.out, history=args.all)  # OSError: no logs, or unwritable
     print(f"report: {report.markdown_path}")
     for plot in report.plots:
         print(f"plot: {plot}")
@@ -159,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=cmd_demo, parser=demo, example_args=[])
 
     report = sub.add_parser("report", help="merge rank-*.log into a Markdown report with plots")
-    report.add_argument("log_dir", nargs="?", default=os.environ.get("DISTTUNE_LOG_DIR", "logs"))
+    report.add_argument("log_dir", nargs="?", default=None,
+                        help="the tuner's log_dir (default: $DISTTUNE_LOG_DIR or logs)")
     report.add_argument("--out", default=None, help="report directory (default: LOG_DIR/report)")
     report.add_argument("--all", action="store_true",
                         help="every tuning call of each site, oldest first (default: the last of each)")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
-import os
 import socket
 from typing import Any
 
@@ -179,11 +178,11 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         raise RuntimeError("disttune.dist: this torch build has no torch.distributed support")
     if dist.is_initialized():
         if _INFO is None:
-            _INFO = _info_from_group(detect(os.environ))
+            _INFO = _info_from_group(detect())
         return _INFO
 
     timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s))
-    launch = detect(os.environ)
+    launch = detect()
     device_count = _cuda_device_count()
     if backend is None:
         # NCCL needs a GPU of its own per rank; with more local ranks than GPUs fall back to gloo.

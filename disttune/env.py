@@ -14,7 +14,9 @@ everywhere and a bad value is one clear error:
   gaps are filled by asking MPI through mpi4py;
 * :func:`local_rank` / :func:`local_world_size`: the same variables, read without starting anything
   (the tuners use them to share compiles and store writes among the ranks of a node);
-* the store's, the progress bar's and the MoE test switches.
+* :func:`log_dir`, :func:`environ_with_log_dir`: where the rank logs go, and a child process's
+  environment that sends them elsewhere;
+* the store's (and the user cache root it falls back on), the progress bar's and the MoE test switches.
 
 Reading costs a dictionary lookup or two; nothing is cached, so a test can change a variable.
 """
@@ -28,9 +30,9 @@ import re
 from typing import Any, Literal, Mapping, Optional
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "interpreting",
-    "local_rank", "local_world_size", "mpi_comm_world", "pinned_table", "poison_buffers", "progress_enabled",
-    "timeout_s", "triton_prints_autotuning",
+    "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
+    "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
+    "progress_enabled", "timeout_s", "triton_prints_autotuning", "xdg_cache_home",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -38,6 +40,7 @@ Launcher = Literal["torchrun", "mpi", "single"]
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT = "DISTTUNE_TIMEOUT"
 CACHE_DIR = "DISTTUNE_CACHE_DIR"
+LOG_DIR = "DISTTUNE_LOG_DIR"
 ALWAYS_TUNE = "DISTTUNE_ALWAYS_TUNE"
 PINNED = "DISTTUNE_PINNED"
 PROGRESS = "DISTTUNE_PROGRESS"
@@ -86,6 +89,21 @@ def interpreting() -> bool:
 def cache_dir() -> Optional[str]:
     """``$DISTTUNE_CACHE_DIR``: where the winner store lives (None: the platform's cache folder)."""
     return os.environ.get(CACHE_DIR) or None
+
+
+def xdg_cache_home() -> Optional[str]:
+    """``$XDG_CACHE_HOME``: the user's cache root, for when platformdirs is not installed (None: ``~/.cache``)."""
+    return os.environ.get("XDG_CACHE_HOME") or None
+
+
+def log_dir() -> Optional[str]:
+    """``$DISTTUNE_LOG_DIR``: where each rank writes its tuning log (None: ``logs``, see :mod:`disttune.logs`)."""
+    return os.environ.get(LOG_DIR) or None
+
+
+def environ_with_log_dir(path: str | os.PathLike, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` for a child process, with ``DISTTUNE_LOG_DIR`` set to ``path``."""
+    return {**environ, LOG_DIR: os.fspath(path)}
 
 
 def always_tune() -> bool:
@@ -315,8 +333,11 @@ def _mpi_env(env: Mapping[str, str]) -> LaunchEnv | None:
     return None
 
 
-def detect(env: Mapping[str, str]) -> LaunchEnv:
-    """Which launcher started us and what it says. Pure env parsing, except mpi4py for gaps."""
+def detect(env: Mapping[str, str] = os.environ) -> LaunchEnv:
+    """Which launcher started us and what it says (``env``: default this process's environment).
+
+    Pure env parsing, except mpi4py for gaps.
+    """
     if "RANK" in env or "WORLD_SIZE" in env:
         return _torchrun_env(env)
     mpi = _mpi_env(env)

@@ -24,11 +24,14 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-LOG_DIR_ENV = "DISTTUNE_LOG_DIR"
+from . import env
+
+DEFAULT_LOG_DIR = "logs"
 
 
 def resolve_log_dir(log_dir: Optional[str | os.PathLike]) -> Path:
-    return Path(log_dir or os.environ.get(LOG_DIR_ENV) or "logs")
+    """Where the rank logs go: ``log_dir`` if given, else ``$DISTTUNE_LOG_DIR``, else ``logs`` (relative)."""
+    return Path(log_dir or env.log_dir() or DEFAULT_LOG_DIR)
 
 
 def _json_ms(value: float) -> Optional[float]:

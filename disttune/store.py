@@ -47,7 +47,7 @@ def default_cache_dir() -> Path:
 
         return Path(platformdirs.user_cache_dir("disttune"))
     except ImportError:  # platformdirs is optional: the XDG rule it applies on Linux
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disttune"
+        return Path(env.xdg_cache_home() or Path.home() / ".cache") / "disttune"
 
 
 def resolve_cache_dir(cache_dir: Optional[str | os.PathLike]) -> Path:

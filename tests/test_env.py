@@ -6,7 +6,12 @@ and every bad value is one clear error that names the variable.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +120,111 @@ def test_interpreter_flag_follows_triton(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     assert not env.interpreting()
+
+
+def test_log_dir_comes_from_the_environment_and_an_argument_wins(monkeypatch, tmp_path):
+    from disttune.logs import RankLog, resolve_log_dir
+
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "from-env"))
+    assert env.log_dir() == str(tmp_path / "from-env")
+    assert resolve_log_dir(None) == tmp_path / "from-env"
+    assert resolve_log_dir(tmp_path / "given") == tmp_path / "given"
+    assert RankLog(None, 3).path == tmp_path / "from-env" / "rank-3.log"
+    for unset in ("", None):
+        if unset is None:
+            monkeypatch.delenv("DISTTUNE_LOG_DIR")
+        else:
+            monkeypatch.setenv("DISTTUNE_LOG_DIR", unset)
+        assert env.log_dir() is None and resolve_log_dir(None) == Path("logs"), f"{unset!r} means unset"
+
+
+def test_a_child_environment_sends_its_logs_where_asked(monkeypatch, tmp_path):
+    parent = {"PATH": "/bin", "DISTTUNE_LOG_DIR": "old"}
+    assert env.environ_with_log_dir(tmp_path, parent) == {"PATH": "/bin", "DISTTUNE_LOG_DIR": str(tmp_path)}
+    assert parent["DISTTUNE_LOG_DIR"] == "old", "the parent's mapping is left alone"
+    monkeypatch.setenv("DISTTUNE_MARKER", "kept")
+    child = env.environ_with_log_dir(tmp_path / "child")
+    assert child["DISTTUNE_MARKER"] == "kept" and child["DISTTUNE_LOG_DIR"] == str(tmp_path / "child")
+    assert os.environ["DISTTUNE_LOG_DIR"] != child["DISTTUNE_LOG_DIR"], "this process's environment is left alone"
+
+
+def _write_one_tuning(log_dir: Path) -> None:
+    from disttune.logs import RankLog
+
+    log = RankLog(log_dir, 0, "step")
+    for index, ms in enumerate((2.0, 1.0)):
+        log.config_result("add_kernel", (64,), 0, index, f"BLOCK: {64 << index}", [ms], ms, None)
+    log.winner("add_kernel", (64,), 0, 1, "BLOCK: 128", 1.0, "tuned")
+    log.tuning("step", 0.1, 5, 1, 1, "max", "median")
+    log.flush()
+
+
+def test_the_report_command_finds_the_logs_where_the_tuner_writes_them(monkeypatch, tmp_path, capsys):
+    from disttune.cli import main
+
+    _write_one_tuning(tmp_path / "chosen")
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "chosen"))
+    assert main(["report"]) == 0, capsys.readouterr().err
+    assert f"report: {tmp_path / 'chosen' / 'report' / 'report.md'}" in capsys.readouterr().out
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", "")  # unset, as for the tuner: ./logs
+    monkeypatch.chdir(tmp_path)
+    assert main(["report"]) == 1
+    assert "'logs' does not exist" in capsys.readouterr().err
+
+
+def test_the_demo_sends_its_ranks_logs_to_the_log_dir(monkeypatch, tmp_path):
+    import disttune.cli
+
+    launched = []
+    monkeypatch.setattr(disttune.cli.subprocess, "call", lambda command, env: launched.append(env) or 3)
+    monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "from-env"))
+    assert disttune.cli.main(["demo"]) == 3
+    monkeypatch.chdir(tmp_path)
+    assert disttune.cli.main(["demo", "--log-dir", "given"]) == 3
+    expected = [str((tmp_path / "from-env").resolve()), str((tmp_path / "given").resolve())]
+    assert [child["DISTTUNE_LOG_DIR"] for child in launched] == expected
+
+
+def test_the_store_falls_back_on_the_xdg_cache_root_without_platformdirs(monkeypatch, tmp_path):
+    from disttune import store
+
+    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import platformdirs now raises ImportError
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert store.default_cache_dir() == tmp_path / "xdg" / "disttune"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert store.default_cache_dir() == Path.home() / ".cache" / "disttune"
+
+
+def test_detect_reads_this_processs_environment_by_default(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    launch = env.detect()
+    assert (launch.launcher, launch.rank, launch.world_size, launch.master_port) == ("torchrun", 1, 2, 29500)
+
+
+def _reads_the_environment(tree: ast.AST) -> list[int]:
+    """Lines that touch ``os.environ`` / ``os.getenv`` (or import them from ``os``)."""
+    names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            if node.attr in names:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            if any(alias.name in names for alias in node.names):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_env_module_reads_the_environment():
+    packages = [Path(env.__file__).parent, Path(importlib.util.find_spec("disttune.kernels").origin).parent]
+    readers = {}
+    for package in packages:
+        for path in sorted(package.glob("*.py")):
+            if path != Path(env.__file__):
+                lines = _reads_the_environment(ast.parse(path.read_text(encoding="utf-8")))
+                if lines:
+                    readers[f"{package.name}/{path.name}"] = lines
+    assert len(list(packages[0].glob("*.py"))) > 10, "the scan must see the package's modules"
+    assert readers == {}, f"read the environment through disttune.env instead: {readers}"

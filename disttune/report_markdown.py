@@ -1,0 +1,174 @@
+"""Render merged site summaries as the report's Markdown: header, Problems, summary table, one section per site.
+
+    text = format_markdown(log_dir, out_dir, found, sites, problems, present)
+
+Each site's section lists its facts (function, kernel, key, winner, the tuning call's wall time), the
+configs x ranks table with the agreed time, spread and failures, what each rank alone would have
+picked, and links to its plots. Text from the logs is escaped for table cells and code spans.
+
+Cost: string building only, O(configs x ranks) per site; no I/O.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .report_logs import clip
+from .report_sites import ConfigRow, SiteSummary
+
+# where a site's latest winner came from when it was not tuned in that call
+_SOURCES = {"store": "the store", "pinned": "the pinned table", "cached": "the kernel's cache"}
+
+
+def format_ms(value: float, failed: str = "failed") -> str:
+    if math.isnan(value):
+        return "n/a"
+    if math.isinf(value):
+        return failed
+    return f"{value:.4f}"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if "`" not in text else _cell(text)
+
+
+def failure_text(site: SiteSummary, row: ConfigRow, present: Iterable[int]) -> str:
+    """Which ranks failed a config and why (a rank's own message, or what its absence tells)."""
+    present = set(present)
+    parts = [f"rank {r}: {clip(msg, 160)}" for r, msg in sorted(row.failures.items())]
+    for column, rank in enumerate(site.ranks):
+        if math.isinf(row.per_rank_ms[column]) and rank not in row.failures:
+            why = "no message logged (pruned?)" if rank in present else "no message (no records from this rank)"
+            parts.append(f"rank {rank}: inf, {why}")
+    return "; ".join(parts)
+
+
+def format_site_table(site: SiteSummary, present: Iterable[int]) -> str:
+    """The configs x ranks table of one site, winner marked."""
+    present = list(present)
+    reduce = site.reduce or "?"
+    header = (["#", "config"] + [f"rank {r} ms" + ("" if r in present else " (no log)") for r in site.ranks]
+              + [f"agreed ms ({reduce})", "spread", "failures", "winner"])
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(["---:", "---"] + ["---:"] * len(site.ranks) + ["---:", "---:", "---", ":---:"]) + "|"]
+    for row in site.configs:
+        spread = "" if math.isnan(row.spread) else f"{100 * row.spread:.1f}%"
+        mark = "**winner**" if row.index == site.winner else ""
+        cells = ([str(row.index), _code(row.label)] + [format_ms(t) for t in row.per_rank_ms]
+                 + [format_ms(row.agreed_ms), spread, _cell(failure_text(site, row, present)), mark])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_disagreement(site: SiteSummary) -> str:
+    """Per rank: the config it alone would have picked; then "k of w ranks ..." (w: ranks with a pick)."""
+    picks = site.alone_picks()
+    lines = []
+    for rank, pick in picks.items():
+        if pick is None:
+            lines.append(f"- rank {rank} alone: no finite time, no pick")
+            continue
+        row = site.row(pick)
+        column = site.ranks.index(rank)
+        verdict = "same as the agreed winner" if pick == site.winner else "**differs** from the agreed winner"
+        lines.append(f"- rank {rank} alone would pick config {pick} {_code(row.label)} "
+                     f"({format_ms(row.per_rank_ms[column])} ms): {verdict}")
+    voters = sum(pick is not None for pick in picks.values())
+    k = len(site.disagreeing_ranks())
+    lines.append("")
+    lines.append(f"**{k} of {voters} ranks alone would have picked a different winner.**")
+    return "\n".join(lines)
+
+
+def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str:
+    """One site's section: facts, table, disagreement, plots."""
+    present = list(present)
+    lines = [f"## {site.name}: {_cell(site.title)}", "",
+             f"- function: {_code(site.function)}",
+             f"- kernel: {_code(site.kernel)}, key: {_code(site.key)}, occurrence {site.occurrence}"]
+    winner = site.row(site.winner)
+    if winner is not None:
+        lines.append(f"- winner: config {winner.index} {_code(winner.label)}, agreed "
+                     f"{format_ms(winner.agreed_ms)} ms (reduce={site.reduce or '?'}, "
+                     f"statistic={site.statistic or '?'}), tuned at {site.tuned_at or '?'}")
+    elif site.winner is not None:
+        lines.append(f"- winner: config {site.winner} (no config records)")
+    else:
+        lines.append("- winner: **none logged** (see Problems)")
+    if site.function_runs is not None:
+        slowest = max(site.wall_s.values()) if site.wall_s else math.nan
+        per_rank = ", ".join(f"rank {r} {t:.3f} s" for r, t in sorted(site.wall_s.items()))
+        in_call = f", {site.sites_in_call} site(s) tuned in that call" if site.sites_in_call is not None else ""
+        lines.append(f"- tuning call: {slowest:.3f} s wall (slowest rank; {per_rank}), "
+                     f"{site.function_runs} function runs{in_call}")
+    else:
+        lines.append("- tuning call: no tuning record found (wall time and run count unknown)")
+    if site.tunings > 1 and not site.in_history:
+        lines.append(f"- the logs hold {site.tunings} tunings of this site; this is the last "
+                     "(`disttune report --all` shows each)")
+    if site.latest_source and site.latest_source != "tuned":
+        same = "the same config" if site.latest_winner == site.winner else f"config {site.latest_winner}"
+        origin = _SOURCES.get(site.latest_source, f"the {site.latest_source}")
+        lines.append(f"- latest call: winner from {origin} ({same}); the table shows the last "
+                     "tuning in the logs")
+    lines.append(f"- world size {len(site.ranks)}; rank logs present: {', '.join(map(str, present)) or 'none'}")
+    lines.append("")
+    if not site.configs:
+        lines.append("No tuning of this site in the logs (its winners came from the store or a pinned table).")
+        return "\n".join(lines)
+    lines += [format_site_table(site, present), "", "Disagreement (what each rank would have picked alone):", "",
+              format_disagreement(site), ""]
+    for plot in site.plots:
+        lines.append(f"![{plot.stem}]({os.path.relpath(plot, out_dir)})")
+    return "\n".join(lines)
+
+
+def format_summary(sites: Sequence[SiteSummary]) -> str:
+    lines = ["| site | function | kernel | key | occ | winner | agreed ms | ranks alone picking differently |",
+             "|---:|---|---|---|---:|---|---:|---:|"]
+    for site in sites:
+        row = site.row(site.winner)
+        winner = f"{row.index}: {_code(row.label)}" if row else ("none" if site.winner is None else str(site.winner))
+        voters = sum(p is not None for p in site.alone_picks().values())
+        number = f"{site.number}.{site.tuning_number}" if site.in_history else str(site.number)
+        lines.append(f"| {number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
+                     f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | "
+                     f"{len(site.disagreeing_ranks())} of {voters} |")
+    return "\n".join(lines)
+
+
+def format_problems(problems: Sequence[str]) -> str:
+    if not problems:
+        return "No problems found."
+    return "\n".join(f"- {_cell(p)}" for p in problems)
+
+
+def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites: Sequence[SiteSummary],
+                    problems: Sequence[str], present: Sequence[int], history: bool = False) -> str:
+    """The whole report: header, Problems, summary table, one section per site (per tuning with ``history``)."""
+    scope = ("Each site shows every tuning in the logs, oldest first (site 2.1 is site 2's first tuning)."
+             if history else "Each site shows its last tuning in the logs (`--all`: every tuning).")
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    parts = ["# disttune tuning report", "",
+             f"Logs: `{log_dir}` ({len(found)} rank log(s): {', '.join(p.name for p in found.values())}); "
+             f"{len({site.number for site in sites})} site(s); generated {stamp}.", "",
+             f"{scope} Times in ms; `failed` = inf (the config failed or "
+             "was pruned on that rank), `n/a` = not in any log. Spread = (max - min) / min over ranks.", "",
+             "## Problems", "", format_problems(problems), ""]
+    if sites:
+        parts += ["## Summary", "", format_summary(sites), ""]
+    else:
+        parts += ["No tuning sites in the logs.", ""]
+    for site in sites:
+        parts += [format_site(site, present, out_dir), ""]
+    return "\n".join(parts)
+
