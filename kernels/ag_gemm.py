@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import EPOCH_FLAGS, refuse_capture, uses_nccl
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts
 
@@ -62,7 +62,7 @@ class AllGatherGEMM:
                  chunks: int = 1, streams: int = 1, gemm: str = "triton") -> None:
         if design not in DESIGNS:
             raise ValueError(f"AllGatherGEMM: design must be one of {DESIGNS}, got {design!r}")
-        self.info = group_info(group)
+        self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.requested_design = design
         # fused: each shard arrives in ``chunks`` flagged pieces; both designs push over ``streams``

@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import EPOCH_FLAGS, refuse_capture, uses_nccl
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
@@ -47,7 +47,7 @@ class GemmReduceScatter:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: int = 4) -> None:
-        self.info = group_info(group)
+        self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.chunks = int(chunks)
         self._checked: set = set()
