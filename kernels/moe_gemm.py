@@ -43,12 +43,12 @@ import triton.language as tl
 from .matmul import (
     BF16_INTERPRETER_NOTE,
     cdiv,
+    check_config,
     config_is_valid,
     gemm_config,
     interpreting,
     make_autotuner,
-    max_shared_memory,
-    prune_configs,
+    prune_by_shared_memory,
 )
 from .moe_common import INTERPRETED, check_device, check_float_tensor, empty_buffer
 from .moe_routing import MoeRouting, check_routing
@@ -76,28 +76,19 @@ __all__ = [
 
 #: Hopper (H100/H200) space, bf16/fp16: large tiles for the 8-expert shape, 64-row tiles for
 #: many small experts (64 experts x ~400 rows), deeper pipelines for the narrower tiles.
-HOPPER_MOE_CONFIGS = [
-    gemm_config(128, 256, 64, 8, 3, 8),
-    gemm_config(128, 256, 64, 8, 4, 8),
-    gemm_config(256, 128, 64, 8, 3, 8),
-    gemm_config(128, 128, 64, 8, 4, 4),
-    gemm_config(128, 128, 64, 8, 3, 8),
-    gemm_config(128, 128, 128, 8, 3, 8),
-    gemm_config(64, 256, 64, 8, 4, 4),
-    gemm_config(64, 128, 64, 8, 4, 4),
-    gemm_config(128, 64, 64, 8, 4, 4),
-    gemm_config(64, 64, 64, 8, 4, 4),
-    gemm_config(128, 128, 32, 8, 4, 4),
-    gemm_config(64, 128, 128, 8, 3, 4),
-]
+#: Each entry: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps.
+HOPPER_MOE_CONFIGS = [gemm_config(*entry) for entry in (
+    (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (256, 128, 64, 8, 3, 8),  # large tiles
+    (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8),
+    (64, 256, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4),  # small experts
+    (128, 128, 32, 8, 4, 4), (64, 128, 128, 8, 3, 4),
+)]
 
 #: Small configs for CPU runs under the interpreter, whose cost is mostly per program:
 #: few, wide tiles keep the tests fast.
-CPU_MOE_CONFIGS = [
-    gemm_config(32, 32, 32, 4, 1, 1),
-    gemm_config(16, 32, 32, 1, 1, 1),
-    gemm_config(32, 32, 16, 4, 1, 1),
-]
+CPU_MOE_CONFIGS = [gemm_config(*entry) for entry in (
+    (32, 32, 32, 4, 1, 1), (16, 32, 32, 1, 1, 1), (32, 32, 16, 4, 1, 1),
+)]
 
 #: Tile orders of the grouped GEMM (``tile_order=``). ``"expert_bands"`` (the default): bands of
 #: GROUP_M to 2 * GROUP_M - 1 M-tiles that never straddle two groups (experts), each band walking all
@@ -142,12 +133,7 @@ def prune_moe_configs(configs, named_args: dict, **kwargs) -> list:
     the widest of A's and W's element sizes. Raises ValueError listing each config's reason
     if nothing survives.
     """
-    args = {**(named_args or {}), **kwargs}
-    tensors = [args[n] for n in ("a_ptr", "b_ptr") if isinstance(args.get(n), torch.Tensor)]
-    if not tensors:
-        raise ValueError("prune_moe_configs: a_ptr/b_ptr tensors not found in the kernel arguments")
-    dtype = max((t.dtype for t in tensors), key=lambda d: torch.empty((), dtype=d).element_size())
-    return prune_configs(configs, dtype, max_shared_memory(tensors[0].device))
+    return prune_by_shared_memory(configs, named_args, **kwargs)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -436,7 +422,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
     ``tile_order`` (one of :data:`TILE_ORDERS`) chooses the order in which programs walk the tiles.
     """
     out, args, strides, meta = prepare_launch(a, w, routing, a_order, out, out_order, weights, "moe_gemm", wait,
-                                        tile_order)
+                                              tile_order)
     R, N = out.shape
     if R == 0 or N == 0:
         return out
@@ -454,10 +440,8 @@ def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, 
                          weights: Optional[torch.Tensor] = None, tile_order: str = "expert_bands") -> torch.Tensor:
     """:func:`moe_gemm` launching ``moe_gemm_jit`` directly with one config (no tuner)."""
     out, args, strides, meta = prepare_launch(a, w, routing, a_order, out, out_order, weights, "moe_gemm_with_config",
-                                        tile_order=tile_order)
-    ok, why = moe_config_is_valid(config, a.dtype)
-    if not ok:
-        raise ValueError(f"moe_gemm_with_config: invalid config [{config}]: {why}")
+                                              tile_order=tile_order)
+    check_config("moe_gemm_with_config", config, a.dtype)
     R, N = out.shape
     if R == 0 or N == 0:
         return out
