@@ -17,7 +17,7 @@ part b; max over ranks):
   ag_moe, CUDA graph     ``ag_moe(graph_safe=True)`` captured once in a CUDA graph, the graph replayed
   sequential             all_gather of tokens and ids, routing, permutation, ``torch._grouped_mm``
   sequential, CUDA graph the same captured and replayed
-  _gather_routing        the routing's all-gather and its unpacking
+  gather_routing         the routing's all-gather and its unpacking
   moe_align_stacked      the rank-stacked sort
   moe_gemm               the grouped GEMM launch, arrival flags already set
   pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
@@ -42,7 +42,7 @@ import disttune
 import disttune.dist as dt_dist
 from disttune import benchmark
 from disttune.benchmark import capture_graph, max_over_ranks
-from disttune.kernels import moe
+from disttune.kernels import moe, moe_ag
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
 
@@ -81,7 +81,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
     seq_graph = capture_graph(sequential)
     arrived = (torch.ones(world, dtype=torch.int32, device="cuda"), 1)
     x_gathered = torch.zeros(T, H, device="cuda", dtype=x.dtype)
-    pusher = moe._pusher(None)
+    pusher = moe_ag.token_pusher(None)
 
     def push() -> None:
         pusher.gather(x, tpr, include_own=True)
@@ -93,7 +93,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "ag_moe, CUDA graph": ag_graph.replay,
         "sequential": sequential,
         "sequential, CUDA graph": seq_graph.replay,
-        "_gather_routing": lambda: moe._gather_routing(dist, ids, weights, tuple(tpr), None),
+        "gather_routing": lambda: moe_ag.gather_routing(ids, weights, tuple(tpr), None),
         "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
                                          kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),

@@ -40,8 +40,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
-from .symm import EPOCH_FLAGS, refuse_capture, uses_nccl
+from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .symm import ShardPusher, chunk_rows, overlap_support, refuse_epoch_capture, uses_nccl
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
@@ -62,7 +62,7 @@ class AllGatherGEMM:
                  chunks: int = 1, streams: int = 1, gemm: str = "triton") -> None:
         if design not in DESIGNS:
             raise ValueError(f"AllGatherGEMM: design must be one of {DESIGNS}, got {design!r}")
-        self.info = group_info(group)
+        self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.requested_design = design
         # fused: each shard arrives in ``chunks`` flagged pieces; both designs push over ``streams``
@@ -85,8 +85,7 @@ class AllGatherGEMM:
                  shard_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         info = self.info
         check_matrices("AllGatherGEMM", a_shard=a_shard, b_local=b_local)
-        if a_shard.is_cuda:
-            refuse_capture("AllGatherGEMM", EPOCH_FLAGS)
+        refuse_epoch_capture("AllGatherGEMM", a_shard)
         rows = (check_rows(shard_rows, sum(shard_rows), info.world_size, "AllGatherGEMM")
                 if shard_rows is not None else (a_shard.shape[0],) * info.world_size)
         if rows[info.rank] != a_shard.shape[0]:
@@ -116,8 +115,6 @@ class AllGatherGEMM:
     # ------------------------------------------------------------------ GPU (symmetric memory)
 
     def _gpu_step(self, a_shard, b_local, out, rows, design):
-        from .symm import ShardPusher, chunk_rows, overlap_support
-
         if self._pusher is None:
             ok, why = overlap_support(self.info.group)
             if not ok:

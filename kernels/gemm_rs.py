@@ -32,8 +32,19 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .shard_gemm import check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
-from .symm import EPOCH_FLAGS, refuse_capture, uses_nccl
+from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .symm import (
+    SignalBoard,
+    SymmetricBuffer,
+    chunk_rows,
+    overlap_support,
+    pieces_of,
+    push_pieces,
+    refuse_epoch_capture,
+    stream_handle,
+    uses_nccl,
+    write_flag_at,
+)
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
 __all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]
@@ -47,7 +58,7 @@ class GemmReduceScatter:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: int = 4) -> None:
-        self.info = group_info(group)
+        self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.chunks = int(chunks)
         self._checked: set = set()
@@ -63,8 +74,7 @@ class GemmReduceScatter:
                  out_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         info = self.info
         check_matrices("GemmReduceScatter", a_local=a_local, b_local=b_local)
-        if a_local.is_cuda:
-            refuse_capture("GemmReduceScatter", EPOCH_FLAGS)
+        refuse_epoch_capture("GemmReduceScatter", a_local)
         M, N = a_local.shape[0], b_local.shape[1]
         rows = (check_rows(out_rows, M, info.world_size, "GemmReduceScatter") if out_rows is not None
                 else split_rows(M, info.world_size))
@@ -93,8 +103,6 @@ class GemmReduceScatter:
 
     def _gpu_buffers(self, rows, N, dtype, device):
         """Receive slots and staging for ``max(rows)`` rows, grown to a power of two (a collective)."""
-        from .symm import SignalBoard, SymmetricBuffer, overlap_support, stream_handle
-
         if self._board is None:
             ok, why = overlap_support(self.info.group)
             if not ok:
@@ -120,8 +128,6 @@ class GemmReduceScatter:
     def _push_plan(self, rows: tuple, recv, staging, parity: int) -> "_RsPlan":
         """Where each partial goes (pieces into the destination's receive slot, flagged there), which
         free flag guards it, and the peers' free flags for this rank: computed once per shape and parity."""
-        from .symm import chunk_rows, pieces_of
-
         key = (rows, staging.shape[2], staging.dtype, parity)
         plan = self._plans.get(key)
         if plan is None:
@@ -137,8 +143,6 @@ class GemmReduceScatter:
         return plan
 
     def _gpu_step(self, a_local, b_local, out, rows):
-        from .symm import push_pieces, write_flag_at
-
         info = self.info
         rank = info.rank
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)

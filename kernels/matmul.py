@@ -50,6 +50,7 @@ __all__ = [
     "cdiv",
     "interpreting",
     "config_is_valid",
+    "check_config",
     "shared_memory_bytes",
     "max_shared_memory",
     "prune_configs",
@@ -96,27 +97,17 @@ def gemm_config(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> 
 
 
 #: The 12-config Hopper search space (all GROUP_M=8).
-HOPPER_GEMM_CONFIGS = [
-    gemm_config(128, 256, 64, 8, 3, 8),
-    gemm_config(64, 256, 32, 8, 4, 4),
-    gemm_config(128, 128, 32, 8, 4, 4),
-    gemm_config(128, 64, 32, 8, 4, 4),
-    gemm_config(64, 128, 32, 8, 4, 4),
-    gemm_config(128, 32, 32, 8, 4, 4),
-    gemm_config(64, 32, 32, 8, 5, 2),
-    gemm_config(32, 64, 32, 8, 5, 2),
-    gemm_config(128, 256, 64, 8, 4, 8),
-    gemm_config(256, 128, 64, 8, 3, 8),
-    gemm_config(128, 128, 64, 8, 4, 4),
-    gemm_config(128, 128, 64, 8, 3, 8),
-]
+#: Each entry: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps.
+HOPPER_GEMM_CONFIGS = [gemm_config(*entry) for entry in (
+    (128, 256, 64, 8, 3, 8), (64, 256, 32, 8, 4, 4), (128, 128, 32, 8, 4, 4), (128, 64, 32, 8, 4, 4),
+    (64, 128, 32, 8, 4, 4), (128, 32, 32, 8, 4, 4), (64, 32, 32, 8, 5, 2), (32, 64, 32, 8, 5, 2),
+    (128, 256, 64, 8, 4, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 3, 8),
+)]
 
 #: Small configs so interpreter runs on CPU stay fast.
-CPU_GEMM_CONFIGS = [
-    gemm_config(16, 16, 16, 1, 1, 1),
-    gemm_config(32, 32, 16, 4, 1, 1),
-    gemm_config(16, 32, 32, 4, 1, 1),
-]
+CPU_GEMM_CONFIGS = [gemm_config(*entry) for entry in (
+    (16, 16, 16, 1, 1, 1), (32, 32, 16, 4, 1, 1), (16, 32, 32, 4, 1, 1),
+)]
 
 
 def default_configs() -> list:
@@ -165,6 +156,13 @@ def config_is_valid(config: triton.Config, dtype: torch.dtype) -> tuple[bool, st
     if not isinstance(config.num_stages, int) or config.num_stages < 1:
         return False, f"num_stages={config.num_stages!r} must be >= 1"
     return True, ""
+
+
+def check_config(who: str, config: triton.Config, dtype: torch.dtype) -> None:
+    """ValueError naming ``who`` unless ``config`` meets :func:`config_is_valid` (for one-config launchers)."""
+    ok, why = config_is_valid(config, dtype)
+    if not ok:
+        raise ValueError(f"{who}: invalid config [{config}]: {why}")
 
 
 def shared_memory_bytes(config: triton.Config, dtype: torch.dtype) -> int:
@@ -415,9 +413,7 @@ def matmul_with_config(a: torch.Tensor, b: torch.Tensor, config: triton.Config,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C = A @ B launching ``matmul_jit`` directly with one config (no tuner, no benchmarking)."""
     out = _check_inputs(a, b, out)
-    ok, why = config_is_valid(config, a.dtype)
-    if not ok:
-        raise ValueError(f"matmul_with_config: invalid config [{config}]: {why}")
+    check_config("matmul_with_config", config, a.dtype)
     M, N = out.shape
     if M == 0 or N == 0:
         return out

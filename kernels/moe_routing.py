@@ -1,16 +1,27 @@
-"""The MoE routing sort as one Triton kernel: rows sorted by group, stable, and each group's start.
+"""MoE routing: the (token, choice) rows sorted by expert, as the grouped GEMM reads them.
 
-:func:`group_sort` is what ``kernels.moe.moe_align`` / ``moe_align_stacked`` run on GPUs for up to
-:data:`MAX_GROUPS` groups: one launch, where torch's path takes five (the key add or cast, the
-stable radix sort with its temporary storage, the index cast and ``searchsorted``), so it costs
-less host time and, for few experts, less GPU time.
+:func:`moe_align` sorts the ``T * top_k`` rows of ``topk_ids [T, top_k]`` by expert (stable, so
+every rank that sorts the same ids gets the same order) and returns a :class:`MoeRouting`:
+``sorted_ids`` (flat index ``t * top_k + j`` of each sorted row), ``expert_offs`` (``int32
+[E + 1]``, row where each expert starts; ``offs[1:]`` is ``torch._grouped_mm``'s ``offs``) and
+``counts``. No padding and no host sync. :func:`moe_align_stacked` sorts every rank's ids at once
+by (source rank, expert), for AG-MoE. :func:`moe_align_block_size` is vLLM's padded form
+(sentinel-padded ``sorted_token_ids``, ``expert_ids`` per M-block, ``num_tokens_post_padded``) for
+one fixed block size, for kernels written against that layout (it syncs with the host).
 
-The kernel is a counting sort. The ``R = T * top_k`` (token, choice) rows are cut into chunks of
+On GPUs the sort is one Triton launch, :func:`group_sort` (rows sorted by group, stable, and each
+group's start), for up to :data:`MAX_GROUPS` groups. Elsewhere, under the interpreter or for more
+groups, torch's path runs: five ops (the key add or cast, the stable radix sort with its temporary
+storage, the index cast and ``searchsorted``), so the kernel costs less host time and, for few
+experts, less GPU time.
+
+:func:`group_sort` is a counting sort. The ``R = T * top_k`` (token, choice) rows are cut into chunks of
 ``BLOCK`` rows, one program per chunk. Every program reads all the ids (``SCAN_ROWS`` at a time,
 from L2 after the first program) and counts them per group with ``tl.histogram``: the totals give
-each group's start, the counts of the rows before its chunk give where its rows of each group go. It then sorts its own chunk by ``key * BLOCK + row`` (a bitonic
-``tl.sort``, which keeps rows of one group in row order) and scatters each row's flat index to
-``start[group] + rows of the group in earlier chunks + rank in its chunk``. So the result equals
+each group's start, the counts of the rows before its chunk give where its rows of each group go.
+It then sorts its own chunk by ``key * BLOCK + row`` (a bitonic ``tl.sort``, which keeps rows of
+one group in row order) and scatters each row's flat index to ``start[group] + rows of the group
+in earlier chunks + rank in its chunk``. So the result equals
 a stable sort's, and every rank that sorts the same ids gets the same order.
 
 Cost on the GPU: two histograms per ``SCAN_ROWS`` rows in every program and one sort of ``BLOCK``
@@ -20,6 +31,7 @@ program count grows with ``R``, so the total work grows as ``R**2 / 4096``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -27,10 +39,12 @@ import triton
 import triton.language as tl
 
 from .matmul import cdiv
+from .moe_common import INTERPRETED
 from .symm import capturing
 from .tp_common import row_starts
 
-__all__ = ["MAX_GROUPS", "group_sort", "group_sort_block"]
+__all__ = ["MAX_GROUPS", "group_sort", "group_sort_block", "MoeRouting", "moe_align", "moe_align_stacked",
+           "moe_align_block_size", "check_topk_ids", "check_routing", "check_token_routing"]
 
 #: Group counts above this fall back to torch's sort (the kernel keeps one histogram bin per group).
 MAX_GROUPS = 4095
@@ -140,3 +154,218 @@ def group_sort(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Optional[S
                                     topk_ids.stride(1), num_experts, groups, TOP_K=k, WORLD=world, BINS=bins,
                                     BLOCK=block, SCAN=SCAN_ROWS, num_warps=8)
     return sorted_ids, offs
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """Rows sorted by expert. ``R = num_tokens * top_k`` rows, no padding.
+
+    * ``sorted_ids`` int32 [R]: flat index ``t * top_k + j`` of sorted row i (stable by expert);
+    * ``expert_offs`` int32 [groups + 1]: group g owns sorted rows ``offs[g]:offs[g+1]``;
+    * ``counts`` int32 [groups]: rows per group.
+
+    A plain routing has one group per expert. A *rank-stacked* one (:func:`moe_align_stacked`)
+    sorts the tokens of ``len(rank_tokens)`` ranks, concatenated in rank order, by (source rank,
+    expert): group ``r * num_experts + e``, so each rank's rows stay contiguous and in the order its
+    own plain routing gives; :meth:`per_rank` returns those routings as views.
+    """
+
+    sorted_ids: torch.Tensor
+    expert_offs: torch.Tensor
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    rank_tokens: tuple = ()  # tokens of each stacked rank (empty: a plain routing)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def groups(self) -> int:
+        return self.num_experts * max(1, len(self.rank_tokens))
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.expert_offs[1:] - self.expert_offs[:-1]
+
+    def token_rows(self) -> torch.Tensor:
+        """int64 [R]: token (row of the un-expanded input) of each sorted row."""
+        return self.sorted_ids.long() // self.top_k
+
+    def permute(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[R, H]`` in sorted order (the pre-permuted A; one gather, R*H elements)."""
+        return x.index_select(0, self.token_rows())
+
+    def unsort(self, y: torch.Tensor) -> torch.Tensor:
+        """Sorted rows ``[R, N]`` -> flat (token, choice) order ``[R, N]``."""
+        out = torch.empty_like(y)
+        out[self.sorted_ids.long()] = y
+        return out
+
+    def per_rank(self) -> tuple["MoeRouting", ...]:
+        """A rank-stacked routing as one plain routing per rank (two small torch ops per rank)."""
+        if not self.rank_tokens:
+            return (self,)
+        E, k, parts, token_start = self.num_experts, self.top_k, [], 0
+        for r, tokens in enumerate(self.rank_tokens):
+            offs = self.expert_offs[r * E: (r + 1) * E + 1]
+            row_start = token_start * k
+            parts.append(MoeRouting(self.sorted_ids[row_start: row_start + tokens * k] - row_start,
+                                    offs - row_start, tokens, k, E))
+            token_start += tokens
+        return tuple(parts)
+
+
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, where: str, check_range: bool) -> None:
+    """TypeError/ValueError unless ``topk_ids`` is a 2-D integer tensor of ids in ``[0, num_experts)``
+    (the range only with ``check_range``: one host sync on a GPU)."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"{where}: topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"{where}: topk_ids must be 2-D [tokens, top_k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"{where}: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"{where}: num_experts must be an int >= 1, got {num_experts!r}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"{where}: top_k (topk_ids.shape[1]) must be >= 1")
+    if check_range and topk_ids.numel():
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host sync on a GPU for both bounds
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{where}: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]; "
+                             "check the router's output and num_experts")
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True, *,
+              routing_kernel: bool = True) -> MoeRouting:
+    """Sort the (token, choice) rows by expert (stable) and find each expert's first row.
+
+    Cost: on GPUs one Triton launch (group_sort, a counting sort, up to
+    ``moe_routing.MAX_GROUPS`` experts); elsewhere, for more experts, or with ``routing_kernel=False``,
+    four torch ops (the ids cast to the narrowest key type, a stable sort, which makes one radix
+    pass per key byte, the index cast, ``searchsorted``). No host sync unless ``check_range`` (one
+    ``min``/``max`` read back to reject ids outside ``[0, num_experts)``).
+    """
+    check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
+    T, k = topk_ids.shape
+    if routing_kernel and _routing_kernel_fits(topk_ids, num_experts):
+        sorted_ids, offs = group_sort(topk_ids, num_experts)
+    else:
+        sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
+    return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
+
+
+def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int], *,
+                      routing_kernel: bool = True) -> MoeRouting:
+    """The rank-stacked routing of ``topk_ids [sum(rank_tokens), top_k]`` (every rank's ids, in rank
+    order): rows sorted by (source rank, expert), stable. Expert ids are not range-checked here (each
+    rank checks its own before they are gathered). Cost: as :func:`moe_align` (one Triton launch on
+    GPUs unless ``routing_kernel=False``; else one add, written in the narrow key type, and the torch
+    sort, cast and search)."""
+    check_topk_ids(topk_ids, num_experts, "moe_align_stacked", check_range=False)
+    rank_tokens = tuple(int(t) for t in rank_tokens)
+    if sum(rank_tokens) != topk_ids.shape[0]:
+        raise ValueError(f"moe_align_stacked: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
+                         f"{sum(rank_tokens)}")
+    T, k = topk_ids.shape
+    groups = num_experts * len(rank_tokens)
+    if routing_kernel and _routing_kernel_fits(topk_ids, groups):
+        sorted_ids, offs = group_sort(topk_ids, num_experts, rank_tokens)
+        return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
+    bases = _rank_bases(rank_tokens, k, num_experts, topk_ids.device, topk_ids.dtype)
+    # one op, also from a strided view of the ids, written in the sort's narrow key type
+    keys = torch.empty(T, k, dtype=_key_dtype(groups), device=topk_ids.device)
+    torch.add(topk_ids, bases.view(T, k), out=keys)
+    sorted_ids, offs = _sort_by_group(keys.view(-1), groups)
+    return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
+
+
+_aranges: dict = {}
+_bases: dict = {}
+
+
+def _routing_kernel_fits(topk_ids: torch.Tensor, groups: int) -> bool:
+    """Whether group_sort can sort these ids: GPU tensors, Triton compiled (under
+    the interpreter its per-program loops are slow; torch's sort runs there), at most MAX_GROUPS groups."""
+    return topk_ids.is_cuda and not INTERPRETED and groups <= MAX_GROUPS
+
+
+def _key_dtype(groups: int) -> torch.dtype:
+    """The narrowest integer type holding 0..groups: the stable radix sort makes one pass per byte of
+    its keys (one pass for up to 255 groups, four for int32 keys)."""
+    return torch.uint8 if groups <= 255 else torch.int16 if groups <= 32767 else torch.int32
+
+
+def _sort_by_group(keys: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 stable sort order of ``keys``, int32 start of every group 0..groups and the end).
+    ``keys`` (group of each row) should be of :func:`_key_dtype` ``(groups)``."""
+    values, order = torch.sort(keys, stable=True)
+    cache_key = (groups, keys.device, keys.dtype)
+    bounds = _aranges.get(cache_key)
+    if bounds is None:
+        bounds = _aranges[cache_key] = torch.arange(groups + 1, device=keys.device, dtype=keys.dtype)
+    return order.to(torch.int32), torch.searchsorted(values, bounds, out_int32=True)
+
+
+def _rank_bases(rank_tokens: tuple, k: int, num_experts: int, device, dtype) -> torch.Tensor:
+    """``r * num_experts`` for every (token, choice) row of rank r, cached per layout."""
+    key = (rank_tokens, k, num_experts, device, dtype)
+    bases = _bases.get(key)
+    if bases is None:
+        if len(_bases) > 64:
+            _bases.clear()
+        per_rank = torch.arange(len(rank_tokens), dtype=dtype) * num_experts
+        bases = _bases[key] = torch.repeat_interleave(per_rank, torch.tensor(rank_tokens) * k).to(device)
+    return bases
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``moe_align_block_size`` layout, for kernels that need a fixed block size.
+
+    Returns ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``: each expert's rows
+    (flat indices ``t * top_k + j``, stable order) padded to a multiple of ``block_m`` with the
+    sentinel ``R = T * top_k``; ``expert_ids[b]`` is the expert of M-block b; the padded
+    total as a 1-element int32 tensor. Experts without tokens get no block. Syncs with the
+    host once (the padded length). The grouped GEMM (``kernels.moe_gemm``) maps its tiles to experts itself
+    and does not need it.
+    """
+    if not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"moe_align_block_size: block_m must be an int >= 1, got {block_m!r}")
+    routing = moe_align(topk_ids, num_experts)
+    dev = routing.sorted_ids.device
+    counts = routing.counts.long()
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_offs = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    padded_offs[1:] = torch.cumsum(padded, 0)
+    total = int(padded_offs[-1])
+    R = routing.num_rows
+    out = torch.full((total,), R, dtype=torch.int32, device=dev)
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=dev), counts, output_size=R)
+    pos = torch.arange(R, device=dev) - routing.expert_offs.long()[expert_of_row] + padded_offs[expert_of_row]
+    out[pos] = routing.sorted_ids
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=dev, dtype=torch.int32),
+                                         padded // block_m, output_size=total // block_m)
+    return out, expert_ids, torch.tensor([total], dtype=torch.int32, device=dev)
+
+
+
+def check_routing(where: str, routing: MoeRouting, device: torch.device) -> None:
+    """TypeError unless ``routing`` is a :class:`MoeRouting`, ValueError unless it is on ``device``."""
+    if not isinstance(routing, MoeRouting):
+        raise TypeError(f"{where}: routing must be a MoeRouting (from moe_align), got {type(routing).__name__}")
+    if routing.sorted_ids.device != device:
+        raise ValueError(f"{where}: routing is on {routing.sorted_ids.device} but the input is on {device}")
+
+
+
+def check_token_routing(where: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                         num_experts: int, check_range: bool) -> None:
+    """The routing of ``x``'s tokens: valid ids, one row per token, weights shaped like the ids."""
+    check_topk_ids(topk_ids, num_experts, where, check_range=check_range)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens")
+    if topk_weights is not None and tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{where}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")

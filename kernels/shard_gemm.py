@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation  # Triton has no public way to ask whether an allocator is set
 
 from .matmul import (
     BF16_INTERPRETER_NOTE,
@@ -291,8 +292,6 @@ def _descriptor_scratch(size: int, alignment: int, stream: Optional[int]) -> tor
 
 def ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors need scratch memory from ``triton.set_allocator`` (set per thread)."""
-    from triton.runtime import _allocation
-
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_descriptor_scratch)
 

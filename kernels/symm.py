@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from .tp_common import row_starts
 
-__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at", "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available", "capturing", "refuse_capture"]
+__all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at",
+           "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available",
+           "capturing", "refuse_capture", "refuse_epoch_capture"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,6 +106,13 @@ def refuse_capture(who: str, why: str) -> None:
     correctly from one (``why``), and saying so beats an invalidated capture or a silently wrong replay."""
     if capturing():
         raise RuntimeError(f"{who} cannot be captured in a CUDA graph: {why}")
+
+
+def refuse_epoch_capture(who: str, t: torch.Tensor) -> None:
+    """:func:`refuse_capture` for a call on CUDA tensor ``t`` whose flags carry a per-call epoch
+    (:data:`EPOCH_FLAGS`); calls on other devices are never captured and pass."""
+    if t.is_cuda:
+        refuse_capture(who, EPOCH_FLAGS)
 
 
 def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:

@@ -20,16 +20,15 @@ class GroupInfo:
     backend: str
 
 
-def group_info(group: Optional[dist.ProcessGroup]) -> GroupInfo:
-    """This rank's place in ``group`` (the default group when None); a clear error if none exists."""
+def group_info(group: Optional[dist.ProcessGroup], max_world: Optional[int] = None) -> GroupInfo:
+    """This rank's place in ``group`` (the default group when None); a clear error if none exists, or if
+    the group has more than ``max_world`` ranks (the limit of the caller's kernel; None: no limit)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call disttune.dist.init() (or "
                            "torch.distributed.init_process_group) before using the tensor-parallel kernels")
-    from .shard_gemm import MAX_WORLD
-
     world = dist.get_world_size(group)
-    if world > MAX_WORLD:
-        raise ValueError(f"the tensor-parallel kernels handle at most {MAX_WORLD} ranks per group, got {world}")
+    if max_world is not None and world > max_world:
+        raise ValueError(f"the tensor-parallel kernels handle at most {max_world} ranks per group, got {world}")
     return GroupInfo(group, dist.get_rank(group), world, dist.get_backend(group))
 
 

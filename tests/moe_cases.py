@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
-from disttune.kernels import moe  # noqa: E402
+from disttune.kernels import moe, moe_ag  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DTYPE = torch.bfloat16 if GPU else torch.float16
@@ -239,7 +239,7 @@ def case_graph(ctx: Context) -> dict:
         errors.append({"layer_err": layer_err, "ag_equal": bool(torch.equal(ag_out, eager))})
     torch.cuda.synchronize()
     result.update(captured=True, replays=errors,
-                  flags_left_set=int(moe._pusher(None, True).arrival_flags.count_nonzero()))
+                  flags_left_set=int(moe_ag.token_pusher(None, True).arrival_flags.count_nonzero()))
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             ag(False)

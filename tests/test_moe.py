@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
-from disttune.kernels import moe  # noqa: E402
+from disttune.kernels import moe, moe_gemm  # noqa: E402
 from helpers import describe, read_rank_results, run_launch  # noqa: E402
 
 INTERPRET = moe.interpreting()
@@ -213,7 +213,7 @@ def test_moe_gemm_reads_every_weight_layout(layout):
     ids, _ = _routing(T, E, k, seed=12, empty=2)
     rt = moe.moe_align(ids, E)
     a = rt.permute(x)
-    _, _, _, meta = moe._prepare(a, w, rt, "sorted", None, "sorted", None, "test")
+    _, _, _, meta = moe_gemm.prepare_launch(a, w, rt, "sorted", None, "sorted", None, "test")
     assert (meta["A_TMA"], meta["B_TMA"]) == {"aligned": (True, 1), "transposed": (True, 2),
                                               "unaligned": (False, 0)}[layout]
     out = moe.moe_gemm_with_config(a, w, rt, moe.CPU_MOE_CONFIGS[0], a_order="sorted")

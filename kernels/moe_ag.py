@@ -1,0 +1,308 @@
+"""AllGather-MoE: every rank's tokens and routing gathered, then one grouped GEMM over all of them.
+
+:func:`ag_moe` is the first half of the tensor-parallel MoE layer (each rank holds a slice of every
+expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
+by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
+launching rank's own tokens first. On NCCL GPUs the tokens travel by copy-engine pushes into the
+peers' symmetric memory while the routing is gathered and sorted, and tiles of another rank's
+tokens wait for its arrival flag; elsewhere (gloo) the tokens are all-gathered first. Cost: the
+token gather, one small routing all-gather, one sort and one GEMM launch, plus one host sync for
+the token counts and one for the id range check unless ``tokens_per_rank`` / ``check_ids=False``
+are given. ``graph_safe=True`` makes it capturable in a CUDA graph (fixed-value flags, no host sync).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of
+from .moe_gemm import moe_gemm, next_power_of_2
+from .moe_routing import MoeRouting, check_token_routing, moe_align_stacked
+from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
+from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
+
+__all__ = ["AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_routing", "token_pusher"]
+
+
+#: (group, signature) pairs whose inputs every rank has agreed on, for calls with ``tokens_per_rank``.
+_agreed: set = set()
+
+
+def _agree_on_inputs(where: str, info: GroupInfo, tokens: int, signature: tuple, described: dict,
+                     local_error: Optional[Exception], given: Optional[tuple], out_rows: int,
+                     top_k: int) -> tuple[int, ...]:
+    """Every rank's token count, after making sure every rank's input is valid and agrees with the others'.
+
+    One all-gather of a row of int64 per rank (token count, ``signature`` ints, ``out_rows``, an error
+    flag) and one host sync: the token-count gather AG-MoE needs anyway. If any rank's local checks
+    failed (``local_error``), the signatures differ, or an ``out`` buffer (``out_rows``, -1 for none)
+    does not have ``sum(tokens) * top_k`` rows, every rank raises the same ValueError, listing each
+    rank's inputs (one more, object all-gather, on that path only), instead of one rank raising
+    and the others waiting in the next collective. With ``given`` token counts (``tokens_per_rank``:
+    no host sync, as CUDA-graph capture needs) the gather runs only the first time a signature is
+    seen; later calls check locally only.
+    """
+    group, rank, world = info.group, info.rank, info.world_size
+    key = (id(group), signature)
+    if given is not None and key in _agreed:
+        if local_error is not None:
+            raise local_error
+        return given
+    refuse_capture(where, "run it once eagerly with the same inputs first (the ranks check then that their inputs "
+                          "agree)")
+    device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
+    row = torch.tensor([tokens, *signature, out_rows, int(local_error is not None)], dtype=torch.int64,
+                       device=device)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row, group=group)
+    table = torch.stack(rows).tolist()  # one host sync
+    if any(r[-1] for r in table) or any(r[1:-2] != table[0][1:-2] for r in table):
+        message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+        check_same_on_all_ranks(info, where, tuple(table[rank][1:-2]), described, message)
+        raise RuntimeError(f"{where}: the ranks' inputs disagree but the check found no difference")  # unreachable
+    tpr = given if given is not None else tuple(r[0] for r in table)
+    want = sum(tpr) * top_k
+    wrong = [r for r, entry in enumerate(table) if entry[-2] not in (-1, want)]
+    if wrong:
+        raise ValueError(f"{where}: out must have {want} rows (sum of tokens over ranks * top_k), but rank(s) "
+                         f"{wrong} passed " + ", ".join(str(table[r][-2]) for r in wrong) + " (every rank raises this)")
+    if given is not None:
+        _agreed.add(key)
+    return tpr
+
+
+@dataclass
+class AgMoeResult:
+    """What :func:`ag_moe` returns.
+
+    ``out`` ``[sum_r T_r * top_k, N]``: rank r's chunk at rows ``row_offsets[r]:row_offsets[r+1]``,
+    each chunk in the sorted order of ``routings[r]`` (``routings[r].unsort(chunk)`` gives flat
+    (token, choice) order). ``routing`` is the rank-stacked routing of all of them (one group per
+    source rank and expert); ``routings`` its per-rank views, built on first use.
+    ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order
+    (``topk_ids`` a strided view into the gathered rows).
+    """
+
+    out: torch.Tensor
+    routing: MoeRouting
+    tokens_per_rank: tuple
+    row_offsets: tuple
+    topk_ids: torch.Tensor
+    topk_weights: Optional[torch.Tensor]
+
+    @functools.cached_property
+    def routings(self) -> tuple:
+        return self.routing.per_rank()
+
+    def chunk(self, r: int) -> torch.Tensor:
+        return self.out[self.row_offsets[r]:self.row_offsets[r + 1]]
+
+
+def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
+           topk_weights: Optional[torch.Tensor] = None, group=None,
+           tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
+           out: Optional[torch.Tensor] = None, check_ids: bool = True,
+           bucket: Callable[[int], int] = next_power_of_2, graph_safe: bool = False) -> AgMoeResult:
+    """AllGather-MoE: gather every rank's tokens ``x [T_r, H]`` and routing, then the grouped GEMM
+    ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
+
+    ``out``: optional ``[sum_r T_r * top_k, N]`` buffer (else allocated). Uneven ``T_r`` allowed
+    (``tokens_per_rank`` skips one small all-gather + host sync).
+
+    One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
+    expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
+    tiles from the launching rank's own tokens on. On NCCL GPUs the tokens travel first, by
+    copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
+    taken from the GEMM, no barrier), while the routing is all-gathered (one small collective:
+    ids bit-cast into a float32 row next to the weights) and sorted; tiles of another rank's
+    tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest
+    arrive. Elsewhere (gloo) the tokens are all-gathered first and the same kernel runs without
+    waiting. The tuning key holds the bucket of the *global* row count, the same on every rank.
+    Host syncs: the token counts (unless ``tokens_per_rank``) and the id range check on every
+    rank's ids (unless ``check_ids=False``).
+
+    Inputs that are bad on one rank, or valid on each but inconsistent across ranks (hidden size,
+    dtypes, expert count, top-k, weights given or not, ``tokens_per_rank``, ``graph_safe``), raise
+    the same ValueError on every rank instead of a hang or a silently wrong result: the token-count
+    gather carries each rank's input signature (with ``tokens_per_rank``, only a signature's first
+    call gathers it; later calls check locally).
+
+    ``graph_safe=True``: the call can be captured in a CUDA graph (``torch.cuda.graph``) and
+    replayed. It needs ``tokens_per_rank`` and ``check_ids=False`` (no host sync), pushes with
+    fixed flag values (``ShardPusher(graph_safe=True)``, its own workspace) and must run once
+    eagerly with the same shapes before capture (the workspace is allocated then). A replay costs
+    the host a few µs where an eager call costs hundreds (docs/moe.md, "CUDA graphs").
+    """
+    return ag_moe_for_caller(x, topk_ids, w, topk_weights=topk_weights, group=group, tokens_per_rank=tokens_per_rank,
+                             kernel=kernel, out=out, check_ids=check_ids, bucket=bucket, graph_safe=graph_safe)
+
+
+def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, kernel, out, check_ids, bucket,
+                      graph_safe,
+            where: str = "ag_moe", extra_check: Optional[Callable[[], None]] = None) -> AgMoeResult:
+    """:func:`ag_moe` on behalf of a caller named ``where`` in errors; ``extra_check`` (the caller's own
+    input check, raising TypeError/ValueError) runs with the local checks, so its error too is raised on
+    every rank."""
+    info = group_info(group)
+    rank, world = info.rank, info.world_size
+    _check_graph_safe(where, graph_safe, tokens_per_rank, check_ids)
+    given = None if tokens_per_rank is None else tuple(int(t) for t in tokens_per_rank)
+
+    def local_checks() -> None:
+        if extra_check is not None:
+            extra_check()
+        check_float_tensor(where, "x", x)
+        check_float_tensor(where, "w", w)
+        if x.dim() != 2 or w.dim() != 3:
+            raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+        if x.shape[1] != w.shape[1]:
+            raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={w.shape[1]}, N]")
+        # expert ids are range-checked after the routing gather, on every rank's ids at once
+        check_token_routing(where, x, topk_ids, topk_weights, w.shape[0], check_range=False)
+        check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
+        if given is not None:
+            if len(given) != world:
+                raise ValueError(f"{where}: tokens_per_rank has {len(given)} entries but the group has {world} ranks")
+            if given[rank] != x.shape[0]:
+                raise ValueError(f"{where}: tokens_per_rank[{rank}] = {given[rank]} but this rank has "
+                                 f"{x.shape[0]} tokens")
+        if out is not None:
+            check_float_tensor(where, "out", out)
+            if out.dim() != 2 or out.shape[1] != w.shape[2]:
+                raise ValueError(f"{where}: out must be [sum of tokens over ranks * top_k, N={w.shape[2]}] "
+                                 f"(w's N), got {tuple(out.shape)}")
+            if given is not None and out.shape[0] != sum(given) * topk_ids.shape[1]:
+                raise ValueError(f"{where}: out has {out.shape[0]} rows, expected {sum(given) * topk_ids.shape[1]} "
+                                 "(sum of tokens over ranks * top_k)")
+
+    try:
+        local_checks()
+        local_error = None
+    except (TypeError, ValueError) as err:
+        local_error = err
+    xs, ws, ids_s = shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)
+    signature = (xs[1] if xs else -1, ids_s[1] if ids_s else -1, ws[0] if ws else -1, dtype_code(x), dtype_code(w),
+                 dtype_code(topk_weights), int(graph_safe), int(given is not None),
+                 hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
+    described = {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
+                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
+                 "tokens_per_rank": given, "graph_safe": graph_safe}
+    out_rows = out.shape[0] if isinstance(out, torch.Tensor) and out.dim() == 2 else -1
+    tpr = _agree_on_inputs(where, info, xs[0] if xs else -1, signature, described, local_error, given, out_rows,
+                           ids_s[1] if ids_s else 1)
+    E, H, N = w.shape
+    dev, k = x.device, topk_ids.shape[1]
+    row_offsets = tuple(itertools.accumulate((t * k for t in tpr), initial=0))
+    if out is None:
+        out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
+
+    # 1. tokens first: pushed on the copy engines (GPUs) or all-gathered (elsewhere)
+    pusher = token_pusher(group, graph_safe) if x.is_cuda and uses_nccl(group) else None
+    if pusher is not None:
+        x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
+    else:
+        x_all = _gather_rows(x, tpr, group)
+    # 2. every rank's routing: one collective, then one sort by (source rank, expert)
+    ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
+    if check_ids:
+        _check_gathered_ids(where, ids_all, E, tpr, pusher)
+    routing = moe_align_stacked(ids_all, E, tpr)
+    # 3. one GEMM over all ranks' tokens, own tokens first; other ranks' tiles wait for their arrival
+    if row_offsets[-1]:
+        moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
+                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E,
+                 wait=(pusher.arrival_flags, pusher.epoch) if pusher is not None else None)
+    if pusher is not None:
+        pusher.finish()
+    return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
+
+
+def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple, pusher) -> None:
+    """Every rank's expert ids in ``[0, E)``: checked on the gathered ids, so every rank raises the same
+    error naming the ranks whose router gave bad ids (one host sync)."""
+    if not ids_all.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(ids_all)).tolist()
+    if lo >= 0 and hi < E:
+        return
+    bad_rows = ((ids_all < 0) | (ids_all >= E)).any(dim=1).nonzero().flatten().tolist()
+    starts = list(itertools.accumulate(tpr))
+    ranks = sorted({bisect.bisect_right(starts, row) for row in bad_rows})
+    if pusher is not None:
+        pusher.finish()  # the tokens were pushed: release them, or the next call waits for them forever
+    raise ValueError(f"{where}: expert ids must lie in [0, {E}), got values in [{lo}, {hi}] from rank(s) {ranks}; "
+                     "check the router's output and num_experts (every rank raises this)")
+
+
+def _gather_rows(x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
+    """Every rank's rows of ``x``, concatenated in rank order (a collective; padded to the largest rank)."""
+    max_t = max(tpr)
+    x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], x.shape[1])])
+    gathered = empty_buffer((len(tpr) * max_t, x.shape[1]), x.dtype, x.device)
+    _all_gather(gathered, x_pad.contiguous(), group)
+    if all(t == max_t for t in tpr):
+        return gathered
+    return torch.cat([gathered[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+
+
+def gather_routing(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], tpr: tuple,
+                    group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Every rank's ``topk_ids`` (int32) and ``topk_weights``, in rank order: one all-gather of float32
+    rows (ids bit-cast, then the weights), padded to the largest rank."""
+    T, k = topk_ids.shape
+    max_t, world = max(tpr), len(tpr)
+    parts = [topk_ids.to(torch.int32).view(torch.float32)]
+    if topk_weights is not None:
+        parts.append(topk_weights.float())
+    meta = torch.cat(parts, dim=1)
+    if T != max_t:
+        meta = torch.cat([meta, meta.new_zeros(max_t - T, meta.shape[1])])
+    metas = torch.empty(world * max_t, meta.shape[1], dtype=torch.float32, device=meta.device)
+    _all_gather(metas, meta, group)
+    if any(t != max_t for t in tpr):
+        metas = torch.cat([metas[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+    ids_all = metas[:, :k].view(torch.int32)  # a strided view: moe_align_stacked reads it as it is
+    weights_all = metas[:, k:].to(topk_weights.dtype) if topk_weights is not None else None
+    return ids_all, weights_all
+
+
+def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:
+    """A call being captured in a CUDA graph must be graph-safe and must not synchronize with the host."""
+    if not graph_safe:
+        refuse_capture(where, "pass graph_safe=True, tokens_per_rank and check_ids=False (without graph_safe its "
+                              "arrival flags carry a per-call epoch that every replay would repeat)")
+        return
+    if tokens_per_rank is None or check_ids:
+        raise ValueError(f"{where}(graph_safe=True) must not synchronize with the host: pass tokens_per_rank "
+                         f"(got {tokens_per_rank!r}) and check_ids=False (got {check_ids!r}); check the expert ids "
+                         "once outside the graph instead")
+
+
+_pushers: dict = {}
+
+
+def token_pusher(group, graph_safe: bool = False):
+    """The cached ``kernels.symm.ShardPusher`` of ``group`` (symmetric-memory token gather); the
+    graph-safe one is a separate pusher with its own workspace and flags."""
+    key = (id(group), graph_safe)
+    if key not in _pushers:
+        ok, why = overlap_support(group)
+        if not ok:
+            raise RuntimeError(f"ag_moe: the overlapped GPU token gather is unavailable: {why}")
+        _pushers[key] = ShardPusher(group, graph_safe=graph_safe)
+    return _pushers[key]
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """all_gather_into_tensor on NCCL; the list form elsewhere (gloo has no all_gather_into_tensor)."""
+    if out.is_cuda and uses_nccl(group):
+        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    world = out.shape[0] // inp.shape[0] if inp.shape[0] else dist.get_world_size(group)
+    return dist.all_gather(list(out.chunk(world)), inp, group=group, async_op=async_op)

@@ -1,0 +1,73 @@
+"""What the MoE modules share: input checks, output buffers and the cross-rank signature's pieces.
+
+Every function here is a few Python operations on tensor metadata, except :func:`empty_buffer`
+(one allocation, NaN-filled when ``DISTTUNE_MOE_POISON=1``) and :func:`topk_sum` (one reduction).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from disttune import env
+
+from .matmul import SUPPORTED_DTYPES, interpreting
+
+__all__ = ["POISON_ENV", "INTERPRETED", "empty_buffer", "check_float_tensor", "check_device", "topk_sum",
+           "DTYPE_CODES", "shape_of", "dtype_code"]
+
+#: Whether Triton runs in the interpreter (read once at import, as ``triton.jit`` decides it for the
+#: MoE kernels jitted right after).
+INTERPRETED = interpreting()
+
+#: Set to 1 to fill every buffer these functions allocate with NaN (tests: an unwritten
+#: tile or row then shows up in the result instead of passing as stale memory).
+POISON_ENV = env.MOE_POISON
+
+
+def empty_buffer(shape, dtype, device) -> torch.Tensor:
+    """``torch.empty``, or NaN-filled when :data:`POISON_ENV` is set."""
+    if env.poison_buffers():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_float_tensor(where: str, name: str, t: torch.Tensor) -> None:
+    """TypeError unless ``t`` is a tensor of a dtype the kernels support."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{where}: {name} dtype {t.dtype} not supported (need one of {SUPPORTED_DTYPES})")
+
+
+def check_device(where: str, ref: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
+    """ValueError unless every given tensor is on ``ref``'s device and Triton can run there."""
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but the input is on {ref.device}; "
+                             "move every tensor to one device")
+    if ref.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"{where}: tensors are on {ref.device}; Triton needs CUDA tensors unless "
+                         "TRITON_INTERPRET=1 was set before triton was imported")
+
+
+def topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[T * k, N]`` in flat (token, choice) order summed over the choices: ``[T, N]``, fp32 sum."""
+    return y_flat.view(T, k, -1).sum(dim=1, dtype=torch.float32).to(dtype)
+
+
+#: Codes of the float dtypes in the cross-rank signature (0: no tensor, -1: not known).
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def shape_of(t, dims: int) -> Optional[tuple]:
+    """``t``'s shape if it is a tensor with ``dims`` dimensions, else None (for messages and signatures)."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == dims else None
+
+
+def dtype_code(t) -> int:
+    """:data:`DTYPE_CODES` entry of ``t``'s dtype (0 for None, -1 for an unknown dtype)."""
+    if t is None:
+        return 0
+    return DTYPE_CODES.get(getattr(t, "dtype", None), -1)

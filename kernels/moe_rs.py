@@ -1,0 +1,140 @@
+"""MoE-ReduceScatter: the down-projection grouped GEMM per destination rank, reduced to its owner.
+
+:func:`moe_rs` is the second half of the tensor-parallel MoE layer: every rank multiplies each
+destination rank's rows by its slice of the down weights (weight in the epilogue, flat output), sums
+the top-k choices in fp32 and reduces the result to the rank that owns the tokens, asynchronously,
+while the next destination's chunk computes. Cost: one GEMM launch and one ``dist.reduce`` per rank
+with tokens; a signature's first call adds one small all-gather and a host sync (the cross-rank input check).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of, topk_sum
+from .moe_gemm import moe_gemm, next_power_of_2
+from .moe_routing import MoeRouting, check_routing
+from .symm import refuse_capture
+from .tp_common import check_inputs, group_info
+
+__all__ = ["moe_rs", "moe_rs_agreed"]
+
+
+def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Optional[torch.Tensor],
+           w: torch.Tensor, *, group=None, kernel=None,
+           bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """MoE-ReduceScatter: down-projection grouped GEMM, top-k weighted sum and reduction to the
+    ranks that own the tokens. Returns this rank's ``[T_rank, H]`` (the sum over ranks).
+
+    ``h [sum_r T_r * top_k, K]``: rank r's rows (at ``sum_{q<r} T_q * top_k``) in the sorted
+    order of ``routings[r]`` (what :func:`ag_moe` gives, after the activation); ``w [E, K, H]``
+    (this rank's slice of K); ``topk_weights [sum_r T_r, top_k]`` or None (all ones), in rank
+    order. Destination by destination (same order on every rank): GEMM with the weight in
+    the epilogue and flat output, top-k sum in fp32, cast to h's dtype, then an asynchronous
+    ``dist.reduce`` to the owner, which runs while the next destination's chunk computes.
+    Uneven token counts need no padding. One GEMM key (bucket of the global rows) for all.
+
+    Inputs bad on one rank or inconsistent across ranks (H, expert count, dtypes, token counts,
+    weights given or not) raise the same ValueError on every rank: the first call with a given
+    signature (shapes, dtypes and every rank's token count) all-gathers it once (one small
+    collective and a host sync; not allowed during CUDA-graph capture, so run it eagerly first);
+    later calls with that signature check locally only. ``kernels.moe.tp_moe_layer`` skips this
+    (:func:`moe_rs_agreed`): its ``ag_moe`` has checked already.
+    """
+    return _moe_rs(h, routings, topk_weights, w, group=group, kernel=kernel, bucket=bucket, check_across_ranks=True)
+
+
+#: Per group, the moe_rs signatures every rank has agreed on.
+_agreed_signatures: dict = {}
+
+
+def _check_moe_rs(where: str, h, routings, topk_weights, w, world: int) -> None:
+    """moe_rs's local input checks (TypeError/ValueError)."""
+    check_float_tensor(where, "h", h)
+    check_float_tensor(where, "w", w)
+    if h.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{where}: h must be [rows, K] and w [E, K, H], got {tuple(h.shape)} and {tuple(w.shape)}")
+    if len(routings) != world:
+        raise ValueError(f"{where}: {len(routings)} routings given for a group of {world} ranks (one per rank)")
+    E, K, H = w.shape
+    if h.shape[1] != K:
+        raise ValueError(f"{where}: h has {h.shape[1]} columns but w is [E, K={K}, H]")
+    for r, rt in enumerate(routings):
+        check_routing(where, rt, h.device)
+        if rt.num_experts != E:
+            raise ValueError(f"{where}: routings[{r}] has {rt.num_experts} experts, w has {E}")
+    rows = sum(rt.num_rows for rt in routings)
+    if h.shape[0] != rows:
+        raise ValueError(f"{where}: h has {h.shape[0]} rows but the routings cover {rows} (sum of T_r * top_k)")
+    tokens = sum(rt.num_tokens for rt in routings)
+    if topk_weights is not None and tuple(topk_weights.shape) != (tokens, routings[0].top_k):
+        raise ValueError(f"{where}: topk_weights must be [{tokens}, {routings[0].top_k}], "
+                         f"got {tuple(topk_weights.shape)}")
+    check_device(where, h, w=w, topk_weights=topk_weights)
+
+
+def _moe_rs_signature(h, routings, topk_weights, w) -> tuple[tuple, dict]:
+    """What every rank's moe_rs call must agree on (ints, for the cross-rank check) and its description."""
+    hs, ws = shape_of(h, 2), shape_of(w, 3)
+    tokens = tuple(getattr(rt, "num_tokens", -1) for rt in routings) if isinstance(routings, Sequence) else ()
+    top_k = tuple(getattr(rt, "top_k", -1) for rt in routings) if isinstance(routings, Sequence) else ()
+    # not K: each rank's slice of it may differ
+    signature = (hs[0] if hs else -1, ws[0] if ws else -1, ws[2] if ws else -1, dtype_code(h), dtype_code(w),
+                 dtype_code(topk_weights), tokens, top_k)
+    described = {"h": hs, "h dtype": str(getattr(h, "dtype", None)), "w": ws,
+                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
+                 "tokens per rank": tokens, "top_k": top_k[:1]}
+    return signature, described
+
+
+def moe_rs_agreed(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Optional[torch.Tensor],
+                  w: torch.Tensor, *, group=None, kernel=None,
+                  bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """:func:`moe_rs` for inputs every rank has already agreed on (a caller's own cross-rank check, as
+    ``kernels.moe.tp_moe_layer``'s ``ag_moe`` makes): local input checks only, no collective before the GEMMs."""
+    return _moe_rs(h, routings, topk_weights, w, group=group, kernel=kernel, bucket=bucket, check_across_ranks=False)
+
+
+def _moe_rs(h, routings, topk_weights, w, *, group, kernel, bucket, check_across_ranks: bool) -> torch.Tensor:
+    """:func:`moe_rs`; ``check_across_ranks=False`` when the caller has already made the ranks agree."""
+    info = group_info(group)
+    rank, world = info.rank, info.world_size
+    where = "moe_rs"
+    if check_across_ranks:
+        signature, described = _moe_rs_signature(h, routings, topk_weights, w)
+        agreed = _agreed_signatures.setdefault(id(group), set())
+        if signature not in agreed:
+            refuse_capture(where, "run it once eagerly with the same inputs first (the ranks check then that their "
+                                  "inputs agree)")
+        check_inputs(info, where, agreed, signature, described,
+                     lambda: _check_moe_rs(where, h, routings, topk_weights, w, world))
+    else:
+        _check_moe_rs(where, h, routings, topk_weights, w, world)
+    H = w.shape[2]
+    rows = [rt.num_rows for rt in routings]
+    rows_bucket = int(bucket(sum(rows)))
+    row_off, tok_off, works, mine = 0, 0, [], None
+    for r, rt in enumerate(routings):
+        T, k = rt.num_tokens, rt.top_k
+        part_h = h[row_off: row_off + rows[r]]
+        wts = topk_weights[tok_off: tok_off + T] if topk_weights is not None else None
+        partial = empty_buffer((T, H), h.dtype, h.device)
+        if T:
+            y = moe_gemm(part_h, w, rt, a_order="sorted", out_order="flat", weights=wts, kernel=kernel,
+                         rows_bucket=rows_bucket)
+            partial = topk_sum(y, T, k, h.dtype)
+        else:
+            partial.zero_()
+        dst = dist.get_global_rank(group, r) if group is not None else r
+        if T:
+            works.append(dist.reduce(partial, dst=dst, group=group, async_op=True))
+        if r == rank:
+            mine = partial
+        row_off += rows[r]
+        tok_off += T
+    for work in works:
+        work.wait()
+    return mine
