@@ -25,7 +25,7 @@ def print_sites(report: disttune.TuningReport) -> None:
         name = result.site.kernel.rsplit(".", 1)[-1]
         if result.source != "tuned":
             source = "pinned table" if result.source == "pinned" else result.source
-            print(f"{name} [{key}]: winner from the {source} (no tuning): "
+            print(f"{name} [{key}], occurrence {result.site.occurrence}: winner from the {source} (no tuning): "
                   f"{disttune.describe_config(result.config)}")
             continue
         labels = [disttune.describe_config(config) for config in result.configs]
