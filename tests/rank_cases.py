@@ -172,7 +172,8 @@ class Cases:
         unknown = [n for n in names if n not in self.entries]
         if unknown:
             parser.error(f"unknown case(s) {unknown}; known: {list(self.entries)}")
-        faulthandler.register(signal.SIGTERM, all_threads=True)  # a launcher's timeout shows where each rank was
+        # a launcher's timeout shows where each rank was, then SIGTERM ends the rank as usual
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
         ranks = Ranks(options)
         records, broken = [], False
         for name in names:
