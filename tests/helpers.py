@@ -292,20 +292,6 @@ def failure(record: dict) -> str:
             f"{record.get('traceback', '')}")
 
 
-def read_rank_results(out: Path, cases: Sequence[str], world: int,
-                      proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
-    """``{case: [rank 0's JSON, rank 1's, ...]}`` from ``out/<case>.rank<r>.json``; a missing file fails."""
-    results = {}
-    for case in cases:
-        per_rank = []
-        for rank in range(world):
-            path = Path(out) / f"{case}.rank{rank}.json"
-            assert path.exists(), f"rank {rank} wrote no result for {case}\n" + describe(proc)
-            per_rank.append(json.loads(path.read_text()))
-        results[case] = per_rank
-    return results
-
-
 def write_script(tmp_path: Path, source: str, name: str = "script.py") -> Path:
     """Write ``source`` (dedented) to ``tmp_path / name`` and return the path."""
     path = Path(tmp_path) / name
