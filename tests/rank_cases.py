@@ -75,10 +75,10 @@ class Ranks:
 
             self.mpi = MPI.COMM_WORLD
             self.rank, self.world = self.mpi.Get_rank(), self.mpi.Get_size()
+            self.device = torch.device("cpu")
             if torch.cuda.is_available():
                 torch.cuda.set_device(self.rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                else torch.device("cpu")
+                self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             from disttune import dist as dt_dist
 
