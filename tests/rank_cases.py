@@ -157,7 +157,8 @@ class Cases:
         """Parse the command line, run the cases on this rank, write the records, print the summary.
 
         ``add_arguments`` adds the file's own options; ``default_cases`` picks the cases to run
-        when none is named (default: those registered with ``default=True``).
+        when none is named (default: those registered with ``default=True``). Beyond the cases
+        themselves this costs the group's setup, one barrier per case and one small file per record.
         """
         parser = argparse.ArgumentParser(description=self.description,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
