@@ -15,6 +15,13 @@ Typical use::
     ''')
     proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
     assert proc.returncode == 0, describe(proc)
+
+A case file of the multi-rank harness (``rank_cases``) is launched with :func:`run_cases`,
+which returns each rank's record per case::
+
+    records = run_cases(REPO_ROOT / "tests" / "dist_cases.py", ["agree_max"], tmp_path, world=2, timeout=240)
+    for record in records["agree_max"]:
+        assert record["ok"], failure(record)
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import pytest
 
@@ -236,18 +243,53 @@ def run_mpiexec(
                        timeout=timeout, extra_env=extra_env)
 
 
-def read_rank_results(out: Path, cases: Sequence[str], world: int,
-                      proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
-    """``{case: [rank 0's JSON, rank 1's, ...]}`` from ``out/<case>.rank<r>.json``; a missing file fails."""
-    results = {}
+def run_cases(case_file: str | os.PathLike[str], cases: Sequence[str], out: Path, world: int = 2, *,
+              mpi: bool = False, args: Sequence[str] = (), timeout: float = DEFAULT_TIMEOUT_S,
+              extra_env: Mapping[str, str] | None = None) -> dict[str, list[dict]]:
+    """Launch ``case_file``'s ``cases`` on ``world`` ranks and return ``{case: [rank 0's record, ...]}``.
+
+    Runs ``scripts/launch.sh`` (torchrun, or mpiexec with ``mpi=True``) with ``--out out`` and
+    the file's own ``args``; records are those of ``rank_cases`` (``ok``, ``error_type``,
+    ``error_message``, ``traceback`` and the case's fields). A run past ``timeout`` raises
+    :class:`CommandTimeout` with the ranks' output; a failed launch or a missing record fails
+    the test with it. Costs one launch: a few seconds of imports per rank, then the cases.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    launcher = ["--mpi", "-n", str(world)] if mpi else [f"--nproc_per_node={world}"]
+    mpi_flag = ["--mpi"] if mpi else []
+    proc = run_launch([*launcher, str(case_file), *cases, "--out", str(out), *mpi_flag, *args], timeout=timeout,
+                      extra_env=extra_env)
+    assert proc.returncode == 0, describe(proc)
+    return read_records(out, cases, range(world), proc)
+
+
+def read_records(out: Path, cases: Sequence[str], ranks: Iterable[int],
+                 proc: subprocess.CompletedProcess[str] | None = None) -> dict[str, list[dict]]:
+    """``{case: [record of each of ranks]}`` from ``out``; a missing record fails with ``proc``'s output."""
+    records = {}
     for case in cases:
         per_rank = []
-        for rank in range(world):
+        for rank in ranks:
             path = Path(out) / f"{case}.rank{rank}.json"
-            assert path.exists(), f"rank {rank} wrote no result for {case}\n" + describe(proc)
+            assert path.exists(), f"rank {rank} wrote no record for {case}\n" + (describe(proc) if proc else "")
             per_rank.append(json.loads(path.read_text()))
-        results[case] = per_rank
-    return results
+        records[case] = per_rank
+    return records
+
+
+def checks_per_rank(records: dict[str, list[dict]]) -> list[int]:
+    """Assert every case passed on every rank; return each rank's ``checks`` summed over the cases."""
+    for per_rank in records.values():
+        for record in per_rank:
+            assert record["ok"], failure(record)
+    return [sum(r["checks"] for r in rank_records) for rank_records in zip(*records.values())]
+
+
+def failure(record: dict) -> str:
+    """A failed record as an assertion message: case, rank, error and traceback."""
+    return (f"{record['case']} on rank {record['rank']}: {record.get('error_type')}: {record.get('error_message')}\n"
+            f"{record.get('traceback', '')}")
 
 
 def write_script(tmp_path: Path, source: str, name: str = "script.py") -> Path:

@@ -1,53 +1,41 @@
-"""Multi-rank MoE scenarios, run under torchrun (gloo on CPU with TRITON_INTERPRET=1, NCCL on GPUs).
+"""Multi-rank MoE cases, run under torchrun (gloo on CPU with TRITON_INTERPRET=1, NCCL on GPUs).
 
-    python tests/moe_cases.py OUT_DIR CASE [CASE ...]
+    python tests/moe_cases.py [CASE ...] [--out DIR]
 
-Each rank runs the cases in order and writes ``OUT_DIR/<case>.rank<r>.json``: what the
-case returned, or the exception it raised (type and message). ``test_moe.py`` launches
-this script and asserts on those files. Every buffer the MoE functions allocate is
-NaN-poisoned (DISTTUNE_MOE_POISON=1, set here), so an unwritten row fails the check.
+Each rank runs the cases in order and writes one record per case (see ``rank_cases``).
+``test_moe.py`` and ``test_eight_ranks.py`` launch this file and assert on the records.
+Every buffer the MoE functions allocate is NaN-poisoned (DISTTUNE_MOE_POISON=1, set here),
+so an unwritten row fails the check.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
-import torch
+from rank_cases import Cases, Ranks
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["DISTTUNE_MOE_POISON"] = "1"
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
-from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels import moe, moe_ag  # noqa: E402
+from numerics import rel_error  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DTYPE = torch.bfloat16 if GPU else torch.float16
 TOL = 2e-2
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+cases = Cases(__doc__)
 
 
-class Context:
-    def __init__(self, out_dir: str) -> None:
-        info = dt_dist.init()
-        self.out_dir, self.rank, self.world, self.device = out_dir, info.rank, info.world_size, info.device
-
-    def tuner_options(self, case: str, **extra) -> dict:
-        options = dict(is_dist=True, n_warmup=0, n_repeat=1, log_dir=os.path.join(self.out_dir, "logs", case),
-                       cache_dir=os.path.join(self.out_dir, "store", case), timeout_s=60, verbose=False)
-        options.update(extra)
-        return options
+def tuner_options(ctx: Ranks, case: str, **extra) -> dict:
+    options = dict(is_dist=True, n_warmup=0, n_repeat=1, log_dir=os.path.join(ctx.work_dir, "logs", case),
+                   cache_dir=os.path.join(ctx.work_dir, "store", case), timeout_s=60, verbose=False)
+    options.update(extra)
+    return options
 
 
 def routing_for(T: int, E: int, k: int, seed: int, device, skip: int = 0):
@@ -59,7 +47,7 @@ def routing_for(T: int, E: int, k: int, seed: int, device, skip: int = 0):
     return ids.to(device=device, dtype=torch.int32), weights.to(device)
 
 
-def full_problem(ctx: Context, tokens: list[int], E: int, k: int, H: int, I: int, seed: int):
+def full_problem(ctx: Ranks, tokens: list[int], E: int, k: int, H: int, I: int, seed: int):
     """Every rank builds the same global tokens, routing and weights; returns its shard + the whole."""
     g = torch.Generator().manual_seed(seed)
     total = sum(tokens)
@@ -78,7 +66,8 @@ def full_problem(ctx: Context, tokens: list[int], E: int, k: int, H: int, I: int
                 w_gu_local=w_gu_local, w_d_local=w_d_local)
 
 
-def case_layer(ctx: Context) -> dict:
+@cases.case
+def case_layer(ctx: Ranks) -> dict:
     """ag_moe, moe_rs and the whole TP layer against per-expert torch references, uneven tokens,
     E in (8, 64) and top-k in (2, 6), fresh routing per check."""
     checks = []
@@ -96,7 +85,7 @@ def case_layer(ctx: Context) -> dict:
         ag_err = 0.0
         for r in range(ctx.world):
             got = ag.routings[r].unsort(ag.chunk(r))
-            ag_err = max(ag_err, rel_err(got, ref_h[row: row + tokens[r] * k]))
+            ag_err = max(ag_err, rel_error(got, ref_h[row: row + tokens[r] * k]))
             row += tokens[r] * k
         gathered_ok = bool(torch.equal(ag.topk_ids, p["ids"]) and torch.allclose(ag.topk_weights, p["weights"]))
         # MoE-RS on the activation, and the whole layer, against the full-weight reference
@@ -105,7 +94,7 @@ def case_layer(ctx: Context) -> dict:
         layer = moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel,
                                  tokens_per_rank=tokens)
         checks.append({"E": E, "k": k, "tokens": tokens, "ag_err": ag_err, "gathered_ok": gathered_ok,
-                       "rs_err": rel_err(rs, ref), "layer_err": rel_err(layer, ref),
+                       "rs_err": rel_error(rs, ref), "layer_err": rel_error(layer, ref),
                        "shape_ok": tuple(layer.shape) == (tokens[ctx.rank], H)})
     return {"checks": checks}
 
@@ -115,7 +104,8 @@ def site_winners(tuner) -> list:
             for r in tuner.report.results]
 
 
-def case_agree_dp(ctx: Context) -> dict:
+@cases.case
+def case_agree_dp(ctx: Ranks) -> dict:
     """Data-parallel moe_mlp: each rank its own tokens (uneven counts, same row bucket) and its own
     routing; the key has the bucketed row total only, so all ranks tune the same sites and agree."""
     E, k, H, I = 8, 2, 32, 32
@@ -128,36 +118,38 @@ def case_agree_dp(ctx: Context) -> dict:
     kernel = moe.make_moe_kernel(None)
     counts = torch.bincount(ids.flatten().long().cpu(), minlength=E).tolist()
 
-    @disttune.contextual_autotune(**ctx.tuner_options("agree_dp"))
+    @disttune.contextual_autotune(**tuner_options(ctx, "agree_dp"))
     def step():
         return moe.moe_mlp(x, ids, wts, w_gu, w_d, kernel=kernel)
 
     y = step()
     ref = moe.moe_mlp_reference(x, ids, wts, w_gu, w_d)
-    return {"winners": site_winners(step), "err": rel_err(y, ref), "counts": counts,
+    return {"winners": site_winners(step), "err": rel_error(y, ref), "counts": counts,
             "runs": step.report.function_runs,
             "candidates": max(len(r.configs) for r in step.report.results)}
 
 
-def case_agree_tp(ctx: Context) -> dict:
+@cases.case
+def case_agree_tp(ctx: Ranks) -> dict:
     """The TP layer (AG-MoE + MoE-RS) wrapped whole: per-rank local routings differ, all agree."""
     tokens = [10 + 4 * r for r in range(ctx.world)]
     p = full_problem(ctx, tokens, 8, 2, 32, 16 * ctx.world, seed=900)
     x, ids, wts = p["x"][p["mine"]], p["ids"][p["mine"]], p["weights"][p["mine"]]
     kernel = moe.make_moe_kernel(None)
 
-    @disttune.contextual_autotune(**ctx.tuner_options("agree_tp"))
+    @disttune.contextual_autotune(**tuner_options(ctx, "agree_tp"))
     def layer():
         return moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel, tokens_per_rank=tokens)
 
     y = layer()
     ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
     again = layer()  # tuned: one plain run
-    return {"winners": site_winners(layer), "err": rel_err(y, ref), "again_err": rel_err(again, ref),
+    return {"winners": site_winners(layer), "err": rel_error(y, ref), "again_err": rel_error(again, ref),
             "local_ids": ids.flatten().tolist()}
 
 
-def case_keys_differ(ctx: Context) -> dict:
+@cases.case
+def case_keys_differ(ctx: Ranks) -> dict:
     """A user keys on per-rank data (exact local row count): the ranks' sites differ -> TuningError."""
     E, k, H, I = 8, 2, 32, 32
     T = 16 + 8 * ctx.rank
@@ -168,7 +160,7 @@ def case_keys_differ(ctx: Context) -> dict:
     w_d = (torch.randn(E, I, H, generator=g) / I ** 0.5).to(ctx.device, DTYPE)
     kernel = moe.make_moe_kernel(None)
 
-    @disttune.contextual_autotune(**ctx.tuner_options("keys_differ"))
+    @disttune.contextual_autotune(**tuner_options(ctx, "keys_differ"))
     def step():
         return moe.moe_mlp(x, ids, wts, w_gu, w_d, kernel=kernel, bucket=lambda rows: rows)
 
@@ -176,7 +168,8 @@ def case_keys_differ(ctx: Context) -> dict:
     return {"raised": False}
 
 
-def case_graph(ctx: Context) -> dict:
+@cases.case
+def case_graph(ctx: Ranks) -> dict:
     """``graph_safe=True``: the host-sync arguments are refused; eagerly it gives the default path's
     result; on NCCL GPUs ag_moe and the whole TP layer (tuned in context first) are captured in CUDA
     graphs and replayed on fresh inputs copied into the captured ones, with default-path (epoch) calls
@@ -211,7 +204,7 @@ def case_graph(ctx: Context) -> dict:
     if not (GPU and dist.get_backend() == "nccl"):
         return result
 
-    @disttune.contextual_autotune(**ctx.tuner_options("graph"))
+    @disttune.contextual_autotune(**tuner_options(ctx, "graph"))
     def layer() -> torch.Tensor:
         return moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel, tokens_per_rank=tokens,
                                 check_ids=False, graph_safe=True)
@@ -233,7 +226,7 @@ def case_graph(ctx: Context) -> dict:
         x.copy_(q["x"][q["mine"]]), ids.copy_(q["ids"][q["mine"]]), wts.copy_(q["weights"][q["mine"]])
         layer_graph.replay()
         ref = moe.moe_mlp_reference(q["x"], q["ids"], q["weights"], p["w_gate_up"], p["w_down"])[q["mine"]]
-        layer_err = rel_err(layer_out, ref)
+        layer_err = rel_error(layer_out, ref)
         eager = ag(False).clone()
         ag_graph.replay()
         errors.append({"layer_err": layer_err, "ag_equal": bool(torch.equal(ag_out, eager))})
@@ -266,7 +259,7 @@ def case_graph(ctx: Context) -> dict:
             refused_ops.append(str(err))
     result["refused_ops"] = refused_ops
 
-    @disttune.contextual_autotune(**ctx.tuner_options("graph_untuned"))
+    @disttune.contextual_autotune(**tuner_options(ctx, "graph_untuned"))
     def untuned() -> torch.Tensor:
         return ag(True)
 
@@ -279,7 +272,8 @@ def case_graph(ctx: Context) -> dict:
     return result
 
 
-def case_inconsistent(ctx: Context) -> dict:
+@cases.case
+def case_inconsistent(ctx: Ranks) -> dict:
     """Inputs valid on each rank but inconsistent across ranks, or bad on one rank only: every rank
     must raise the same kind of error (no hang, no silently wrong result), and the group must still
     work afterwards. Rank 1 is the odd one out in every scenario."""
@@ -332,14 +326,15 @@ def case_inconsistent(ctx: Context) -> dict:
     ref = moe.moe_gemm_reference(p["x"], p["ids"], w)
     row, err = 0, 0.0
     for r in range(ctx.world):
-        err = max(err, rel_err(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
+        err = max(err, rel_error(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
         row += tokens[r] * k
     rs = moe.moe_rs(moe.silu_and_mul(ag.out), ag.routings, ag.topk_weights, p["w_d_local"], kernel=kernel)
     ref_rs = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
-    return {"raised": raised, "after_err": err, "after_rs_err": rel_err(rs, ref_rs)}
+    return {"raised": raised, "after_err": err, "after_rs_err": rel_error(rs, ref_rs)}
 
 
-def case_recover(ctx: Context) -> dict:
+@cases.case
+def case_recover(ctx: Ranks) -> dict:
     """An error raised on every rank in the middle of ``ag_moe`` (expert ids out of range, found after the
     tokens were pushed or gathered) leaves the next calls working and right: on NCCL GPUs the pusher's
     handshake for those tokens is released before the error."""
@@ -359,32 +354,11 @@ def case_recover(ctx: Context) -> dict:
         ag = moe.ag_moe(x, ids, w, topk_weights=wts, kernel=kernel)
         row, err = 0, 0.0
         for r in range(ctx.world):
-            err = max(err, rel_err(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
+            err = max(err, rel_error(ag.routings[r].unsort(ag.chunk(r)), ref[row: row + tokens[r] * k]))
             row += tokens[r] * k
         errs.append(err)
     return {"raised": raised, "errs": errs}
 
 
-CASES = {"layer": case_layer, "agree_dp": case_agree_dp, "agree_tp": case_agree_tp, "keys_differ": case_keys_differ,
-         "graph": case_graph, "inconsistent": case_inconsistent,
-         "recover": case_recover}
-
-
-def main() -> int:
-    out_dir, names = sys.argv[1], sys.argv[2:]
-    ctx = Context(out_dir)
-    for name in names:
-        try:
-            result = {"ok": True, "value": CASES[name](ctx)}
-        except Exception as err:  # recorded for the test to assert on
-            result = {"ok": False, "type": type(err).__name__, "message": str(err),
-                      "traceback": traceback.format_exc()}
-        with open(os.path.join(out_dir, f"{name}.rank{ctx.rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    dt_dist.destroy()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cases.main())

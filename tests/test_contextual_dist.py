@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import describe, mpi, read_rank_results, run_launch
+from helpers import failure, mpi, run_cases
 
 CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
@@ -24,33 +24,27 @@ COMMON_CASES = ["agree_max", "agree_mean", "agree_min", "fail_one_rank", "mismat
 SPLIT_CASES = ["split", "split_early", "split_compile_fault", "split_store", "compile_split"]
 
 
-def _launch(out: Path, launcher: list[str], cases: list[str]) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    mpi_flag = ["--mpi"] if launcher[0] == "--mpi" else []
-    proc = run_launch([*launcher, str(CASES), str(out), *mpi_flag, *cases], timeout=LAUNCH_TIMEOUT_S,
-                      extra_env={"DISTTUNE_TIMEOUT": "30"})
-    assert proc.returncode == 0, describe(proc)
-    world = int(launcher[-1].split("=")[-1])
-    return read_rank_results(out, cases, world, proc)
+def _launch(out: Path, world: int, cases: list[str], mpi: bool = False) -> dict:
+    return run_cases(CASES, cases, out, world, mpi=mpi, timeout=LAUNCH_TIMEOUT_S, extra_env={"DISTTUNE_TIMEOUT": "30"})
 
 
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo2")
-    return _launch(out, ["--nproc_per_node=2"], COMMON_CASES + SPLIT_CASES), out
+    return _launch(out, 2, COMMON_CASES + SPLIT_CASES), out
 
 
 @pytest.fixture(scope="module")
 def gloo4(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo4")
-    return _launch(out, ["--nproc_per_node=4"], ["agree_max", "agree_mean", "fail_one_rank", "subgroup",
+    return _launch(out, 4, ["agree_max", "agree_mean", "fail_one_rank", "subgroup",
                                                    "mismatch_configs", *SPLIT_CASES]), out
 
 
 @pytest.fixture(scope="module")
 def mpi2(tmp_path_factory):
     out = tmp_path_factory.mktemp("mpi2")
-    return _launch(out, ["--mpi", "-n", "2"], ["agree_max", "fail_one_rank", "keys_differ", "raise_in_run"]), out
+    return _launch(out, 2, ["agree_max", "fail_one_rank", "keys_differ", "raise_in_run"], mpi=True), out
 
 
 def expected_disagreement_winner(world: int, reduce: str) -> tuple[int, list[float]]:
@@ -65,7 +59,7 @@ def check_agreement(per_rank: list[dict], reduce: str) -> None:
     world = len(per_rank)
     winner, agreed = expected_disagreement_winner(world, reduce)
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         (site,) = result["winners"]
         assert site["winner"] == winner, (reduce, site)
         assert site["block"] == result["blocks"][winner]
@@ -94,7 +88,7 @@ def test_mean_and_min_reductions(gloo2, reduce):
 def check_one_rank_failure(per_rank: list[dict]) -> None:
     world = len(per_rank)
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         first, second = result["winners"]
         # config 1 is fastest (0.5 ms) but fails on rank 1: inf for everyone, config 2 wins
         assert first["agreed_ms"][1] == float("inf")
@@ -114,8 +108,8 @@ def check_error(per_rank: list[dict], error_type: str, *fragments: str) -> None:
     for result in per_rank:
         assert result.get("error_type") == error_type, result
         for fragment in fragments:
-            assert fragment in result["error"], (fragment, result["error"])
-        messages.add(result["error"])
+            assert fragment in result["error_message"], (fragment, result["error_message"])
+        messages.add(result["error_message"])
     assert len(messages) == 1, "ranks raised different messages"
 
 
@@ -176,7 +170,7 @@ def test_subgroups_agree_within_themselves(gloo4):
     results, _ = gloo4
     by_pair = {}
     for result in results["subgroup"]:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         assert result["world_in_report"] == 2
         by_pair.setdefault(result["pair"], set()).add(result["winners"][0]["winner"])
     assert by_pair == {0: {0}, 1: {2}}
@@ -192,15 +186,15 @@ def test_mpi_communicator(mpi2):
 
 
 def test_a_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path):
-    results = _launch(tmp_path, ["--nproc_per_node=2"], ["timeout"])
+    results = _launch(tmp_path, 2, ["timeout"])
     waiting = results["timeout"][0]
     assert waiting["error_type"] == "CollectiveTimeout", waiting
-    assert "consensus" in waiting["error"] and "rank 0" in waiting["error"]
+    assert "consensus" in waiting["error_message"] and "rank 0" in waiting["error_message"]
     assert 2.5 < waiting["elapsed_s"] < 20
 
 
 def test_one_rank_over_torch_distributed(tmp_path):
-    results = _launch(tmp_path, ["--nproc_per_node=1"], ["agree_max", "second_call"])
+    results = _launch(tmp_path, 1, ["agree_max", "second_call"])
     check_agreement(results["agree_max"], "max")
     (second,) = results["second_call"]
     assert (second["runs_added"], second["timed_added"], second["output_ok"]) == (1, 0, True)
@@ -209,7 +203,7 @@ def test_one_rank_over_torch_distributed(tmp_path):
 def test_early_stopping_drops_the_same_configs_on_every_rank(gloo2):
     per_rank = gloo2[0]["early_stop"]
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         # agreed (max) screening times [5, 5, 3]: the two fastest, configs 2 and 0, go on; 2 wins
         assert result["full_configs"] == [0, 2] and result["winners"][0]["winner"] == 2
         assert result["runs"] == 1 + 3 * 2 + 2 * (1 + 2) + 1
@@ -244,7 +238,7 @@ def check_split(per_rank: list[dict]) -> None:
     world = len(per_rank)
     expected = expected_split(world, early=False)
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         rank = result["rank"]
         assert result["split"] and result["winner"] == expected["winner"] == 3
         assert result["agreed_ms"] == pytest.approx(expected["agreed"])
@@ -265,7 +259,7 @@ def check_split(per_rank: list[dict]) -> None:
 def check_split_early(per_rank: list[dict]) -> None:
     expected = expected_split(len(per_rank), early=True)
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         assert result["winner"] == expected["winner"]
         assert result["agreed_ms"] == pytest.approx(expected["agreed"])
         assert result["runs"] == expected["runs"]
@@ -280,7 +274,7 @@ def check_split_compile_fault(per_rank: list[dict]) -> None:
     # compile failures are known before timing and nothing is hidden.
     hidden = [] if torch.cuda.is_available() else [c for c in (2, 3) if c % world != 1]
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         assert result["winner"] == 1, result
         assert result["agreed_ms"][:2] == [3.0, 2.0] and math.isinf(result["agreed_ms"][2]) and math.isinf(result["agreed_ms"][3])
         # one final run, plus one more for each hidden failure the final-run check caught
@@ -290,7 +284,7 @@ def check_split_compile_fault(per_rank: list[dict]) -> None:
 
 def check_split_store(per_rank: list[dict]) -> None:
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         first, second = result["first"], result["second"]
         assert first["source"] == "tuned" and first["winner"] == 3
         assert (second["source"], second["winner"], second["runs"], second["timed"]) == ("store", 3, 2, [])
@@ -302,7 +296,7 @@ def check_compile_split(per_rank: list[dict]) -> None:
     consensus (none before every rank had finished its share), and kept a second-pass compile fault."""
     blocks = [16, 32, 64, 128, 256]
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         assert result["share"] == sorted(result["expected_share"])
         assert result["rest"] == sorted(set(blocks) - set(result["share"])), "each other config exactly once"
     assert max(r["share_ended"] for r in per_rank) <= min(r["rest_started"] for r in per_rank)
@@ -347,6 +341,6 @@ def test_split_log_marks_configs_a_rank_did_not_time(gloo2):
 @pytest.mark.slow
 def test_eight_ranks_tune_agree_split_and_store(tmp_path):
     """Issue 9: the core multi-rank paths with 8 ranks on gloo, in one launch (8 processes importing torch)."""
-    results = _launch(tmp_path, ["--nproc_per_node=8"], ["agree_max", *SPLIT_CASES])
+    results = _launch(tmp_path, 8, ["agree_max", *SPLIT_CASES])
     check_agreement(results["agree_max"], "max")
     check_all_split_cases(results)

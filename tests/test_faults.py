@@ -19,26 +19,20 @@ from pathlib import Path
 import pytest
 
 from fault_tally import TALLY
-from helpers import CommandTimeout, REPO_ROOT, describe, mpi, repo_env, run_launch
+from helpers import CommandTimeout, REPO_ROOT, failure, mpi, read_records, repo_env, run_cases
 
 CASES = Path(__file__).with_name("dist_cases.py")
 
 
-def launch(tmp_path: Path, launcher: list[str], cases: list[str], faults_per_case: int = 1, **env) -> dict:
+def launch(tmp_path: Path, world: int, cases: list[str], faults_per_case: int = 1, mpi: bool = False, **env) -> dict:
     out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
-    out.mkdir()
-    mpi_flag = ["--mpi"] if launcher[0] == "--mpi" else []
     TALLY["trials"] += len(cases)
     TALLY["faults"] += faults_per_case * len(cases)
     try:
-        proc = run_launch([*launcher, str(CASES), str(out), *mpi_flag, *cases], timeout=300,
-                          extra_env={"DISTTUNE_TIMEOUT": "30", **env})
+        return run_cases(CASES, cases, out, world, mpi=mpi, timeout=300, extra_env={"DISTTUNE_TIMEOUT": "30", **env})
     except CommandTimeout:
         TALLY["hangs"] += 1
         raise
-    assert proc.returncode == 0, describe(proc)
-    world = int(launcher[-1].split("=")[-1])
-    return {case: [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(world)] for case in cases}
 
 
 def agreed(per_rank: list[dict], *fields: str) -> None:
@@ -50,40 +44,40 @@ def agreed(per_rank: list[dict], *fields: str) -> None:
 
 
 def test_compile_failures_on_one_rank_all_ranks_and_every_config(tmp_path):
-    results = launch(tmp_path, ["--nproc_per_node=2"], ["compile_fault_one_rank", "compile_fault_all_ranks",
+    results = launch(tmp_path, 2, ["compile_fault_one_rank", "compile_fault_all_ranks",
                                                         "compile_fault_every_config_one_rank"])
     for case in ("compile_fault_one_rank", "compile_fault_all_ranks"):
         per_rank = results[case]
         agreed(per_rank, "winner", "runs")
         for result in per_rank:
-            assert "error" not in result, result.get("traceback")
+            assert result["ok"], failure(result)
             # config 2 (BLOCK 64, the fastest) cannot compile somewhere: inf everywhere, config 1 wins
             assert result["agreed_ms"][2] == float("inf") and result["winner"] == 1
             assert result["runs"] == 2 + 3 * 3 and result["output_ok"]
     every = results["compile_fault_every_config_one_rank"]
-    agreed(every, "error_type", "error")
+    agreed(every, "error_type", "error_message")
     assert every[0]["error_type"] == "AllConfigsFailed"
-    assert "rank 0:" in every[0]["error"] and "BLOCK must be smaller than LIMIT" in every[0]["error"]
+    assert "rank 0:" in every[0]["error_message"] and "BLOCK must be smaller than LIMIT" in every[0]["error_message"]
 
 
 def test_exceptions_inside_the_function_at_any_point(tmp_path):
-    results = launch(tmp_path, ["--nproc_per_node=2"], ["raise_first_run", "raise_in_run", "raise_last_config"])
+    results = launch(tmp_path, 2, ["raise_first_run", "raise_in_run", "raise_last_config"])
     for case, where in (("raise_first_run", "discovery run"), ("raise_in_run", "tuning run 4/"),
                         ("raise_last_config", "tuning run 7/")):
         per_rank = results[case]
-        agreed(per_rank, "error_type", "error")
-        assert per_rank[0]["error_type"] == "TuningError" and where in per_rank[0]["error"], per_rank[0]
-        assert "rank 1:" in per_rank[0]["error"]
+        agreed(per_rank, "error_type", "error_message")
+        assert per_rank[0]["error_type"] == "TuningError" and where in per_rank[0]["error_message"], per_rank[0]
+        assert "rank 1:" in per_rank[0]["error_message"]
 
 
 @pytest.mark.slow
 def test_rank_dependent_keys_and_config_lists_on_eight_ranks(tmp_path):
-    results = launch(tmp_path, ["--nproc_per_node=8"], ["keys_differ", "mismatch_configs", "fail_one_rank",
+    results = launch(tmp_path, 8, ["keys_differ", "mismatch_configs", "fail_one_rank",
                                                         "agree_max"])
-    agreed(results["keys_differ"], "error")
-    assert all(f"key=({64 + 16 * r}," in results["keys_differ"][0]["error"] for r in range(8))
-    agreed(results["mismatch_configs"], "error")
-    assert "ranks [1]" in results["mismatch_configs"][0]["error"]
+    agreed(results["keys_differ"], "error_message")
+    assert all(f"key=({64 + 16 * r}," in results["keys_differ"][0]["error_message"] for r in range(8))
+    agreed(results["mismatch_configs"], "error_message")
+    assert "ranks [1]" in results["mismatch_configs"][0]["error_message"]
     agreed(results["fail_one_rank"], "winners", "runs")
     agreed(results["agree_max"], "winners")
     assert results["agree_max"][0]["winners"][0]["winner"] == 8  # every rank alone prefers its own config
@@ -120,12 +114,12 @@ def run_ranks_without_supervisor(world: int, args: list[str], timeout: float) ->
 def test_a_rank_killed_mid_tuning_is_an_error_on_the_others(tmp_path):
     TALLY["trials"] += 1
     TALLY["faults"] += 1
-    procs = run_ranks_without_supervisor(3, [str(CASES), str(tmp_path), "rank_killed"], timeout=120)
+    procs = run_ranks_without_supervisor(3, [str(CASES), "rank_killed", "--out", str(tmp_path)], timeout=120)
     assert procs[2].returncode == -9, "the last rank was meant to die by SIGKILL"
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank_killed.rank{rank}.json").read_text())
+    (survivors,) = read_records(tmp_path, ["rank_killed"], (0, 1)).values()
+    for result in survivors:
         assert result.get("error_type") in ("CollectiveTimeout", "TuningError"), result
-        assert "rank" in result["error"] and "tuning run" in result["error"]
+        assert "rank" in result["error_message"] and "tuning run" in result["error_message"]
         assert result["elapsed_s"] < 60
 
 
@@ -143,10 +137,10 @@ def test_writer_killed_mid_write_leaves_no_torn_file(tmp_path):
 
 @pytest.mark.slow
 def test_soak_200_tunings_on_four_ranks_always_agree(tmp_path):
-    (per_rank,) = launch(tmp_path, ["--nproc_per_node=4"], ["soak"], faults_per_case=200).values()
+    (per_rank,) = launch(tmp_path, 4, ["soak"], faults_per_case=200).values()
     TALLY["trials"] += 199  # 200 tunings in the one launch
     for result in per_rank:
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         TALLY["disagreements"] += result["disagreements"]
         assert result["disagreements"] == 0
         early, late = result["rss_kb"]
@@ -156,8 +150,8 @@ def test_soak_200_tunings_on_four_ranks_always_agree(tmp_path):
 
 @mpi
 def test_faults_under_mpi(tmp_path):
-    results = launch(tmp_path, ["--mpi", "-n", "2"], ["compile_fault_one_rank", "raise_first_run"])
+    results = launch(tmp_path, 2, ["compile_fault_one_rank", "raise_first_run"], mpi=True)
     agreed(results["compile_fault_one_rank"], "winner", "runs")
     assert results["compile_fault_one_rank"][0]["winner"] == 1
-    agreed(results["raise_first_run"], "error")
+    agreed(results["raise_first_run"], "error_message")
     assert results["raise_first_run"][0]["error_type"] == "TuningError"

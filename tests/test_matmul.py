@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 
 from disttune.kernels import matmul as mm  # noqa: E402
+from numerics import rel_error  # noqa: E402
 
 INTERPRET = mm.interpreting()
 
@@ -36,11 +37,6 @@ TOL = {
 
 # bf16 inputs are silently wrong in the interpreter's tl.dot (see mm.BF16_INTERPRETER_NOTE).
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(M, N, K, dtype, seed):
@@ -73,7 +69,7 @@ def test_matmul_with_config_matches_reference(config, dtype):
         assert not torch.isnan(out).any(), f"unwritten outputs for {(M, N, K)}"
         ref = mm.matmul_reference(a, b)
         assert ref.dtype == dtype
-        err = _rel_err(out, ref)
+        err = rel_error(out, ref)
         assert err < TOL[dtype], f"{(M, N, K)} {dtype} {_cfg_id(config)}: rel err {err:.3e}"
 
 
@@ -90,7 +86,7 @@ def test_arbitrary_strides_and_masked_store(config):
     out = buf[2:2 + M, 1:1 + 2 * N:2]  # non-contiguous view, stride (2N+3, 2)
     mm.matmul_with_config(a, b, config, out=out)
     assert not torch.isnan(out).any()
-    assert _rel_err(out, mm.matmul_reference(a, b)) < TOL[dtype]
+    assert rel_error(out, mm.matmul_reference(a, b)) < TOL[dtype]
     mask = torch.ones_like(buf, dtype=torch.bool)
     mask[2:2 + M, 1:1 + 2 * N:2] = False
     assert torch.isnan(buf[mask]).all(), "kernel wrote outside the output view"
@@ -102,14 +98,14 @@ def test_out_dtype_follows_out():
     out = _poisoned(37, 45, torch.float16)
     mm.matmul_with_config(a, b, mm.CPU_GEMM_CONFIGS[0], out=out)
     assert out.dtype == torch.float16
-    assert _rel_err(out, a @ b) < 1e-2
+    assert rel_error(out, a @ b) < 1e-2
 
 
 def test_allocates_output_and_k_zero():
     a, b = _inputs(20, 18, 24, torch.float32, seed=4)
     out = mm.matmul_with_config(a, b, mm.CPU_GEMM_CONFIGS[1])
     assert out.shape == (20, 18) and out.dtype == torch.float32
-    assert _rel_err(out, a @ b) < TOL[torch.float32]
+    assert rel_error(out, a @ b) < TOL[torch.float32]
     a0 = torch.empty(5, 0, device=DEVICE)
     b0 = torch.empty(0, 6, device=DEVICE)
     z = mm.matmul_with_config(a0, b0, mm.CPU_GEMM_CONFIGS[0], out=_poisoned(5, 6, torch.float32))
@@ -125,7 +121,7 @@ def test_autotuned_kernel_object():
     a, b = _inputs(37, 45, 29, torch.float16, seed=5)
     out = mm.matmul(a, b, out=_poisoned(37, 45, torch.float16), kernel=kern)
     assert not torch.isnan(out).any()
-    assert _rel_err(out, mm.matmul_reference(a, b)) < TOL[torch.float16]
+    assert rel_error(out, mm.matmul_reference(a, b)) < TOL[torch.float16]
     assert kern.best_config in mm.CPU_GEMM_CONFIGS
     assert set(kern.configs_timings) == set(mm.CPU_GEMM_CONFIGS)  # all were benchmarked
 
@@ -134,7 +130,7 @@ def test_matmul_default_kernel():
     a, b = _inputs(33, 20, 40, torch.float32, seed=10)
     out = mm.matmul(a, b)
     assert out.shape == (33, 20) and out.dtype == torch.float32
-    assert _rel_err(out, mm.matmul_reference(a, b)) < TOL[torch.float32]
+    assert rel_error(out, mm.matmul_reference(a, b)) < TOL[torch.float32]
     assert mm.matmul_kernel.best_config in mm.default_configs()
 
 
@@ -157,7 +153,7 @@ def test_bf16_refused_under_interpreter():
     # bf16 *output* from fp32 inputs is fine (only the interpreter's dot is broken).
     a, b = _inputs(37, 45, 29, torch.float32, seed=6)
     out = mm.matmul_with_config(a, b, mm.CPU_GEMM_CONFIGS[0], out=_poisoned(37, 45, torch.bfloat16))
-    assert _rel_err(out, a @ b) < 1e-2
+    assert rel_error(out, a @ b) < 1e-2
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter-only limitation")
@@ -169,7 +165,7 @@ def test_bf16_raw_jit_under_interpreter_is_wrong():
     out = torch.empty(16, 16, dtype=torch.bfloat16)
     mm.matmul_jit[(1,)](a, b, out, 16, 16, 16, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                         out.stride(0), out.stride(1), BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1)
-    assert _rel_err(out, mm.matmul_reference(a, b)) < 1e-2
+    assert rel_error(out, mm.matmul_reference(a, b)) < 1e-2
 
 
 # --------------------------------------------------------------------------- host checks

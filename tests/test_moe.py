@@ -22,7 +22,8 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 
 from disttune.kernels import moe, moe_gemm  # noqa: E402
-from helpers import describe, read_rank_results, run_launch  # noqa: E402
+from helpers import failure, run_cases  # noqa: E402
+from numerics import rel_error  # noqa: E402
 
 INTERPRET = moe.interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -30,12 +31,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4 if INTERPRET else 5e-3}
 CASES = Path(__file__).with_name("moe_cases.py")
 LAUNCH_TIMEOUT_S = 200
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "NaN/inf in the output: a tile or row was not written"
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _routing(T, E, k, seed, empty=2):
@@ -174,7 +169,7 @@ def test_moe_gemm_with_config_matches_reference(E, k, a_order, out_order, weight
     assert res is out
     got = out if out_order == "flat" else rt.unsort(out)
     ref = moe.moe_gemm_reference(x, ids, w, wts if weighted else None)
-    assert _rel_err(got, ref) < TOL[dtype]
+    assert rel_error(got, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("tile_order", moe.TILE_ORDERS)
@@ -191,7 +186,7 @@ def test_every_tile_order_computes_every_tile_once(tile_order, first_group):
     kernel = moe.make_moe_kernel([moe.gemm_config(16, 32, 32, 2, 1, 1)])
     out = torch.full((T * k, N), float("nan"), dtype=torch.float16, device=DEVICE)
     moe.moe_gemm(x, w, rt, out=out, out_order="flat", kernel=kernel, first_group=first_group, tile_order=tile_order)
-    assert _rel_err(out, moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
+    assert rel_error(out, moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
 
 
 def test_unknown_tile_order_is_refused():
@@ -217,7 +212,7 @@ def test_moe_gemm_reads_every_weight_layout(layout):
     assert (meta["A_TMA"], meta["B_TMA"]) == {"aligned": (True, 1), "transposed": (True, 2),
                                               "unaligned": (False, 0)}[layout]
     out = moe.moe_gemm_with_config(a, w, rt, moe.CPU_MOE_CONFIGS[0], a_order="sorted")
-    assert _rel_err(rt.unsort(out), moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
+    assert rel_error(rt.unsort(out), moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
 
 
 def test_moe_gemm_writes_only_its_rows_and_strided_weights():
@@ -230,7 +225,7 @@ def test_moe_gemm_writes_only_its_rows_and_strided_weights():
     buf = torch.full((T * k + 6, N + 5), float("nan"), dtype=torch.float16, device=DEVICE)
     out = buf[3:3 + T * k, 2:2 + N]
     moe.moe_gemm_with_config(x, w, rt, moe.CPU_MOE_CONFIGS[0], out=out, out_order="flat")
-    assert _rel_err(out, moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
+    assert rel_error(out, moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
     mask = torch.ones_like(buf, dtype=torch.bool)
     mask[3:3 + T * k, 2:2 + N] = False
     assert torch.isnan(buf[mask]).all(), "kernel wrote outside the output view"
@@ -247,7 +242,7 @@ def test_autotuned_gemm_keys_on_the_row_bucket_not_the_routing():
         rt = moe.moe_align(ids, E)
         out = torch.full((T * k, N), float("nan"), dtype=torch.float16, device=DEVICE)
         moe.moe_gemm(x, w, rt, out=out, out_order="flat", weights=wts, kernel=kernel)
-        assert _rel_err(out, moe.moe_gemm_reference(x, ids, w, wts)) < TOL[torch.float16]
+        assert rel_error(out, moe.moe_gemm_reference(x, ids, w, wts)) < TOL[torch.float16]
         assert len(kernel.cache) == (1 if i < 2 else 2)
     buckets = sorted(key[moe.MOE_KEY.index("ROWS_BUCKET")] for key in kernel.cache)
     assert buckets == [64, 128]
@@ -267,9 +262,9 @@ def test_moe_mlp_matches_reference(E, k, dtype, monkeypatch):
         ids, wts = _routing(T, E, k, seed=100 * check + E, empty=3)
         y = moe.moe_mlp(x, ids, wts, w_gu, w_d, kernel=kernel)
         assert y.shape == (T, H) and y.dtype == dtype
-        assert _rel_err(y, moe.moe_mlp_reference(x, ids, wts, w_gu, w_d)) < TOL[dtype]
+        assert rel_error(y, moe.moe_mlp_reference(x, ids, wts, w_gu, w_d)) < TOL[dtype]
     y = moe.moe_mlp(x, ids, None, w_gu, w_d, kernel=kernel)  # no routing weights: plain sum
-    assert _rel_err(y, moe.moe_mlp_reference(x, ids, None, w_gu, w_d)) < TOL[dtype]
+    assert rel_error(y, moe.moe_mlp_reference(x, ids, None, w_gu, w_d)) < TOL[dtype]
 
 
 def test_host_errors():
@@ -331,11 +326,8 @@ def test_default_configs_and_pruning():
 
 
 def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    proc = run_launch([f"--nproc_per_node={nproc}", str(CASES), str(out), *cases], timeout=LAUNCH_TIMEOUT_S,
-                      extra_env={"DISTTUNE_TIMEOUT": "60", "DISTTUNE_CACHE_DIR": str(out / "store")})
-    assert proc.returncode == 0, describe(proc)
-    return read_rank_results(out, cases, nproc, proc)
+    return run_cases(CASES, cases, out, nproc, timeout=LAUNCH_TIMEOUT_S,
+                     extra_env={"DISTTUNE_TIMEOUT": "60", "DISTTUNE_CACHE_DIR": str(out / "store")})
 
 
 @pytest.fixture(scope="module")
@@ -356,10 +348,10 @@ def nccl1(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("moe1"), 1, ["graph", "recover"])
 
 
-def _values(per_rank: list[dict]) -> list:
-    for rank, result in enumerate(per_rank):
-        assert result["ok"], f"rank {rank}: {result.get('type')}: {result.get('message')}\n{result.get('traceback')}"
-    return [result["value"] for result in per_rank]
+def _values(per_rank: list[dict]) -> list[dict]:
+    for record in per_rank:
+        assert record["ok"], failure(record)
+    return per_rank
 
 
 def _check_layer(per_rank):
@@ -415,8 +407,8 @@ def test_per_rank_keys_are_a_clear_error(gloo2):
     every rank naming the kernel, both keys and the ranks, instead of a hang."""
     for rank, result in enumerate(gloo2["keys_differ"]):
         assert not result["ok"], f"rank {rank} did not raise"
-        assert result["type"] == "TuningError"
-        msg = result["message"]
+        assert result["error_type"] == "TuningError"
+        msg = result["error_message"]
         assert "ranks disagree on what to tune" in msg
         assert "_moe_gemm_body" in msg
         assert "ranks [0]: kernel" in msg and "ranks [1]: kernel" in msg

@@ -18,7 +18,7 @@ import triton
 from disttune.logs import RankLog
 from disttune.report import build_report
 from disttune.sites import describe_config
-from helpers import describe, run_launch
+from helpers import failure, read_records, run_cases
 
 CASES = Path(__file__).with_name("dist_cases.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -30,17 +30,15 @@ CONFIGS = [f"BLOCK: {b}, num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("report-run")
-    proc = run_launch(["--nproc_per_node=2", str(CASES), str(out), "agree_max", "fail_one_rank"],
-                      extra_env={"DISTTUNE_TIMEOUT": "30"}, timeout=240)
-    assert proc.returncode == 0, describe(proc)
+    run_cases(CASES, ["agree_max", "fail_one_rank"], out, 2, timeout=240, extra_env={"DISTTUNE_TIMEOUT": "30"})
     return out
 
 
 def expected_winners(out: Path, case: str) -> dict[int, int]:
     """occurrence -> winner index, from what each rank returned (all ranks must agree)."""
-    per_rank = [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(2)]
+    (per_rank,) = read_records(out, [case], range(2)).values()
     for result in per_rank:
-        assert "winners" in result, result
+        assert result["ok"], failure(result)
     winners = [{w["occurrence"]: w["winner"] for w in result["winners"]} for result in per_rank]
     assert winners[0] == winners[1]
     return winners[0]

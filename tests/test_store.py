@@ -21,7 +21,7 @@ import torch
 
 import disttune
 from disttune import store
-from helpers import describe, mpi, run_launch
+from helpers import failure, mpi, run_cases
 from tiny_kernels import TableTimer, device, launch_add, make_kernel
 
 CASES = Path(__file__).with_name("dist_cases.py")
@@ -247,77 +247,72 @@ def test_pinned_table_round_trip_and_missing_entry(tmp_path):
 
 # -- several ranks ------------------------------------------------------------------------------------------
 
-def launch_cases(tmp_path: Path, launcher: list[str], cases: list[str], store_dir: Path, expect_errors: bool = False,
-                 **env) -> dict:
+def launch_cases(tmp_path: Path, world: int, cases: list[str], store_dir: Path, expect_errors: bool = False,
+                 mpi: bool = False, **env) -> dict:
     out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
-    out.mkdir()
-    mpi_flag = ["--mpi"] if launcher[0] == "--mpi" else []
-    proc = run_launch([*launcher, str(CASES), str(out), *mpi_flag, *cases], timeout=240,
-                      extra_env={"DISTTUNE_TIMEOUT": "30", "DISTTUNE_TEST_STORE": str(store_dir), **env})
-    assert proc.returncode == 0, describe(proc)
-    world = int(launcher[-1].split("=")[-1])
-    results = {case: [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(world)] for case in cases}
+    results = run_cases(CASES, cases, out, world, mpi=mpi, timeout=240,
+                        extra_env={"DISTTUNE_TIMEOUT": "30", "DISTTUNE_TEST_STORE": str(store_dir), **env})
     for per_rank in results.values():
         for result in per_rank:
-            assert expect_errors or "traceback" not in result, result["traceback"]
+            assert expect_errors or result["ok"], failure(result)
     return results
 
 
 @pytest.mark.slow
 def test_second_process_hits_even_where_a_rank_lost_its_file(tmp_path):
     stores = tmp_path / "stores"
-    (first,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores).values()
+    (first,) = launch_cases(tmp_path, 2, ["store"], stores).values()
     assert [r["source"] for r in first] == ["tuned", "tuned"] and all(r["output_ok"] for r in first)
     assert store_files(stores / "rank0") and not (stores / "rank1").exists(), "rank 0 alone writes"
 
-    (second,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores).values()
+    (second,) = launch_cases(tmp_path, 2, ["store"], stores).values()
     for result in second:  # rank 1 has no file: rank 0's entry decides for both, same run count
         assert (result["source"], result["runs"], result["timed"], result["output_ok"]) == ("store", 2, 0, True)
 
     (path,) = store_files(stores / "rank0")
     good = path.read_text()
     path.write_text(good[:40])  # rank 0's file truncated: reported there, everyone re-tunes together
-    (third,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores).values()
+    (third,) = launch_cases(tmp_path, 2, ["store"], stores).values()
     assert [r["source"] for r in third] == ["tuned", "tuned"] and third[0]["runs"] == third[1]["runs"] == 11
     assert any("ignoring store file" in w for w in third[0]["warnings"])
 
     (stores / "rank1" / path.parent.name).mkdir(parents=True)
     (stores / "rank1" / path.parent.name / path.name).write_text("{corrupt")  # rank 1's copy corrupt, rank 0's good
-    (fourth,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores).values()
+    (fourth,) = launch_cases(tmp_path, 2, ["store"], stores).values()
     assert [r["source"] for r in fourth] == ["store", "store"]
 
 
 @pytest.mark.slow
 def test_world_size_change_invalidates_and_four_ranks_agree(tmp_path):
     stores = tmp_path / "stores"
-    launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
-    (four,) = launch_cases(tmp_path, ["--nproc_per_node=4"], ["store"], stores).values()
+    launch_cases(tmp_path, 2, ["store"], stores)
+    (four,) = launch_cases(tmp_path, 4, ["store"], stores).values()
     assert [r["source"] for r in four] == ["tuned"] * 4 and {r["runs"] for r in four} == {11}
-    (again,) = launch_cases(tmp_path, ["--nproc_per_node=4"], ["store"], stores).values()
+    (again,) = launch_cases(tmp_path, 4, ["store"], stores).values()
     assert [r["source"] for r in again] == ["store"] * 4
 
 
 @pytest.mark.slow
 def test_pinned_tables_must_match_on_every_rank(tmp_path):
     stores = tmp_path / "stores"
-    launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
+    launch_cases(tmp_path, 2, ["store"], stores)
     table = tmp_path / "winners.json"
     assert store.export_table(table, stores / "rank0") == 1
-    (pinned,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["pinned"], tmp_path / "none",
+    (pinned,) = launch_cases(tmp_path, 2, ["pinned"], tmp_path / "none",
                              DISTTUNE_PINNED=str(table)).values()
     assert [(r["source"], r["timed"], r["output_ok"]) for r in pinned] == [("pinned", 0, True)] * 2
 
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"schema": store.TABLE_SCHEMA, "entries": []}))
-    (missing,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["pinned"], tmp_path / "none", expect_errors=True,
+    (missing,) = launch_cases(tmp_path, 2, ["pinned"], tmp_path / "none", expect_errors=True,
                               DISTTUNE_PINNED=str(empty)).values()
     assert [r.get("error_type") for r in missing] == ["TuningError"] * 2
-    assert all("has no winner for" in r["error"] for r in missing)
+    assert all("has no winner for" in r["error_message"] for r in missing)
 
 
 @pytest.mark.slow
 def test_function_autotune_over_gloo_and_subgroups(tmp_path):
-    results = launch_cases(tmp_path, ["--nproc_per_node=4"], ["function", "function_subgroup"], tmp_path / "s")
+    results = launch_cases(tmp_path, 4, ["function", "function_subgroup"], tmp_path / "s")
     for result in results["function"]:
         # each rank alone prefers chunks=rank; the slowest-rank view prefers chunks=4 (3.0 ms)
         assert result["winner"] == 4 and result["agreed_ms"] == [5.0, 5.0, 5.0, 5.0, 3.0]
@@ -328,33 +323,33 @@ def test_function_autotune_over_gloo_and_subgroups(tmp_path):
 
 @mpi
 def test_function_autotune_over_mpi(tmp_path):
-    (per_rank,) = launch_cases(tmp_path, ["--mpi", "-n", "2"], ["function"], tmp_path / "s").values()
+    (per_rank,) = launch_cases(tmp_path, 2, ["function"], tmp_path / "s", mpi=True).values()
     assert [r["winner"] for r in per_rank] == [2, 2]
 
 
 @pytest.mark.slow
 def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
     stores = tmp_path / "stores"
-    launch_cases(tmp_path, ["--nproc_per_node=2"], ["store"], stores)
+    launch_cases(tmp_path, 2, ["store"], stores)
     tables = tmp_path / "tables"
     tables.mkdir()
     store.export_table(tables / "table0.json", stores / "rank0")
     other = json.loads((tables / "table0.json").read_text())
     other["entries"][0]["winner"] = 0  # same site, another winner
     (tables / "table1.json").write_text(json.dumps(other))
-    (per_rank,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["pinned_mismatch"], tmp_path / "none",
+    (per_rank,) = launch_cases(tmp_path, 2, ["pinned_mismatch"], tmp_path / "none",
                                expect_errors=True, DISTTUNE_TEST_TABLES=str(tables)).values()
     assert [r.get("error_type") for r in per_rank] == ["TuningError"] * 2
-    assert len({r["error"] for r in per_rank}) == 1 and "different pinned winner tables" in per_rank[0]["error"]
+    assert len({r["error_message"] for r in per_rank}) == 1 and "different pinned winner tables" in per_rank[0]["error_message"]
 
 
 def test_split_function_tuning_times_disjoint_shares(tmp_path):
-    (per_rank,) = launch_cases(tmp_path, ["--nproc_per_node=2"], ["function_split"], tmp_path / "s").values()
+    (per_rank,) = launch_cases(tmp_path, 2, ["function_split"], tmp_path / "s").values()
     table = per_rank[0]["table"]
     owners_time = [table[i] + 0.01 * (i % 2) for i in range(len(table))]
     expected = min(range(len(table)), key=lambda i: (owners_time[i], i))
     for rank, result in enumerate(per_rank):
-        assert "error" not in result, result.get("traceback")
+        assert result["ok"], failure(result)
         assert result["timed"] == list(range(rank, len(table), 2)), "each rank times only its own share"
         assert result["agreed_ms"] == pytest.approx(owners_time)
         assert result["winner"] == expected

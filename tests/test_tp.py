@@ -9,62 +9,39 @@ ragged shards, references from torch collectives).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import describe, run_launch, write_script
+from helpers import checks_per_rank, describe, failure, run_cases, run_launch
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def passed_ranks(output: str) -> dict[int, int]:
-    return {int(r): int(n) for r, n in re.findall(r"^rank (\d+): (\d+) checks passed$", output, flags=re.M)}
+CASES = Path(__file__).with_name("tp_cases.py")
 
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant; GPUs run test_tp_on_two_gpus")
 @pytest.mark.slow
-def test_two_ranks_both_dtypes_and_tuned_mlp_agree():
-    proc = run_launch(["--nproc_per_node=2", "tests/tp_cases.py", "--tune"], timeout=240)
-    assert proc.returncode == 0, describe(proc)
-    ranks = passed_ranks(proc.stdout)
-    assert sorted(ranks) == [0, 1] and min(ranks.values()) >= 30, describe(proc)
-    assert len(re.findall(r"^winner shard_ordered_gemm", proc.stdout, flags=re.M)) == 4, describe(proc)
+def test_two_ranks_both_dtypes_and_tuned_mlp_agree(tmp_path):
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_mlp"], tmp_path, 2, timeout=240)
+    assert min(checks_per_rank(records)) >= 30
+    winners = records["tuned_mlp"][0]["winners"]
+    assert len([w for w in winners if w[0].endswith(".shard_ordered_gemm")]) == 4, winners
 
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant")
 @pytest.mark.slow
-def test_four_ranks_ragged_shards():
-    proc = run_launch(["--nproc_per_node=4", "tests/tp_cases.py", "--dtypes", "float16"], timeout=300)
-    assert proc.returncode == 0, describe(proc)
-    assert sorted(passed_ranks(proc.stdout)) == [0, 1, 2, 3], describe(proc)
+def test_four_ranks_ragged_shards(tmp_path):
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs"], tmp_path, 4, args=["--dtypes", "float16"], timeout=300)
+    assert all(n > 0 for n in checks_per_rank(records))
 
 
 def test_inconsistent_inputs_give_the_same_error_on_every_rank(tmp_path):
-    script = write_script(tmp_path, """
-        import os, sys, torch
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        from disttune import dist as dt_dist
-        from disttune.kernels.ag_gemm import AllGatherGEMM
-        info = dt_dist.init()
-        K = 32 if info.rank == 0 else 48          # rank 1 has a different inner size
-        a = torch.randn(8, K, dtype=torch.float16, device=info.device)
-        b = torch.randn(K, 16, dtype=torch.float16, device=info.device)
-        try:
-            AllGatherGEMM()(a, b)
-        except ValueError as err:
-            sys.stdout.write(f"rank {info.rank} error: {str(err).splitlines()[0]}\\n")  # one write per line
-        else:
-            sys.stdout.write(f"rank {info.rank} no error\\n")
-        sys.stdout.flush()
-        dt_dist.destroy()
-    """)
-    proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
-    assert proc.returncode == 0, describe(proc)
-    errors = re.findall(r"^rank (\d) error: (.*)$", proc.stdout, flags=re.M)
-    assert sorted(r for r, _ in errors) == ["0", "1"], describe(proc)
-    assert all("inconsistent inputs (ranks [1] differ from rank 0)" in msg for _, msg in errors), describe(proc)
+    (per_rank,) = run_cases(CASES, ["inconsistent_inputs"], tmp_path, 2, timeout=120).values()
+    for record in per_rank:
+        assert record["error_type"] == "ValueError", failure(record)
+        first_line = record["error_message"].splitlines()[0]
+        assert "inconsistent inputs (ranks [1] differ from rank 0)" in first_line, failure(record)
 
 
 def test_local_input_errors_name_the_problem():
@@ -88,12 +65,12 @@ def test_local_input_errors_name_the_problem():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
-def test_tp_on_two_gpus():
-    proc = run_launch(["--nproc_per_node=2", "tests/tp_cases.py", "--size", "large", "--dtypes", "bfloat16,float16",
-                       "--tune"], timeout=540)
-    assert proc.returncode == 0, describe(proc)
-    assert sorted(passed_ranks(proc.stdout)) == [0, 1], describe(proc)
-    print(proc.stdout[-3000:])
+def test_tp_on_two_gpus(tmp_path):
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_mlp"], tmp_path, 2, timeout=540,
+                        args=["--size", "large", "--dtypes", "bfloat16,float16"])
+    assert all(n > 0 for n in checks_per_rank(records))
+    for kernel, key, occurrence, config in records["tuned_mlp"][0]["winners"]:
+        print(f"winner {kernel.rsplit('.', 1)[-1]} key={key} #{occurrence}: {config}")
 
 
 def test_tp_mlp_example_runs_and_checks_itself():
@@ -115,39 +92,11 @@ def test_chunks_of_pushed_shards_start_on_tile_boundaries():
 
 
 def test_one_ranks_bad_input_is_an_error_on_every_rank_and_a_rank_without_columns_still_gathers(tmp_path):
-    script = write_script(tmp_path, """
-        import os, sys, torch
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        from disttune import dist as dt_dist
-        from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference
-        from disttune.kernels.gemm_rs import GemmReduceScatter
-        info = dt_dist.init()
-        dev = info.device
-        # 1. rank 1's A has 12 fp16 columns (24-byte rows): a local error, raised on both ranks
-        K = 16 if info.rank == 0 else 12
-        try:
-            GemmReduceScatter()(torch.randn(8, K, dtype=torch.float16, device=dev),
-                                torch.randn(K, 16, dtype=torch.float16, device=dev))
-        except ValueError as err:
-            sys.stdout.write(f"rank {info.rank} error: {str(err).splitlines()[0]}\\n")
-        # 2. rank 1 owns no columns of B: it still serves its rows to rank 0
-        a = torch.randn(8, 16, dtype=torch.float16, device=dev)
-        b = torch.randn(16, 16 if info.rank == 0 else 0, dtype=torch.float16, device=dev)
-        out = AllGatherGEMM()(a, b)
-        want = ag_gemm_reference(a, b)
-        ok = tuple(out.shape) == tuple(want.shape) and (out.numel() == 0 or torch.allclose(out.float(), want.float(), atol=1e-2))
-        sys.stdout.write(f"rank {info.rank} gathered {tuple(out.shape)} ok={ok}\\n")
-        sys.stdout.flush()
-        dt_dist.destroy()
-    """)
-    proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
-    assert proc.returncode == 0, describe(proc)
-    errors = re.findall(r"^rank (\d) error: (.*)$", proc.stdout, flags=re.M)
-    assert sorted(r for r, _ in errors) == ["0", "1"], describe(proc)
-    assert all("invalid input on rank(s) [1]" in msg for _, msg in errors), describe(proc)
-    assert re.search(r"^rank 0 gathered \(16, 16\) ok=True$", proc.stdout, flags=re.M), describe(proc)
-    assert re.search(r"^rank 1 gathered \(16, 0\) ok=True$", proc.stdout, flags=re.M), describe(proc)
+    (per_rank,) = run_cases(CASES, ["bad_input_one_rank"], tmp_path, 2, timeout=120).values()
+    for record in per_rank:
+        assert record["ok"], failure(record)
+        assert record["raised"] is not None and "invalid input on rank(s) [1]" in record["raised"], record
+    assert [(r["gathered_shape"], r["gathered_ok"]) for r in per_rank] == [([16, 16], True), ([16, 0], True)]
 
 
 def test_configs_whose_tiles_could_span_two_pushed_chunks_are_pruned():
