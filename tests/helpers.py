@@ -1,6 +1,6 @@
 """Subprocess helpers for tests that launch real multi-process jobs.
 
-Every helper runs its command in a new session and, on timeout, kills the whole
+Every helper runs its command in a process group of its own (``setsid``) and, on timeout, kills the whole
 process group (launcher *and* its workers), then raises :class:`CommandTimeout`
 with the output so far, so a hung collective fails the test instead of the run.
 
@@ -172,7 +172,7 @@ def _kill_group(pgid: int, sig: signal.Signals) -> None:
 def _terminate_tree(proc: subprocess.Popen[str], grace_s: float = 5.0) -> None:
     """SIGTERM the command's group and every descendant, then SIGKILL what is left.
 
-    Descendants matter: torchrun starts each worker in a session of its own, so
+    Descendants matter: torchrun starts each worker in a process group of its own, so
     killing our process group alone would leave workers holding ports and pipes.
     """
     pids = _descendants(proc.pid)

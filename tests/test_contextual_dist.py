@@ -340,7 +340,7 @@ def test_split_log_marks_configs_a_rank_did_not_time(gloo2):
 
 @pytest.mark.slow
 def test_eight_ranks_tune_agree_split_and_store(tmp_path):
-    """Issue 9: the core multi-rank paths with 8 ranks on gloo, in one launch (8 processes importing torch)."""
+    """The core multi-rank paths with 8 ranks on gloo, in one launch (8 processes importing torch)."""
     results = _launch(tmp_path, 8, ["agree_max", *SPLIT_CASES])
     check_agreement(results["agree_max"], "max")
     check_all_split_cases(results)

@@ -1,6 +1,6 @@
 """Eight ranks on CPUs (gloo, ``TRITON_INTERPRET=1``): the code paths the 8-GPU benchmarks take.
 
-Issue 9's 8 x H200 runs are a measurement only if AG-GEMM, GEMM-RS and the MoE layer already
+A run on 8 GPUs measures something only if AG-GEMM, GEMM-RS and the MoE layer already
 work with 8 ranks: these launches check them (the contextual tuner's 8-rank scenarios are in
 ``test_contextual_dist.py``). Ragged shards and uneven tokens per rank, outputs poisoned.
 """

@@ -201,7 +201,7 @@ def test_fast_path_follows_calls_that_depart_from_the_learned_launch_order(tmp_p
 
 def test_single_config_kernels_keep_the_fast_path_on_its_learned_sequence(tmp_path, monkeypatch):
     """A kernel with one config is never a site (nothing to choose): after tuning its launches go to
-    Triton's own ``run`` between the planned ones, with no fallback session and without leaving the
+    Triton's own ``run`` between the planned ones, with no fallback handler and without leaving the
     learned sequence (before, each call built a fallback and cost more than stock Triton)."""
     tuned_recorder, single_recorder = RecordingKernel(), RecordingKernel(_other_recorded_body)
     tuned = triton.autotune([triton.Config({"BLOCK": b}) for b in (16, 32, 64)], key=["n"])(tuned_recorder)

@@ -4,7 +4,7 @@ Covers compile failures on one rank / all ranks / every config of one rank (a re
 ``tl.static_assert``), exceptions inside the function at the first run, mid-tuning and
 in the last config, a rank killed mid-tuning, per-rank keys and config lists, 8 ranks,
 a writer killed mid-write, and a 200-tuning soak with random timing noise over 4 ranks.
-Every launch is bounded in wall time. The session ends with one summary line:
+Every launch is bounded in wall time. The test run ends with one summary line:
 trials, faults injected, hangs, disagreements, torn files (see conftest.py).
 """
 
