@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
-from demo_common import agreed_ok, compare, log_dir, print_sites  # noqa: E402
+from demo_common import check_output, compare, finish  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
 
@@ -82,25 +82,13 @@ def main() -> int:
     out = ag_gemm_step()
     tuning_s = time.perf_counter() - started
 
-    reference = ag_gemm_reference(a_shard, b_local).float()
-    error = ((out.float() - reference).norm() / reference.norm()).item()
-    ok, worst = agreed_ok(bool(torch.isfinite(out).all()) and error < 1e-2, error)
+    ok, worst = check_output(out, ag_gemm_reference(a_shard, b_local), tolerance=1e-2)
     timing = compare(ag_gemm_step, sequential_step, "NCCL all-gather then cuBLAS" if gpu else "gloo then torch",
                      gpu, world, options.samples)
-
-    if rank == 0:
-        where = torch.cuda.get_device_name() if gpu else "CPU, Triton interpreter"
-        print(f"AllGather-GEMM M={options.M} K={options.K} N={options.N} {options.dtype} on {world} rank(s) "
-              f"({info.backend}, {where}), {ag_gemm.design_for(device)} design")
-        print_sites(ag_gemm_step.report)
-        print(f"tuning call: {tuning_s:.2f} s, {ag_gemm_step.report.function_runs} runs of the step")
-        print(timing["line"])
-        print(f"correct on every rank: {ok} (largest rel. error {worst:.2e})")
-        print(f"per-rank logs: {log_dir()}/rank-*.log")
-    dist.barrier()
-    dt_dist.destroy()
-    return 0 if ok else 1
-
+    where = torch.cuda.get_device_name() if gpu else "CPU, Triton interpreter"
+    title = (f"AllGather-GEMM M={options.M} K={options.K} N={options.N} {options.dtype} on {world} rank(s) "
+             f"({info.backend}, {where}), {ag_gemm.design_for(device)} design")
+    return finish(title, ag_gemm_step, tuning_s, timing, ok, worst)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,13 +5,14 @@ Shared by ``examples/ag_gemm.py`` and ``examples/moe_layer.py``; rank 0 prints, 
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch.distributed as dist
 
 import disttune
 from disttune import benchmark
+from disttune import dist as dt_dist
+from disttune.logs import resolve_log_dir
 
 
 def print_sites(report: disttune.TuningReport) -> None:
@@ -65,13 +66,26 @@ def compare(tuned: Callable[[], object], baseline: Callable[[], object], baselin
     return {"line": line, "ours_ms": ours, "baseline_ms": theirs}
 
 
-def agreed_ok(ok: bool, error: float) -> tuple[bool, float]:
-    """Every rank's verdict: (all correct, largest relative error)."""
-    world = dist.get_world_size()
-    verdicts: list = [None] * world
+def check_output(out, reference, tolerance: float) -> tuple[bool, float]:
+    """Every rank's verdict on its output: (all finite and within ``tolerance`` everywhere, largest rel. error)."""
+    reference = reference.float()
+    error = ((out.float() - reference).norm() / reference.norm()).item()
+    ok = bool(out.isfinite().all()) and error < tolerance
+    verdicts: list = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, (ok, error))
     return all(v[0] for v in verdicts), max(v[1] for v in verdicts)
 
 
-def log_dir() -> str:
-    return os.path.abspath(os.environ.get("DISTTUNE_LOG_DIR", "logs"))
+def finish(title: str, step: disttune.ContextualAutotuner, tuning_s: float, timing: dict, ok: bool,
+           worst: float) -> int:
+    """Rank 0 prints the run's summary; every rank leaves the process group. Returns the exit status."""
+    if dist.get_rank() == 0:
+        print(title)
+        print_sites(step.report)
+        print(f"tuning call: {tuning_s:.2f} s, {step.report.function_runs} runs of the step")
+        print(timing["line"])
+        print(f"correct on every rank: {ok} (largest rel. error {worst:.2e})")
+        print(f"per-rank logs: {resolve_log_dir(None).resolve()}/rank-*.log")
+    dist.barrier()
+    dt_dist.destroy()
+    return 0 if ok else 1
