@@ -11,10 +11,9 @@ import json
 import torch
 import triton
 
-import disttune
 from disttune import store
 from disttune.compat import config_text
-from tiny_kernels import TableTimer, device, launch_add, make_kernel
+from tiny_kernels import TableTimer, device, make_kernel, preferring, tuned_step
 
 # Triton 3.6's str() of tiny_kernels' configs: what a table exported there holds.
 TRITON_36_CONFIGS = [f"BLOCK: {b}, num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None" for b in (16, 32, 64)]
@@ -28,19 +27,9 @@ def test_config_text_is_one_form_and_names_ir_override_only_when_set():
                                   "ir_override: kernel.ttgir")
 
 
-def _step(kernel, timer, **options):
-    @disttune.contextual_autotune(timer=timer, n_warmup=1, n_repeat=1, verbose=False, **options)
-    def step(x):
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
-
-    return step
-
-
 def test_a_table_exported_in_the_triton_36_form_pins_under_this_triton(tmp_path):
     x = torch.randn(64, device=device())
-    _step(make_kernel(), TableTimer(lambda info: 1.0 if info.config_index == 2 else 2.0))(x)
+    tuned_step(make_kernel(), preferring(2))(x)
     table_path = tmp_path / "winners.json"
     assert store.export_table(table_path) == 1
     table = json.loads(table_path.read_text())
@@ -50,6 +39,6 @@ def test_a_table_exported_in_the_triton_36_form_pins_under_this_triton(tmp_path)
     assert [r["config"] for r in records if r["event"] == "config"] == TRITON_36_CONFIGS
 
     timer = TableTimer(lambda info: 1.0)
-    pinned = _step(make_kernel(), timer, pinned=table_path, cache_dir=tmp_path / "empty")
+    pinned = tuned_step(make_kernel(), timer, pinned=table_path, cache_dir=tmp_path / "empty")
     assert torch.equal(pinned(x), x + 64) and timer.seen == []
     assert pinned.report.results[0].source == "pinned"

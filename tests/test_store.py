@@ -22,27 +22,10 @@ import torch
 import disttune
 from disttune import store
 from helpers import failure, mpi, run_cases
-from tiny_kernels import TableTimer, device, launch_add, make_kernel
+from tiny_kernels import device, launch_add, make_kernel, preferring, tuned_step
 
 CASES = Path(__file__).with_name("dist_cases.py")
 DEV = device()
-
-
-def tuned_step(kernel, timer, **options):
-    options.setdefault("n_warmup", 1)
-    options.setdefault("n_repeat", 1)
-
-    @disttune.contextual_autotune(timer=timer, verbose=False, **options)
-    def step(x):
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
-
-    return step
-
-
-def preferring(index):
-    return TableTimer(lambda info: 1.0 if info.config_index == index else 2.0)
 
 
 def store_files(root: Path) -> list[Path]:

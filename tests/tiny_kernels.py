@@ -127,3 +127,22 @@ def assert_no_scope_left() -> None:
     """Every scope was closed: Triton's ``run`` can come back (the hook leaves lazily, see intercept's doc)."""
     assert intercept.restore_triton_run(), "a scope was left open"
     assert Autotuner.run is STOCK_RUN
+
+
+def tuned_step(kernel, timer, **options):
+    """A one-launch step wrapped in ``contextual_autotune`` (1 warm-up and 1 timed run per config by default)."""
+    options.setdefault("n_warmup", 1)
+    options.setdefault("n_repeat", 1)
+
+    @disttune.contextual_autotune(timer=timer, verbose=False, **options)
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    return step
+
+
+def preferring(index: int) -> TableTimer:
+    """A timer under which config ``index`` is the fastest (1 ms; every other config 2 ms)."""
+    return TableTimer(lambda info: 1.0 if info.config_index == index else 2.0)
