@@ -13,6 +13,7 @@ import disttune
 from disttune import benchmark
 from disttune import dist as dt_dist
 from disttune.logs import resolve_log_dir
+from disttune.sites import winner_index
 
 
 def print_sites(report: disttune.TuningReport) -> None:
@@ -39,8 +40,8 @@ def print_sites(report: disttune.TuningReport) -> None:
             mark = "  <- winner" if index == result.winner else ""
             print(f"{label:<{width}}{times}{result.agreed_ms[index]:10.4f}{mark}")
         for rank, row in enumerate(result.per_rank_ms):
-            alone = min(range(len(row)), key=lambda c: (row[c], c))
-            if alone != result.winner and row[alone] == row[alone]:  # nan rows (split sites) never decide
+            alone = winner_index(row)  # None where the rank timed nothing (split sites: nan)
+            if alone is not None and alone != result.winner:
                 print(f"  rank {rank} alone would have picked {labels[alone]}")
 
 
@@ -68,8 +69,7 @@ def compare(tuned: Callable[[], object], baseline: Callable[[], object], baselin
 
 def check_output(out, reference, tolerance: float) -> tuple[bool, float]:
     """Every rank's verdict on its output: (all finite and within ``tolerance`` everywhere, largest rel. error)."""
-    reference = reference.float()
-    error = ((out.float() - reference).norm() / reference.norm()).item()
+    error = benchmark.rel_error(out, reference)
     ok = bool(out.isfinite().all()) and error < tolerance
     verdicts: list = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, (ok, error))
