@@ -77,19 +77,20 @@ def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
         ms = benchmark.one_call_ms(lambda: None, samples=3, warmup=0)  # a barrier per sample
         written = benchmark.append_rows({str(tmp_path / "rows.jsonl")!r}, [{{"rank": r}}])
         env = benchmark.environment()
-        print("RESULT " + json.dumps(dict(rank=r, scalar=scalar, values=values, written=written is not None,
-                                          world=env["world"], ms=ms)), flush=True)
+        result = dict(rank=r, scalar=scalar, values=values, written=written is not None, world=env["world"], ms=ms)
+        with open({str(tmp_path)!r} + f"/result.rank{{r}}.json", "w") as out:
+            json.dump(result, out)
         dist.destroy()
     ''')
     started = time.monotonic()
     proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
     assert proc.returncode == 0, describe(proc)
     assert time.monotonic() - started < 120
+    # One file per rank: two ranks printing at once can share a line of the launcher's stdout.
     results = {}
-    for line in proc.stdout.splitlines():
-        if "RESULT " in line:
-            result = json.loads(line.split("RESULT ", 1)[1])
-            results[result["rank"]] = result
+    for path in tmp_path.glob("result.rank*.json"):
+        result = json.loads(path.read_text())
+        results[result["rank"]] = result
     assert sorted(results) == [0, 1], describe(proc)
     for r, result in results.items():
         assert result["scalar"] == 2.0
