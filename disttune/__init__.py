@@ -14,6 +14,7 @@ from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
 from .agreement import SiteResult, TuningError, TuningReport
 from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
+from .search import ModelSearch
 from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 
@@ -26,6 +27,7 @@ __all__ = [
     "HostTimer",
     "LaunchInfo",
     "LocalComm",
+    "ModelSearch",
     "MpiComm",
     "SiteId",
     "SiteResult",

@@ -38,6 +38,7 @@ from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .options import AGREED, check_common, check_count, describe_options
+from .search import ModelSearch, Search, SearchTrace, narrow, resolve_search
 from .sites import Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .timing import Timer, default_timer
 
@@ -70,6 +71,7 @@ class Options:
     verbose: bool = True
     always_tune: bool = False
     early_stop: bool = False
+    search: Optional[Search] = None
     cache_dir: Optional[Union[str, os.PathLike]] = None
     store: bool = True
     store_check: str = "strict"
@@ -91,7 +93,8 @@ class Options:
         if self.compile_threads is not None:
             check_count("compile_threads", self.compile_threads, minimum=0)
         object.__setattr__(self, "pinned", self.pinned or env.pinned_table())
-        object.__setattr__(self, "early_stop", bool(self.early_stop))
+        object.__setattr__(self, "search", resolve_search(self.search, bool(self.early_stop)))
+        object.__setattr__(self, "early_stop", self.search == "screen")
         object.__setattr__(self, "compile_split", bool(self.compile_split))
 
     def agreed(self) -> dict[str, str]:
@@ -113,6 +116,7 @@ class ContextualAutotuner:
         self._plan: Optional[FastPlan] = None
         self._tuned = False
         self._communicator: Optional[Communicator] = None
+        self.search_trace: Optional[SearchTrace] = None  # what the last model search proposed, per site
         # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
         # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
         self.__dict__ = dict(self.__dict__)
@@ -213,11 +217,13 @@ class ContextualAutotuner:
             if compiles is not None:  # every rank finished its share before the consensus: the peers' are cached
                 compiles.compile_rest(tuned)
             runs = engine.Runs(self.fn, args, kwargs, sites, agreement, o.timer or default_timer(), o.verbose)
-            function_runs = 1
-            if o.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
-                function_runs += runs.screen(tuned)
-            longest = max((s.slots() for s in tuned), default=0)
-            function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+            searched, self.search_trace, full_timing = narrow(
+                tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
+                comm.all_gather_objects)
+            function_runs = 1 + searched
+            if full_timing:
+                longest = max((s.slots() for s in tuned), default=0)
+                function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
             results = agreement.verdicts(tuned, log) + settled_results(found, log)
             winners = self._commit(sites, results)
             final_run = any(s.preset is None for s in found)
@@ -278,7 +284,9 @@ def contextual_autotune(
     configs ``i >= 1`` with ``(i - 1 + s) % n == r`` for the ``s``-th site; after the consensus, when every rank has finished
     its share, it loads the rest of the tuned sites' configs from Triton's cache, which the ranks of
     one node share unless ``TRITON_CACHE_DIR`` differs between them, or compiles them where it is not
-    shared), ``early_stop`` (screen every config with one
+    shared), ``search`` (``"exhaustive"``, the default; ``"screen"``; ``"model"`` or a
+    :class:`~disttune.search.ModelSearch`: batches proposed by a surrogate model over the agreed times,
+    stopped by a patience rule, see :mod:`disttune.search`), ``early_stop`` (``search="screen"``: screen every config with one
     warm-up and one timed run, agree, and give the full ``n_warmup + n_repeat`` runs
     only to the fastest quarter (at least two): ``2C + K(n_warmup+n_repeat)`` tuning
     runs instead of ``C(n_warmup+n_repeat)``). With a store or pinned hit the first call runs the

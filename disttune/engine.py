@@ -23,7 +23,7 @@ from .compat import config_text
 from .handlers import Final, SiteLaunches, Tune
 from .intercept import intercept
 from .logs import RankLog
-from .sites import Schedule, Site, SiteId, describe_config, screening_keep, survivors
+from .sites import Schedule, Site, SiteId, describe_config
 from .timing import Timer
 
 
@@ -72,14 +72,6 @@ class Runs:
         if bar is not None:
             bar.close()
         return schedule.runs
-
-    def screen(self, tuned: Sequence[Site]) -> int:
-        """Early stopping: one warm-up and one timed run per config, agreed; the fastest quarter goes on."""
-        screening = Schedule(max(s.slots() for s in tuned), 1, 1)
-        runs = self.stage(screening, "screening run")
-        for site, (per_rank, agreed) in zip(tuned, self.agreement.gather_agreed(tuned, "screening agreement")):
-            site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
-        return runs
 
     def final(self, winners: dict[SiteId, Any]) -> Any:
         """The run with the winners; its result (or its exception) is the caller's."""

@@ -42,6 +42,7 @@ from .agreement import Agreement
 from .comm import Communicator, is_comm, make_communicator
 from .options import check_common, describe_options
 from .env import timeout_s as resolve_timeout
+from .search import Search, SearchTrace, describe_search, narrow, resolve_search
 from .sites import Schedule, Site, SiteId, Statistic
 from .timing import LaunchInfo, Timer, default_timer
 
@@ -73,6 +74,7 @@ class FunctionAutotuner:
         cache_dir: Optional[str | os.PathLike] = None,
         store: bool = True,
         split: bool = False,
+        search: Optional[Search] = None,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
@@ -93,6 +95,8 @@ class FunctionAutotuner:
         self.timeout_s = resolve_timeout(timeout_s)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
+        self.search = resolve_search(search)
+        self.search_trace: Optional[SearchTrace] = None  # what the last model search proposed
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
         self.last_timings: Optional[dict] = None
 
@@ -146,12 +150,20 @@ class FunctionAutotuner:
         agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
         agreement.consensus([site], None, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
                                                            reduce=self.reduce, statistic=self.statistic,
-                                                           split=self.split), [self.split])
+                                                           split=self.split, search=describe_search(self.search)),
+                            [self.split])
         if site.decided is not None:
             return configs[site.decided]
         if self.split:
             site.share = (comm.rank, comm.world_size)
-        self._timed_calls(site, Schedule(site.slots(), self.n_warmup, self.n_repeat), key, args, kwargs, comm)
+        def stage(schedule: Schedule, label: str) -> int:
+            self._timed_calls(site, schedule, key, args, kwargs, comm)
+            return schedule.runs
+
+        _, self.search_trace, full_timing = narrow([site], self.search, self.n_warmup, self.n_repeat, stage,
+                                                   agreement.gather_agreed, comm.all_gather_objects)
+        if full_timing:
+            stage(Schedule(site.slots(), self.n_warmup, self.n_repeat), "tuning call")
         (result,) = agreement.verdicts([site])
         self.last_timings = {"configs": configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
                              "agreed_ms": list(result.agreed_ms), "winner": result.winner}
@@ -172,7 +184,8 @@ class FunctionAutotuner:
         for run in range(schedule.runs):
             slot, phase = divmod(run, per_config)
             comm.barrier(f"function autotune config slot {slot} run {phase}")
-            index, timed = schedule.slot(run, len(site.configs), site.share)
+            position, timed = schedule.slot(run, len(site.active), site.share)
+            index = None if position is None else site.active[position]
             if index is None or index in site.failures:
                 continue
             config = site.configs[index]
@@ -201,7 +214,8 @@ def autotune(
     ``n_warmup``, ``n_repeat``, ``timer``, ``reduce``, ``statistic``, ``group`` (a torch process
     group or an mpi4py communicator; ``comm`` is the older name for the latter),
     ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
-    space: only for functions with no collectives inside).
+    space: only for functions with no collectives inside), ``search`` (``"exhaustive"``, the default,
+    ``"screen"`` or ``"model"``/a :class:`~disttune.search.ModelSearch`: see :mod:`disttune.search`).
     """
 
     def decorate(fn: Callable[..., Any]) -> FunctionAutotuner:

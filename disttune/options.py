@@ -1,6 +1,6 @@
 """The options both tuners share, checked once when a tuner is built, and their text for the consensus.
 
-Options that change the schedule (``n_warmup``, ``n_repeat``, ``early_stop``, ``split``,
+Options that change the schedule (``n_warmup``, ``n_repeat``, ``search``, ``split``,
 ``compile_split``) or the verdict (``reduce``, ``statistic``) must be the same on every rank: the
 consensus (:meth:`disttune.agreement.Agreement.consensus`) compares :func:`describe_options` of
 each rank's and names the option and every rank's value where they differ.
@@ -8,13 +8,14 @@ each rank's and names the option and every rank's value where they differ.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from .sites import REDUCTIONS, Statistic, resolve_statistic
 from .timing import Timer
 
 #: The options that change the schedule or the verdict (compared across ranks by the consensus).
-AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "early_stop", "split", "compile_split")
+AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "search", "split", "compile_split")
 
 
 def check_count(name: str, value: Any, minimum: int) -> None:
@@ -37,6 +38,8 @@ def check_common(n_warmup: int, n_repeat: int, reduce: str, statistic: Statistic
 def describe_value(value: Any) -> str:
     """A text for an option's value that is the same on every rank for the same setting (no addresses)."""
     if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # settings such as ModelSearch
         return repr(value)
     base = getattr(value, "base_fn", None)  # a triton.autotune kernel: its function's name
     if base is not None:
