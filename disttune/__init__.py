@@ -5,6 +5,7 @@ The public entry points:
 * :func:`contextual_autotune` wraps a function and tunes every ``triton.autotune``
   kernel launched inside it, agreed across ranks;
 * :func:`autotune` tunes a function over keyword-argument configs, agreed across ranks;
+* :func:`space` generates a config space pruned by the device's budget and the problem's size;
 * :mod:`disttune.store` keeps winners on disk so the next process tunes nothing;
 * :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
 """
@@ -15,12 +16,14 @@ from .agreement import SiteResult, TuningError, TuningReport
 from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
 from .search import ModelSearch
+from .space import ConfigSpace, space
 from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 
 __all__ = [
     "dist",
     "AllConfigsFailed",
+    "ConfigSpace",
     "CollectiveTimeout",
     "ContextualAutotuner",
     "CudaEventTimer",
@@ -39,5 +42,6 @@ __all__ = [
     "autotune",
     "contextual_autotune",
     "describe_config",
+    "space",
 ]
 __version__ = "0.1.0"
