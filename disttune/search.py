@@ -45,9 +45,9 @@ class ModelSearch:
     """
 
     batch: int = 8
-    patience: int = 2
+    patience: int = 3
     margin: float = 0.01
-    budget: float = 0.25
+    budget: float = 0.2
     seed: int = 0
     initial: Optional[int] = None
 
