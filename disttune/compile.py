@@ -76,6 +76,7 @@ class CompilePool:
         self.share = share
         self.pending: dict[SiteId, tuple[Site, list]] = {}  # site -> (site, a future per config or None)
         self.later: dict[SiteId, tuple] = {}  # with a share: what compile_rest needs of each site
+        self.compiled: dict[tuple[SiteId, int], Any] = {}  # (site, config index) -> compiled kernel (diagnostics)
 
     def start(self, site: Site, args: tuple, kwargs: dict) -> list:
         """Start compiling ``site``'s candidates for this launch; returns a future per config (None: left
@@ -122,7 +123,7 @@ class CompilePool:
                 if future is None:
                     continue
                 try:
-                    future.result()
+                    self.compiled[(site.id, index)] = future.result()
                 except Exception as err:
                     site.record_failure(index, err)
         self.pending.clear()

@@ -28,7 +28,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from . import engine, env
+from . import diagnostics, engine, env
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
 from .comm import Communicator, is_comm, make_communicator
@@ -225,6 +225,7 @@ class ContextualAutotuner:
                 longest = max((s.slots() for s in tuned), default=0)
                 function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
             results = agreement.verdicts(tuned, log) + settled_results(found, log)
+            diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
             winners = self._commit(sites, results)
             final_run = any(s.preset is None for s in found)
             if any(s.split for s in tuned):

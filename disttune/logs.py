@@ -6,7 +6,7 @@ append at the end, keeping file I/O out of the timed runs; each record keeps the
 time of its own event (a ``measure`` record: when that sample was taken).
 
 JSON lines start with ``{`` and carry ``"event"`` (``measure``, ``config``,
-``winner``, ``tuning``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
+``winner``, ``tuning``, ``diagnostics``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
 ``function`` (the wrapped function's qualified name), so
 ``disttune report`` can read them back with ``json.loads`` line by line.
 Times in ms are numbers, or ``null`` where there is none: a config that failed
@@ -110,6 +110,13 @@ class RankLog:
             function=function, wall_s=wall_s, function_runs=function_runs, sites=sites,
             world_size=world_size, reduce=reduce, statistic=statistic,
         )
+
+    def diagnostics(self, site: str, key: tuple, occurrence: int, scope: str, **facts: Any) -> None:
+        """What explains a config's time (``scope="config"``) or a site's verdict (``"site"``); see
+        :mod:`disttune.diagnostics` for the fields."""
+        shown = " ".join(f"{name}={value}" for name, value in facts.items() if name != "config")
+        self._add("diagnostics", f"{site} key={key!r} occ={occurrence} {scope}: {shown}", kernel=site, key=repr(key),
+                  occurrence=occurrence, scope=scope, **facts)
 
     def flush(self) -> None:
         if not self._lines:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from .diagnostics import attach as attach_diagnostics
 from .logs import resolve_log_dir
 from .report_logs import find_rank_logs, load_rank_log
 from .report_markdown import format_markdown
@@ -96,6 +97,7 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
     problems += missing_rank_problems(found, world, log_dir)
     sites, site_found = collect_sites(logs, history)
     problems += site_found
+    attach_diagnostics(sites, logs)
     present = [d.rank for d in logs if d.records]
     plots: list[Path] = []
     for site in sites:

@@ -32,6 +32,7 @@ _REQUIRED = {
                "per_rank_ms": list},
     "winner": {"kernel": str, "key": str, "occurrence": int, "config_index": int, "config": str, "source": str},
     "tuning": {"function": str, "wall_s": (int, float), "function_runs": int, "world_size": int},
+    "diagnostics": {"kernel": str, "key": str, "occurrence": int, "scope": str},
 }
 
 

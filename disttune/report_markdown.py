@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .diagnostics import format_diagnostics
 from .report_logs import clip
 from .report_sites import ConfigRow, SiteSummary
 
@@ -127,6 +128,9 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
         return "\n".join(lines)
     lines += [format_site_table(site, present), "", "Disagreement (what each rank would have picked alone):", "",
               format_disagreement(site), ""]
+    diagnostics = format_diagnostics(site)
+    if diagnostics:
+        lines += [diagnostics, ""]
     for plot in site.plots:
         lines.append(f"![{plot.stem}]({os.path.relpath(plot, out_dir)})")
     return "\n".join(lines)

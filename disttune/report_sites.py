@@ -86,6 +86,7 @@ class SiteSummary:
     tuning_number: int = 1  # which tuning of the site this is, oldest first
     tunings: int = 1  # how many tunings of the site the logs hold
     in_history: bool = False  # one of several tunings shown (``history=True``): named with its number
+    diagnostics: Any = None  # disttune.diagnostics.SiteDiagnostics, set by diagnostics.attach
 
     @property
     def title(self) -> str:
@@ -253,7 +254,10 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
             sources = ([own.configs[index]] if own and index in own.configs else []) + [rec for _, rec in holders]
             holder = next((rec for rec in sources if len(rec["per_rank_ms"]) > rank), None)
             times.append(_rank_ms(holder, rank) if holder is not None else math.nan)
-        agreed = _ms(holders[0][1]["agreed_ms"]) if "agreed_ms" in holders[0][1] else math.nan
+        first = holders[0][1]
+        # null without a failed rank: no rank timed it (a config the model search did not propose)
+        not_timed = isinstance(first.get("failed_ranks"), list) and not first["failed_ranks"]
+        agreed = _ms(first["agreed_ms"], failed=not not_timed) if "agreed_ms" in first else math.nan
         failures = {r: str(rec["failure"]) for r, rec in holders if rec.get("failure")}
         rows.append(ConfigRow(index, holders[0][1]["config"], times, agreed, failures))
     with_winner = [(r, s) for r, s in sorted(per_rank.items()) if s.winner is not None]

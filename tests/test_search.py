@@ -14,7 +14,8 @@ import torch
 import triton
 
 import disttune
-from disttune.search import (ModelSearch, config_features, propose, resolve_search)
+from disttune.report import build_report
+from disttune.search import ModelSearch, config_features, propose, resolve_search
 from tiny_kernels import DEV, TableTimer, add_block, grid, tuner
 
 BLOCKS, WARPS, STAGES = (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3)
@@ -92,6 +93,11 @@ def test_model_search_reaches_the_best_config_in_a_quarter_of_the_runs(tmp_path)
     # untimed configs read "not timed" (nan), timed ones keep their agreed time
     assert all(math.isnan(result.agreed_ms[i]) for i in range(len(CONFIGS)) if i not in timed)
     assert all(result.agreed_ms[i] == TIMES[i] for i in timed)
+    report = build_report(tmp_path / "logs")
+    assert not report.problems, report.problems
+    rows = {row.index: row for row in report.sites[0].configs}
+    assert all(math.isnan(rows[i].agreed_ms) and not rows[i].failed for i in rows if i not in timed)
+    assert "not timed (the search did not propose it)" in report.markdown_path.read_text()
 
 
 def test_model_search_stops_on_patience(tmp_path):
