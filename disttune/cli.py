@@ -1,4 +1,4 @@
-"""The ``disttune`` command: demo, report, and winner-store management (show, export, import, clear).
+"""The ``disttune`` command: demo, report, verify, and winner-store management (show, export, import, clear).
 
 Holds no tuning logic: each subcommand calls the library (``store``, ``report``) or
 launches the example through ``scripts/launch.sh``. An error is one line on stderr,
@@ -88,6 +88,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from . import verify
+
+    if args.script is None and args.logs is None:
+        args.parser.error("give a SCRIPT to run with its stored or pinned winners, or --logs DIR of an earlier run")
+    log_dir = Path(args.logs) if args.script is None else resolve_log_dir(args.log_dir).resolve()
+    return verify.run_command(args.script, args.script_args, args.threshold, args.nproc, log_dir, args.pinned,
+                              args.cache_dir, REPO_ROOT)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     rows = list(store.iter_records(args.cache_dir))
     root = store.resolve_cache_dir(args.cache_dir)
@@ -165,6 +175,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every tuning call of each site, oldest first (default: the last of each)")
     report.set_defaults(run=cmd_report, parser=report)
 
+    check = sub.add_parser(
+        "verify", help="rerun a step with its stored or pinned winners; fail when one got slower", allow_abbrev=False,
+        usage="disttune verify [-h] [--threshold T] [--nproc N] [--pinned FILE] [--cache-dir DIR] [--log-dir DIR] "
+              "SCRIPT [ARGS ...] | --logs DIR",
+        description="Launch SCRIPT through scripts/launch.sh with DISTTUNE_VERIFY set: each tuner times its stored "
+                    "or pinned winners in place and logs them beside the times recorded when they were chosen. "
+                    "Exits 1 naming each site, config and both times where a winner is slower than recorded by "
+                    "more than the threshold (or when nothing was verified). Arguments after SCRIPT go to it.")
+    check.add_argument("script", nargs="?", default=None, metavar="SCRIPT", help="the step's script")
+    check.add_argument("--threshold", type=float, default=0.1, metavar="T",
+                       help="allowed slowdown, relative (default 0.1: 10%%)")
+    check.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks (default: GPUs present, else 2)")
+    check.add_argument("--pinned", default=None, metavar="FILE", help="a winners table to verify instead of the store")
+    check.add_argument("--cache-dir", default=None, metavar="DIR", help="the winner store (default: the usual one)")
+    check.add_argument("--log-dir", default=None, metavar="DIR",
+                       help="where the rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
+    check.add_argument("--logs", default=None, metavar="DIR",
+                       help="no SCRIPT: judge the verify records of an earlier run in DIR")
+    check.set_defaults(run=cmd_verify, parser=check, script_args=[])
+
     for name, handler, text in (("show", cmd_show, "list stored winners with fingerprint and age"),
                                 ("export", cmd_export, "write every stored winner into one JSON table"),
                                 ("import", cmd_import, "copy a JSON winners table into the store"),
@@ -195,6 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if "--" in unknown:  # everything after it belongs to the example, even names the demo also has
             unknown.remove("--")
         args.example_args = unknown
+    elif args.run is cmd_verify and args.script is not None:
+        args.script_args = [arg for arg in unknown if arg != "--"]
     elif unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

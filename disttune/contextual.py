@@ -28,7 +28,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from . import diagnostics, engine, env
+from . import diagnostics, engine, env, verify
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
 from .comm import Communicator, is_comm, make_communicator
@@ -192,6 +192,7 @@ class ContextualAutotuner:
         """Discover, agree on the sites, tune, agree on the winners, commit and store, run with the winners."""
         o, name = self.options, self.__qualname__
         engine.refuse_graph_capture(name)
+        verify_threshold = verify.requested()
         comm = self._get_communicator()
         started = time.perf_counter()
         agreement = Agreement(comm, name, o.reduce, o.statistic)
@@ -217,10 +218,12 @@ class ContextualAutotuner:
             if compiles is not None:  # every rank finished its share before the consensus: the peers' are cached
                 compiles.compile_rest(tuned)
             runs = engine.Runs(self.fn, args, kwargs, sites, agreement, o.timer or default_timer(), o.verbose)
+            verified = 0 if verify_threshold is None else verify.verify_decided(
+                found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold, o.verbose)
             searched, self.search_trace, full_timing = narrow(
                 tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
                 comm.all_gather_objects)
-            function_runs = 1 + searched
+            function_runs = 1 + verified + searched
             if full_timing:
                 longest = max((s.slots() for s in tuned), default=0)
                 function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")

@@ -6,7 +6,7 @@ append at the end, keeping file I/O out of the timed runs; each record keeps the
 time of its own event (a ``measure`` record: when that sample was taken).
 
 JSON lines start with ``{`` and carry ``"event"`` (``measure``, ``config``,
-``winner``, ``tuning``, ``diagnostics``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
+``winner``, ``tuning``, ``diagnostics``, ``verify``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
 ``function`` (the wrapped function's qualified name), so
 ``disttune report`` can read them back with ``json.loads`` line by line.
 Times in ms are numbers, or ``null`` where there is none: a config that failed
@@ -117,6 +117,19 @@ class RankLog:
         shown = " ".join(f"{name}={value}" for name, value in facts.items() if name != "config")
         self._add("diagnostics", f"{site} key={key!r} occ={occurrence} {scope}: {shown}", kernel=site, key=repr(key),
                   occurrence=occurrence, scope=scope, **facts)
+
+    def verify(self, site: str, key: tuple, occurrence: int, config_index: int, config: str,
+               recorded_ms: Optional[float], fresh_ms: float, threshold: float, regressed: bool, source: str) -> None:
+        """A stored or pinned winner timed again (``disttune verify``): both agreed times and the verdict."""
+        recorded = "none" if recorded_ms is None else f"{recorded_ms:.4f}"
+        self._add(
+            "verify",
+            f"{site} key={key!r} occ={occurrence} config[{config_index}]={{{config}}} recorded={recorded} ms "
+            f"fresh={fresh_ms:.4f} ms threshold={threshold} ({source})" + (" REGRESSED" if regressed else ""),
+            kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
+            recorded_ms=recorded_ms, fresh_ms=_json_ms(fresh_ms), threshold=threshold, regressed=regressed,
+            source=source,
+        )
 
     def flush(self) -> None:
         if not self._lines:

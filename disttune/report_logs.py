@@ -33,6 +33,7 @@ _REQUIRED = {
     "winner": {"kernel": str, "key": str, "occurrence": int, "config_index": int, "config": str, "source": str},
     "tuning": {"function": str, "wall_s": (int, float), "function_runs": int, "world_size": int},
     "diagnostics": {"kernel": str, "key": str, "occurrence": int, "scope": str},
+    "verify": {"kernel": str, "key": str, "occurrence": int, "config": str, "regressed": bool},
 }
 
 
