@@ -38,7 +38,7 @@ from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .options import AGREED, check_common, check_count, describe_options
-from .search import ModelSearch, Search, SearchTrace, narrow, resolve_search
+from .search import Search, SearchTrace, narrow, resolve_search
 from .sites import Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .timing import Timer, default_timer
 

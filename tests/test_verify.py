@@ -17,6 +17,7 @@ STEP = Path(__file__).with_name("verify_step.py")
 KERNEL = "tiny_kernels.add_block"
 
 
+@pytest.mark.slow
 def test_two_ranks_pass_then_a_slower_winner_fails_naming_site_config_and_times(tmp_path):
     paths = {"DISTTUNE_CACHE_DIR": str(tmp_path / "store"), "DISTTUNE_LOG_DIR": str(tmp_path / "logs")}
     tuned = run_launch(["--nproc_per_node=2", str(STEP)], timeout=180, extra_env=paths)
