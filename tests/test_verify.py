@@ -10,6 +10,7 @@ import torch
 
 from disttune import store, verify
 from disttune.cli import main
+from disttune.report import build_report
 from helpers import describe, run_command, run_launch
 from tiny_kernels import DEV, TableTimer, make_kernel, tuned_step
 
@@ -22,6 +23,10 @@ def test_two_ranks_pass_then_a_slower_winner_fails_naming_site_config_and_times(
     paths = {"DISTTUNE_CACHE_DIR": str(tmp_path / "store"), "DISTTUNE_LOG_DIR": str(tmp_path / "logs")}
     tuned = run_launch(["--nproc_per_node=2", str(STEP)], timeout=180, extra_env=paths)
     assert tuned.returncode == 0, describe(tuned)
+    # the tuning's diagnostics, merged over both ranks: rank 1 is 10 % slower, its samples are steady
+    report = build_report(tmp_path / "logs").markdown_path.read_text()
+    assert "spread across ranks 10.0 %; across samples 0.0 %" in report
+    assert "the winner is ahead of the runner-up config 0" in report
 
     def verify_run(slowdown: str):
         return run_command([sys.executable, "-m", "disttune", "verify", "--nproc", "2", "--threshold", "0.2",
