@@ -319,7 +319,8 @@ def model_search(sites: Sequence[Site], plan: ModelSearch, n_warmup: int, n_repe
         trace.mismatches += any(other != everyone[0] for other in everyone)
         batches = everyone[0]
         for search, local, batch in zip(searches, mine, batches):
-            trace.batches[search.site.id].append(local)
+            if local or batch:  # a site that stopped proposes nothing while the others go on
+                trace.batches[search.site.id].append(local)
             search.site.active = list(batch)
             if not batch:
                 search.done = True

@@ -157,3 +157,27 @@ def test_function_tuner_screen(tmp_path):
 
     assert f() == 6
     assert len(calls) == 8 * 2 + 2 * 3 + 1
+
+
+def test_model_search_over_two_sites_of_different_sizes(tmp_path):
+    big = triton.autotune(CONFIGS, key=["n"])(add_block)
+    small = triton.autotune([triton.Config({"BLOCK": b}, num_warps=1) for b in (16, 32, 64)], key=["n"])(add_block)
+    small_times = {0: 3.0, 1: 1.0, 2: 2.0}
+
+    # one kernel body, one key: the small kernel's launch is occurrence 0, the big one's occurrence 1
+    timer = TableTimer(lambda info: small_times[info.config_index] if info.occurrence == 0 else TIMES[info.config_index])
+
+    @tuner(tmp_path, timer=timer, n_warmup=0, n_repeat=1, store=False, search=ModelSearch(batch=4, seed=1))
+    def step(x):
+        y, z = torch.empty_like(x), torch.empty_like(x)
+        small[grid(x.numel())](x, y, x.numel())
+        big[grid(x.numel())](x, z, x.numel())
+        return y, z
+
+    x = torch.randn(64, device=DEV)
+    y, z = step(x)
+    by_kernel = {len(r.configs): r for r in step.report.results}
+    assert by_kernel[3].winner == 1 and torch.equal(y, x + 32)
+    assert TIMES[by_kernel[len(CONFIGS)].winner] <= 1.02 * min(TIMES)
+    assert step.search_trace.batches[by_kernel[3].site] == [[0, 1, 2]], "the small site is done after one batch"
+    assert len(step.search_trace.batches[by_kernel[len(CONFIGS)].site]) > 1
