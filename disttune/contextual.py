@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 from . import engine, env
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
+from .compat import config_text
 from .comm import Communicator, is_comm, make_communicator
 from .compile import CompilePool, compile_share, default_compile_threads
 from .fast_path import FastPlan
@@ -38,8 +39,9 @@ from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .options import AGREED, check_common, check_count, describe_options
-from .sites import Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
+from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .timing import Timer, default_timer
+from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, check_on_new_key, pinned_or_nearest
 
 __all__ = ["ContextualAutotuner", "Options", "SiteResult", "TuningError", "TuningReport", "contextual_autotune"]
 
@@ -78,9 +80,12 @@ class Options:
     compile_threads: Optional[int] = None
     compile_split: bool = True
     split: SplitSpec = False
+    on_new_key: str = "tune"
+    agree_every: int = DEFAULT_AGREE_EVERY
 
     def __post_init__(self) -> None:
         check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
+        check_on_new_key(self.on_new_key, self.agree_every)
         object.__setattr__(self, "timeout_s", env.timeout_s(self.timeout_s))
         if not self.is_dist and self.group is not None and not is_comm(self.group):
             raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
@@ -113,6 +118,10 @@ class ContextualAutotuner:
         self._plan: Optional[FastPlan] = None
         self._tuned = False
         self._communicator: Optional[Communicator] = None
+        self._known_sites: dict[SiteId, Site] = {}  # every tuning call's sites and winners: what the plan serves
+        self._known_winners: dict[SiteId, Any] = {}
+        self._new_keys: Optional[NewKeys] = None  # keys met after tuning (see disttune.unseen)
+        self._saved_call: Optional[tuple[int, tuple, dict]] = None  # (position, args, kwargs) of a call that met one
         # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
         # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
         self.__dict__ = dict(self.__dict__)
@@ -129,6 +138,12 @@ class ContextualAutotuner:
         self._tuned = False
         self._winners = {}
         self._plan = None
+        self._known_sites, self._known_winners, self._new_keys, self._saved_call = {}, {}, None, None
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Sites served by a fallback since tuning (``on_new_key``): ``{site: "config <- nearest tuned key ..."}``."""
+        return {} if self._new_keys is None else self._new_keys.fallbacks()
 
     def expected_runs(self, longest_config_list: int) -> int:
         """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``.
@@ -162,8 +177,37 @@ class ContextualAutotuner:
                 stale = plan.finish(handler)  # type: ignore[union-attr]
                 if stale:
                     self._went_stale(stale)
+                elif plan.unseen is not None and plan.unseen.met_in_call:  # type: ignore[union-attr]
+                    self._met_new_key(plan, args, kwargs)
+            plan.countdown -= 1  # type: ignore[union-attr]
+            if not plan.countdown:  # type: ignore[union-attr]
+                self._agree_on_new_keys()
             return result
         return self._tuning_call(args, kwargs)
+
+    def _met_new_key(self, plan: FastPlan, args: tuple, kwargs: dict) -> None:
+        """A call served a pending key on its fallback: keep its arguments for a tuning at the agreement point."""
+        plan.unseen.met_in_call = False  # type: ignore[union-attr]
+        if self._saved_call is None:
+            self._saved_call = (self.options.agree_every - plan.countdown, args, kwargs)
+
+    def _agree_on_new_keys(self) -> None:
+        """Every ``agree_every`` calls, on every rank: one all-gather of the position of each rank's first call
+        that met a pending key; the same position everywhere tunes that call's keys (see :mod:`disttune.unseen`)."""
+        plan, saved = self._plan, self._saved_call
+        plan.countdown = self.options.agree_every  # type: ignore[union-attr]
+        self._saved_call = None
+        comm = self._get_communicator()
+        position = -1.0 if saved is None else float(saved[0])
+        positions = comm.all_gather_floats([position], "agreement on new keys")
+        if saved is None or not (positions == position).all():
+            return  # some rank met none, or met them in another call: they stay on their fallback
+        try:
+            self._tuning_call(saved[1], saved[2])
+        except (TuningError, AllConfigsFailed) as err:  # agreed on every rank: the keys keep their fallback
+            log = RankLog(self.options.log_dir, engine.global_rank(comm), self.__qualname__)
+            log.note("new keys", f"tuning the new keys failed, they stay on their fallback: {err}")
+            log.flush()
 
     def _went_stale(self, stale: list[str]) -> None:
         self._tuned = False
@@ -181,8 +225,30 @@ class ContextualAutotuner:
 
     def _commit(self, sites: dict[SiteId, Site], results: list[SiteResult]) -> dict[SiteId, Any]:
         self._winners = engine.commit(sites, results)
-        self._plan = FastPlan(sites, self._winners)
+        self._known_sites.update(sites)
+        self._known_winners.update(self._winners)
+        self._plan = FastPlan(self._known_sites, self._known_winners, *self._unseen_policy())
         return self._winners
+
+    def _unseen_policy(self) -> tuple[Optional[NewKeys], int]:
+        """The plan's fallback for keys it was not tuned for, and its countdown to the next agreement.
+
+        A world of one with ``on_new_key="tune"`` keeps the simplest rule: the launch runs its first config
+        and the next call tunes (no peer can be left waiting).
+        """
+        o, comm = self.options, self._get_communicator()
+        if o.on_new_key == "tune" and comm.world_size == 1:
+            return None, NEVER
+        if self._new_keys is None:
+            table = stores.load_table(o.pinned) if o.pinned else None
+            self._new_keys = NewKeys(self.__qualname__, o.on_new_key, table, self._log_fallback)
+        self._new_keys.remember(self._winners)
+        return self._new_keys, o.agree_every if o.on_new_key == "tune" else NEVER
+
+    def _log_fallback(self, ident: SiteId, config: Any, source: str) -> None:
+        log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
+        log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
+        log.flush()
 
     def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
         """Discover, agree on the sites, tune, agree on the winners, commit and store, run with the winners."""
@@ -199,7 +265,10 @@ class ContextualAutotuner:
         sites: dict[SiteId, Site] = {}
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
         try:
-            discover = Discover(sites, o.always_tune, engine.lookup(winners_store, table, o.always_tune), compiles)
+            lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune), {}
+            if table is not None and o.on_new_key == "nearest":
+                lookup = pinned_or_nearest(lookup, table, from_nearest)
+            discover = Discover(sites, o.always_tune, lookup, compiles)
             result, error = engine.run_once(self.fn, discover, args, kwargs)
             if compiles is not None:
                 compiles.finish()
@@ -220,6 +289,9 @@ class ContextualAutotuner:
             function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
             results = agreement.verdicts(tuned, log) + settled_results(found, log)
             winners = self._commit(sites, results)
+            for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
+                self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
+                log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
             final_run = any(s.preset is None for s in found)
             if any(s.split for s in tuned):
                 result, results, final_runs = runs.checked_final(results, winners, log,
@@ -292,6 +364,17 @@ def contextual_autotune(
     on what the other ranks launch at the same moment (no communication inside or beside them).
     The final run then checks that each split winner also runs on the ranks that did not time it
     (a winner that fails there is dropped for the next best, on every rank, and the run repeated).
+
+    ``on_new_key`` (``"tune"``, ``"nearest"`` or ``"error"``) and ``agree_every`` (default 128) say what a
+    call after tuning does with a key it was not tuned for (:mod:`disttune.unseen`): it never enters a
+    collective, so a size that only some ranks meet never stalls them. It runs at once on the winner of
+    the nearest tuned key (:mod:`disttune.nearest`; the first config when none is a candidate), the same
+    on every rank; ``"tune"`` then tunes keys that every rank met in the same call at the next agreement
+    point (one one-float all-gather every ``agree_every`` calls), up to ``agree_every`` calls later and
+    not in the call that met them; ``"nearest"`` never tunes in traffic (with ``pinned=``, sites the
+    table lacks take its nearest entry); ``"error"`` raises :class:`~disttune.unseen.UnseenKeyError`.
+    A world of one with ``"tune"`` runs the first config and tunes on the next call. ``fallbacks``
+    and the rank log name each key served by a fallback and which one.
     """
 
     def decorate(fn: F) -> F:

@@ -14,7 +14,8 @@ from .sites import REDUCTIONS, Statistic, resolve_statistic
 from .timing import Timer
 
 #: The options that change the schedule or the verdict (compared across ranks by the consensus).
-AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "early_stop", "split", "compile_split")
+AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "early_stop", "split", "compile_split", "on_new_key",
+          "agree_every")
 
 
 def check_count(name: str, value: Any, minimum: int) -> None:

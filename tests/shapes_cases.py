@@ -1,0 +1,78 @@
+"""Multi-rank cases for shapes met after tuning (``on_new_key``), run under torchrun or mpiexec (``--mpi``).
+
+    python tests/shapes_cases.py CASE [CASE ...] [--out DIR] [--mpi]
+
+``test_shapes_dist.py`` launches this file and asserts on the records (see ``rank_cases``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rank_cases import Cases, Ranks
+
+import torch  # noqa: E402
+
+import disttune  # noqa: E402
+from dist_cases import sum_across_ranks, tuner_options  # noqa: E402
+from tiny_kernels import TableTimer, launch_add, make_kernel  # noqa: E402
+
+cases = Cases(__doc__)
+
+TIMES = {0: 3.0, 1: 1.0, 2: 2.0}  # config 1 (BLOCK=32) wins every tuning
+
+
+def _serving(ctx: Ranks, case: str, sizes_of_call, calls: int, **options) -> dict:
+    """Tune on size 64, then serve ``calls`` calls whose size ``sizes_of_call(call, rank)`` gives; every call
+    also runs the user's own all-reduce. Returns what each call took and whether it was right."""
+    kernel = make_kernel()
+    timer = TableTimer(lambda info: TIMES[info.config_index])
+
+    @disttune.contextual_autotune(**tuner_options(ctx, case, timer=timer, **options))
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y, sum_across_ranks(ctx, float(x.numel()))
+
+    step(torch.randn(64, device=ctx.device))
+    timed_after_first_tuning = len(timer.seen)
+    slowest, wrong, totals_ok = 0.0, [], True
+    for call in range(calls):
+        sizes = [sizes_of_call(call, r) for r in range(ctx.world)]
+        x = torch.randn(sizes[ctx.rank], device=ctx.device)
+        started = time.monotonic()
+        y, total = step(x)
+        slowest = max(slowest, time.monotonic() - started)
+        if not torch.equal(y, x + 32):
+            wrong.append(call)
+        totals_ok = totals_ok and total == float(sum(sizes))
+    return {"slowest_call_s": slowest, "wrong_calls": wrong, "own_all_reduce_ok": totals_ok,
+            "tuned": step.tuned, "fallbacks": step.fallbacks,
+            "tuned_keys": sorted(repr(k) for k in kernel.cache), "timed_in_traffic": len(timer.seen) - timed_after_first_tuning}
+
+
+@cases.case
+def one_rank_meets_a_new_size(ctx: Ranks) -> dict:
+    """After tuning, rank 1 alone gets size 100 in three calls: it runs on the fallback, nobody stalls."""
+    return _serving(ctx, "one_rank_meets_a_new_size",
+                    lambda call, rank: 100 if rank == 1 and call in (2, 3, 7) else 64, calls=12, agree_every=4)
+
+
+@cases.case
+def every_rank_meets_a_new_size(ctx: Ranks) -> dict:
+    """Every rank gets size 100 in call 5: served on the fallback, then tuned at the agreement after call 8."""
+    return _serving(ctx, "every_rank_meets_a_new_size",
+                    lambda call, rank: 100 if call in (5, 10) else 64, calls=12, agree_every=4)
+
+
+@cases.case
+def nearest_never_tunes_in_traffic(ctx: Ranks) -> dict:
+    """``on_new_key="nearest"``: sizes every rank or one rank meets are served, and never tuned."""
+    return _serving(ctx, "nearest_never_tunes_in_traffic",
+                    lambda call, rank: {3: 100, 5: 48}.get(call, 64) if rank == 0 or call == 3 else 64, calls=8,
+                    on_new_key="nearest")
+
+
+if __name__ == "__main__":
+    sys.exit(cases.main())

@@ -1,0 +1,55 @@
+"""Two ranks serving sizes after tuning: a size one rank alone meets never stalls either rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import failure, run_cases
+
+CASES = Path(__file__).with_name("shapes_cases.py")
+NAMES = ["one_rank_meets_a_new_size", "every_rank_meets_a_new_size", "nearest_never_tunes_in_traffic"]
+NEW = repr((100, "torch.float32", "torch.float32"))
+TUNED = repr((64, "torch.float32", "torch.float32"))
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shapes")
+    found = run_cases(CASES, NAMES, out, 2, timeout=240, extra_env={"DISTTUNE_TIMEOUT": "30"})
+    for per_rank in found.values():
+        for record in per_rank:
+            assert record["ok"], failure(record)
+    return found
+
+
+def _served(record):
+    assert record["wrong_calls"] == [] and record["own_all_reduce_ok"] and record["tuned"], record
+    assert record["slowest_call_s"] < 10, record  # a stall waits for the 30 s collective timeout
+
+
+def test_a_size_one_rank_meets_runs_on_the_fallback_and_both_ranks_keep_going(records):
+    rank0, rank1 = records["one_rank_meets_a_new_size"]
+    for record in (rank0, rank1):
+        _served(record)
+        assert record["tuned_keys"] == [TUNED] and record["timed_in_traffic"] == 0
+    assert rank0["fallbacks"] == {}
+    (served,) = rank1["fallbacks"].values()
+    assert "BLOCK=32" in served and "nearest tuned key (64," in served
+
+
+def test_a_size_every_rank_meets_in_one_call_is_tuned_at_the_next_agreement(records):
+    for record in records["every_rank_meets_a_new_size"]:
+        _served(record)
+        assert record["tuned_keys"] == sorted([TUNED, NEW])
+        assert record["timed_in_traffic"] == 3 * 2  # 3 configs, n_repeat=2 timed runs each
+        assert record["fallbacks"] == {}  # tuned now: no longer on a fallback
+
+
+def test_nearest_serves_without_tuning_on_every_rank(records):
+    rank0, rank1 = records["nearest_never_tunes_in_traffic"]
+    for record in (rank0, rank1):
+        _served(record)
+        assert record["tuned_keys"] == [TUNED] and record["timed_in_traffic"] == 0
+    assert len(rank0["fallbacks"]) == 2 and len(rank1["fallbacks"]) == 1
