@@ -31,6 +31,7 @@ the winner (``bench/fast_path.py`` measures it).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import time
@@ -38,11 +39,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import engine
 from . import store as stores
-from .agreement import Agreement
+from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
 from .options import check_common, describe_options
 from .env import timeout_s as resolve_timeout
-from .sites import Schedule, Site, SiteId, Statistic
+from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
+from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose
 from .timing import LaunchInfo, Timer, default_timer
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
@@ -73,12 +75,15 @@ class FunctionAutotuner:
         cache_dir: Optional[str | os.PathLike] = None,
         store: bool = True,
         split: bool = False,
+        on_new_key: str = "tune",
+        agree_every: int = DEFAULT_AGREE_EVERY,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
         if not callable(key_fn):
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
         check_common(n_warmup, n_repeat, reduce, statistic, timer)
+        check_on_new_key(on_new_key, agree_every)
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")
@@ -94,6 +99,10 @@ class FunctionAutotuner:
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
+        self.on_new_key, self.agree_every = on_new_key, agree_every
+        self.fallbacks: dict[Any, tuple[dict, str]] = {}  # key -> (config, source): keys served without tuning
+        self._countdown = NEVER  # calls to the next agreement on new keys (multi-rank "tune" only)
+        self._saved_call: Optional[tuple[int, Any, tuple, dict]] = None  # (position, key, args, kwargs)
         self.last_timings: Optional[dict] = None
 
     def __call__(self, *args: Any, autotune: bool = True, autotune_verbose: bool = False, autotune_pg: Any = None,
@@ -103,6 +112,9 @@ class FunctionAutotuner:
             raise TypeError(f"disttune.autotune: {self.__qualname__} got {clash} as keyword argument(s), "
                             "but the autotuner sets them from config_space; drop them from the call")
         if autotune:
+            self._countdown -= 1
+            if not self._countdown:
+                self._agree_on_new_keys(autotune_pg, autotune_verbose)
             winner = self.cache.get(self.key_fn(*args, **kwargs))
             if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
                 return self.fn(*args, **kwargs, **winner)
@@ -110,8 +122,47 @@ class FunctionAutotuner:
         if not autotune:
             return self.fn(*args, **kwargs, **configs[0])
         key = self.key_fn(*args, **kwargs)
-        self.cache[key] = self._tune(key, configs, args, kwargs, self._communicator(autotune_pg), autotune_verbose)
-        return self.fn(*args, **kwargs, **self.cache[key])
+        served = self.fallbacks.get(key)
+        if served is None:
+            comm = self._communicator(autotune_pg)
+            if not self.cache or (self.on_new_key == "tune" and comm.world_size == 1):
+                self.cache[key] = self._tune(key, configs, args, kwargs, comm, autotune_verbose)
+                if self.on_new_key == "tune" and comm.world_size > 1 and self._countdown > self.agree_every:
+                    self._countdown = self.agree_every  # the first key is tuned: later new keys wait for agreements
+                return self.fn(*args, **kwargs, **self.cache[key])
+            served = self._fallback(key, configs)
+        if self.on_new_key == "tune" and self._saved_call is None:
+            self._saved_call = (self.agree_every - self._countdown, key, args, kwargs)
+        return self.fn(*args, **kwargs, **served[0])
+
+    def _fallback(self, key: Any, configs: list[dict]) -> tuple[dict, str]:
+        """A key met after tuning: its fallback (nearest tuned key's winner, else the first config), no collective."""
+        if self.on_new_key == "error":
+            raise UnseenKeyError(f"disttune.autotune: {self.__qualname__} was called with key {key!r}, which it was "
+                                 "not tuned for (on_new_key='error'); tune it first (sweep)")
+        served = self.fallbacks[key] = choose(key, configs, self.cache, _describe)
+        logging.getLogger("disttune").info("disttune.autotune %s: key %r served by the %s: %s", self.__qualname__,
+                                           key, served[1], _describe(served[0]))
+        return served
+
+    def _agree_on_new_keys(self, group: Any, verbose: bool) -> None:
+        """Every ``agree_every`` calls: the ranks' first calls with a new key; the same call on every rank is
+        tuned with its arguments (see :mod:`disttune.unseen`). One one-float all-gather."""
+        self._countdown = self.agree_every
+        saved, self._saved_call = self._saved_call, None
+        comm = self._communicator(group)
+        position = -1.0 if saved is None else float(saved[0])
+        positions = comm.all_gather_floats([position], "agreement on new keys")
+        if saved is None or not (positions == position).all():
+            return
+        _, key, args, kwargs = saved
+        try:
+            self.cache[key] = self._tune(key, self._pruned(args, kwargs), args, kwargs, comm, verbose)
+        except (TuningError, AllConfigsFailed) as err:  # the same on every rank: the key keeps its fallback
+            logging.getLogger("disttune").warning("disttune.autotune %s: tuning key %r failed, it keeps its "
+                                                  "fallback: %s", self.__qualname__, key, err)
+            return
+        self.fallbacks.pop(key, None)
 
     def _pruned(self, args: tuple, kwargs: dict) -> list[dict]:
         configs = [c for c in self.config_space if self.prune_fn is None or self.prune_fn(c, *args, **kwargs)]
@@ -201,7 +252,17 @@ def autotune(
     ``n_warmup``, ``n_repeat``, ``timer``, ``reduce``, ``statistic``, ``group`` (a torch process
     group or an mpi4py communicator; ``comm`` is the older name for the latter),
     ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
-    space: only for functions with no collectives inside).
+    space: only for functions with no collectives inside), ``on_new_key`` and ``agree_every``.
+
+    The first call tunes its key on every rank. After that a key the wrapper has no winner for never
+    starts a collective (only some ranks may meet it): it runs on the winner of the nearest tuned key
+    (:mod:`disttune.nearest`; the first config when none is a candidate), the same on every rank, and
+    ``fallbacks`` names it. With ``on_new_key="tune"`` (the default) every ``agree_every`` calls the
+    ranks all-gather one float, and a key every rank met in the same call is then tuned with that
+    call's arguments; ``"nearest"`` never tunes it; ``"error"`` raises
+    :class:`~disttune.unseen.UnseenKeyError`. In a world of one, ``"tune"`` tunes every new key at
+    once. Per call this adds one counter; the agreement assumes every rank calls the wrapper (with
+    ``autotune=True``) as often, and uses the group of the call that reaches it.
     """
 
     def decorate(fn: Callable[..., Any]) -> FunctionAutotuner:

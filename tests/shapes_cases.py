@@ -74,5 +74,29 @@ def nearest_never_tunes_in_traffic(ctx: Ranks) -> dict:
                     on_new_key="nearest")
 
 
+@cases.case
+def function_tuner_new_sizes(ctx: Ranks) -> dict:
+    """``disttune.autotune`` after its first key: rank 1 alone meets size 100 (fallback, no stall), then every
+    rank meets size 200 in the same call (tuned at the next agreement)."""
+    table = {1: 3.0, 2: 1.0, 4: 2.0}
+    timer = TableTimer(lambda info: table[info.config["chunks"]])
+
+    @disttune.autotune([{"chunks": c} for c in (1, 2, 4)], key_fn=lambda x: (x.numel(),), n_warmup=0, n_repeat=1,
+                       timer=timer, agree_every=3, comm=ctx.mpi if ctx.use_mpi else None, store=False)
+    def scaled(x, *, chunks):
+        return x * chunks + sum_across_ranks(ctx, 1.0)
+
+    scaled(torch.ones(64))
+    timed = len(timer.seen)
+    outputs, slowest = [], 0.0
+    for call in range(9):
+        n = 100 if (call == 1 and ctx.rank == 1) else 200 if call == 4 else 64
+        started = time.monotonic()
+        outputs.append(float(scaled(torch.ones(n))[0]))
+        slowest = max(slowest, time.monotonic() - started)
+    return {"outputs": outputs, "slowest_call_s": slowest, "timed_in_traffic": len(timer.seen) - timed,
+            "keys": sorted(scaled.cache), "fallbacks": {repr(k): v[1] for k, v in scaled.fallbacks.items()}}
+
+
 if __name__ == "__main__":
     sys.exit(cases.main())

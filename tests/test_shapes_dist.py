@@ -9,7 +9,8 @@ import pytest
 from helpers import failure, run_cases
 
 CASES = Path(__file__).with_name("shapes_cases.py")
-NAMES = ["one_rank_meets_a_new_size", "every_rank_meets_a_new_size", "nearest_never_tunes_in_traffic"]
+NAMES = ["one_rank_meets_a_new_size", "every_rank_meets_a_new_size", "nearest_never_tunes_in_traffic",
+         "function_tuner_new_sizes"]
 NEW = repr((100, "torch.float32", "torch.float32"))
 TUNED = repr((64, "torch.float32", "torch.float32"))
 
@@ -53,3 +54,15 @@ def test_nearest_serves_without_tuning_on_every_rank(records):
         _served(record)
         assert record["tuned_keys"] == [TUNED] and record["timed_in_traffic"] == 0
     assert len(rank0["fallbacks"]) == 2 and len(rank1["fallbacks"]) == 1
+
+
+def test_function_tuner_serves_new_keys_without_a_collective_and_tunes_shared_ones(records):
+    rank0, rank1 = records["function_tuner_new_sizes"]
+    for record in (rank0, rank1):
+        assert record["slowest_call_s"] < 10, record
+        assert record["keys"] == [[64], [200]], record  # 200 was tuned at the agreement after call 6
+        assert record["timed_in_traffic"] == 3
+        # chunks=2 won for 64; 200 ran on it (nearest) until tuned; every call's own all-reduce summed 2
+        assert record["outputs"] == [4.0] * 9, record
+    assert rank0["fallbacks"] == {} and list(rank1["fallbacks"]) == ["(100,)"]
+    assert "nearest tuned key (64,)" in rank1["fallbacks"]["(100,)"]
