@@ -41,6 +41,7 @@ from .logs import RankLog
 from .options import AGREED, check_common, check_count, describe_options
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .timing import Timer, default_timer
+from .sweep import SweepRow, sweep_contextual
 from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, check_on_new_key, pinned_or_nearest
 
 __all__ = ["ContextualAutotuner", "Options", "SiteResult", "TuningError", "TuningReport", "contextual_autotune"]
@@ -144,6 +145,12 @@ class ContextualAutotuner:
     def fallbacks(self) -> dict[str, str]:
         """Sites served by a fallback since tuning (``on_new_key``): ``{site: "config <- nearest tuned key ..."}``."""
         return {} if self._new_keys is None else self._new_keys.fallbacks()
+
+    def sweep(self, cases: Iterable[tuple[tuple, dict]], table: Optional[Union[str, os.PathLike]] = None,
+              verbose: bool = True) -> list[SweepRow]:
+        """Tune every new key of ``cases`` (``(args, kwargs)`` pairs, the same order on every rank), print the
+        table on rank 0, write a pinned table to ``table``; one tuning call per case (:mod:`disttune.sweep`)."""
+        return sweep_contextual(self, cases, table, verbose)
 
     def expected_runs(self, longest_config_list: int) -> int:
         """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``.

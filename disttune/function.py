@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import engine
 from . import store as stores
@@ -44,6 +44,7 @@ from .comm import Communicator, is_comm, make_communicator
 from .options import check_common, describe_options
 from .env import timeout_s as resolve_timeout
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
+from .sweep import SweepRow, sweep_function
 from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose
 from .timing import LaunchInfo, Timer, default_timer
 
@@ -134,6 +135,12 @@ class FunctionAutotuner:
         if self.on_new_key == "tune" and self._saved_call is None:
             self._saved_call = (self.agree_every - self._countdown, key, args, kwargs)
         return self.fn(*args, **kwargs, **served[0])
+
+    def sweep(self, cases: Iterable[tuple[tuple, dict]], table: Optional[str | os.PathLike] = None,
+              verbose: bool = True, group: Any = None) -> list[SweepRow]:
+        """Tune every new key of ``cases`` (``(args, kwargs)`` pairs, the same order on every rank) over ``group``
+        (default ``group=``), print the table on rank 0, write a pinned table to ``table`` (:mod:`disttune.sweep`)."""
+        return sweep_function(self, cases, table, verbose, group)
 
     def _fallback(self, key: Any, configs: list[dict]) -> tuple[dict, str]:
         """A key met after tuning: its fallback (nearest tuned key's winner, else the first config), no collective."""

@@ -92,6 +92,7 @@ class NewKeys:
         self.name, self.mode, self.table, self.log = name, mode, table, log
         self.known: dict[SiteId, Any] = {}
         self.served: dict[SiteId, tuple[Any, str]] = {}
+        self.pinned: dict[SiteId, Any] = {}  # sites the pinned table has a winner for: served as tuned
         self.pending: set[SiteId] = set()
         self.met_in_call = False  # set by a launch on a fallback, read and cleared by the wrapper
 
@@ -109,14 +110,22 @@ class NewKeys:
 
     def launch(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
         """Launch ``ident`` on its fallback (chosen on first sight); no collective."""
+        config = self.pinned.get(ident)
+        if config is not None:
+            return triton.launch_winner(autotuner, args, kwargs, config)
         served = self.served.get(ident)
         if served is None:
+            configs = triton.candidate_configs(autotuner, args, kwargs)
+            exact = self._pinned_winner(ident, key, configs)
+            if exact is not None:
+                self.pinned[ident] = exact
+                return triton.launch_winner(autotuner, args, kwargs, exact)
             if self.mode == "error":
                 raise UnseenKeyError(
                     f"disttune: {self.name} launched {ident.describe()}, which no tuning call and no pinned "
                     "table covers (on_new_key='error'); tune it (step.sweep) and deploy the table, or pass "
                     "on_new_key='nearest'")
-            served = self.served[ident] = self._choose(ident, autotuner, key, args, kwargs)
+            served = self.served[ident] = self._choose(ident, key, configs)
             if self.log is not None:
                 self.log(ident, served[0], served[1])
         if self.mode == "tune":
@@ -124,12 +133,24 @@ class NewKeys:
             self.met_in_call = True
         return triton.launch_winner(autotuner, args, kwargs, served[0])
 
-    def _choose(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> tuple[Any, str]:
+    def _pinned_winner(self, ident: SiteId, key: tuple, configs: list) -> Optional[Any]:
+        """The pinned table's winner for exactly this site (same key and candidate list), if it has one."""
+        if self.table is None:
+            return None
+        texts = [config_text(c) for c in configs]
+        for record in self.table["entries"]:
+            if (record["name"], int(record.get("occurrence", 0)), record["configs"]) == (ident.kernel, ident.occurrence,
+                                                                                         texts) \
+                    and parse_key(record["key"]) == key:
+                return configs[int(record["winner"])]
+        return None
+
+    def _choose(self, ident: SiteId, key: tuple, configs: list) -> tuple[Any, str]:
         candidates = {known.key: config for known, config in self.known.items()
                       if known.kernel == ident.kernel and known.occurrence == ident.occurrence}
         for tuned, text in table_candidates(self.table, ident.kernel, ident.occurrence).items():
             candidates.setdefault(tuned, text)
-        return choose(key, triton.candidate_configs(autotuner, args, kwargs), candidates)
+        return choose(key, configs, candidates)
 
 
 def pinned_or_nearest(lookup: Callable[[Any], Optional[int]], table: dict,
