@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -70,17 +71,28 @@ def _bar(total: Optional[int], wanted: bool, description: str) -> Any:
     return tqdm(total=total, desc=description, unit="case", file=sys.stderr, leave=False)
 
 
+def _stored_times(winners_store: stores.WinnerStore, site: Any) -> tuple:
+    record = winners_store.load(engine.kernel_entry(site))
+    times = record.get("agreed_ms") if record is not None else None
+    if not isinstance(times, list) or len(times) != len(site.configs):
+        return ()
+    return tuple(float("inf") if t is None else float(t) for t in times)
+
+
 def _timed(agreed: tuple, index: int) -> Optional[float]:
     return float(agreed[index]) if agreed and 0 <= index < len(agreed) else None
 
 
+_DTYPES = re.compile(r", '(?:torch\.)?[a-z]+[0-9]*'(?=[,)])")  # the dtype texts Triton appends to a key
+
+
 def format_table(rows: list[SweepRow]) -> str:
-    """The sweep's table as text: one row per site and case."""
+    """The sweep's table as text: one row per site and case (keys without the dtype texts Triton appends)."""
     def ms(value: Optional[float]) -> str:
         return "-" if value is None else "inf" if math.isinf(value) else f"{value:.4f}"
 
     header = ("case", "site", "key", "winner", "agreed ms", "first config ms", "ratio", "source")
-    body = [(str(r.case), r.site, r.key, r.winner, ms(r.agreed_ms), ms(r.first_ms),
+    body = [(str(r.case), r.site, _DTYPES.sub("", r.key), r.winner, ms(r.agreed_ms), ms(r.first_ms),
              "-" if r.speedup is None else f"{r.speedup:.2f}x", r.source) for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
@@ -112,6 +124,7 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
     rows: list[SweepRow] = []
     records: dict[str, dict] = {}
     fingerprint = stores.environment_fingerprint(comm.world_size, env.local_world_size())
+    winners_store = engine.open_store(options.store, options.cache_dir, comm, options.store_check)
     try:
         for number, (args, kwargs) in enumerate(_pairs(cases)):
             tuner._tuning_call(args, kwargs)
@@ -119,6 +132,8 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
                 site = tuner._known_sites[result.site]
                 index = result.winner  # -1: a kernel's cached winner outside its candidate list
                 config = site.preset if result.source == "cached" else result.config
+                if result.source == "store" and winners_store is not None:  # the times it was stored with
+                    result = dataclasses.replace(result, agreed_ms=_stored_times(winners_store, site))
                 rows.append(SweepRow(number, result.site.kernel.rsplit(".", 1)[-1]
                                      + (f" #{result.site.occurrence}" if result.site.occurrence else ""),
                                      repr(result.site.key), describe_config(config),

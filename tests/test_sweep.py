@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -73,3 +74,18 @@ def test_function_sweep_tunes_each_key_once_and_pins(tmp_path, capsys):
     assert len(timer.seen) == 6 and "{chunks=2}" in capsys.readouterr().out
     entries = json.loads(table.read_text())["entries"]
     assert [e["key"] for e in entries] == ["(8,)", "(16,)"] and {e["winner"] for e in entries} == {1}
+
+
+def test_disttune_sweep_runs_the_moe_example_on_two_ranks_and_serves_from_its_table(tmp_path):
+    from helpers import REPO_ROOT, describe, run_command
+
+    table = tmp_path / "moe.json"
+    proc = run_command([sys.executable, "-m", "disttune", "sweep", "--nproc", "2", "--table", str(table),
+                        str(REPO_ROOT / "examples" / "sweep_moe.py"), "--small", "--sizes", "1,16", "--serve", "4,16",
+                        "--n-warmup", "0", "--n-repeat", "1"], timeout=400, extra_env={"DISTTUNE_PROGRESS": "0"})
+    assert proc.returncode == 0, describe(proc)
+    out = proc.stdout
+    assert "first config ms" in out and out.count("_moe_gemm_body") >= 2, describe(proc)
+    assert "rows bucket 8 (never tuned)" in out and "the winner of rows bucket 2" in out, describe(proc)
+    assert "correct on every rank: True" in out and "pinned table: " in out
+    assert len(json.loads(table.read_text())["entries"]) == 2
