@@ -38,9 +38,11 @@ from .fast_path import FastPlan
 from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
-from .options import AGREED, check_common, check_count, describe_options
+from .options import AGREED, check_common, check_count, check_objective, describe_options
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
-from .timing import Timer, default_timer
+from .checks import CheckSpec, check_spec, make_check
+from .objective import step_stages
+from .timing import Timer, default_timer, flushing
 from .sweep import SweepRow, sweep_contextual
 from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, check_on_new_key, pinned_or_nearest
 
@@ -83,10 +85,19 @@ class Options:
     split: SplitSpec = False
     on_new_key: str = "tune"
     agree_every: int = DEFAULT_AGREE_EVERY
+    objective: str = "launch"
+    flush_l2: bool = False
+    check: CheckSpec = None
 
     def __post_init__(self) -> None:
         check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
         check_on_new_key(self.on_new_key, self.agree_every)
+        check_objective(self.objective)
+        check_spec(self.check)
+        if self.objective == "step" and (self.early_stop or self.split):
+            raise ValueError("disttune: objective='step' times whole runs; early_stop and split are for "
+                             "objective='launch'")
+        object.__setattr__(self, "flush_l2", bool(self.flush_l2))
         object.__setattr__(self, "timeout_s", env.timeout_s(self.timeout_s))
         if not self.is_dist and self.group is not None and not is_comm(self.group):
             raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
@@ -224,6 +235,12 @@ class ContextualAutotuner:
             RuntimeWarning, stacklevel=3,
         )
 
+    def _entry(self, site: Site) -> stores.EntryId:
+        """A site's identity in the winner store: winners of the step objective or of a checked tuning are their own."""
+        o = self.options
+        kind = "kernel" + (f" objective={o.objective}" if o.objective != "launch" else "") + (" checked" if o.check else "")
+        return engine.kernel_entry(site, kind)
+
     def _get_communicator(self) -> Communicator:
         if self._communicator is None:
             o = self.options
@@ -272,7 +289,7 @@ class ContextualAutotuner:
         sites: dict[SiteId, Site] = {}
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
         try:
-            lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune), {}
+            lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune, self._entry), {}
             if table is not None and o.on_new_key == "nearest":
                 lookup = pinned_or_nearest(lookup, table, from_nearest)
             discover = Discover(sites, o.always_tune, lookup, compiles)
@@ -288,12 +305,18 @@ class ContextualAutotuner:
                     site.share = (comm.rank, comm.world_size)
             if compiles is not None:  # every rank finished its share before the consensus: the peers' are cached
                 compiles.compile_rest(tuned)
-            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, o.timer or default_timer(), o.verbose)
+            timer = o.timer or default_timer()
+            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
+                               o.verbose)
+            runs.check = make_check(o.check, result)  # the discovery run's result is the reference
             function_runs = 1
-            if o.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
-                function_runs += runs.screen(tuned)
-            longest = max((s.slots() for s in tuned), default=0)
-            function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+            if o.objective == "step":
+                function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
+            else:
+                if o.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
+                    function_runs += runs.screen(tuned)
+                longest = max((s.slots() for s in tuned), default=0)
+                function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
             results = agreement.verdicts(tuned, log) + settled_results(found, log)
             winners = self._commit(sites, results)
             for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
@@ -305,7 +328,7 @@ class ContextualAutotuner:
                                                                  lambda r: self._commit(sites, r))
                 function_runs += final_runs
             if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
-                engine.save_winners(winners_store, [(engine.kernel_entry(sites[r.site]), r) for r in results], name)
+                engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
             if final_run and not any(s.split for s in tuned):
                 result = runs.final(self._winners)
                 function_runs += 1
@@ -382,6 +405,16 @@ def contextual_autotune(
     table lacks take its nearest entry); ``"error"`` raises :class:`~disttune.unseen.UnseenKeyError`.
     A world of one with ``"tune"`` runs the first config and tunes on the next call. ``fallbacks``
     and the rank log name each key served by a fallback and which one.
+
+    ``objective`` (:mod:`disttune.objective`): ``"launch"`` (default) times each launch; ``"step"`` times
+    each whole run of the function with the configs in place, tuning sites that share one config list
+    jointly (``2 + C * (n_warmup + n_repeat)`` runs) and other sites one at a time, each beside the
+    winners agreed before it (``2 + sum(C_s) * (n_warmup + n_repeat)`` runs). ``flush_l2`` (default
+    False; the L2 policy is in :mod:`disttune.timing`) evicts the GPU's L2 before each timed launch or
+    run. ``check`` (``True`` or ``(reference, output) -> bool``, :mod:`disttune.checks`) compares each
+    tuning run's result with the discovery run's (each site's first working config): a config whose
+    result differs on any rank scores ``inf`` on every rank, named in the log and the report. Winners
+    tuned with ``objective="step"`` or ``check`` are stored apart from plain launch-level ones.
     """
 
     def decorate(fn: F) -> F:

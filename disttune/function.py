@@ -41,12 +41,13 @@ from . import engine
 from . import store as stores
 from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
-from .options import check_common, describe_options
+from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
+from .options import check_common, check_objective, describe_options
 from .env import timeout_s as resolve_timeout
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
 from .sweep import SweepRow, sweep_function
 from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose
-from .timing import LaunchInfo, Timer, default_timer
+from .timing import LaunchInfo, Timer, default_timer, flushing
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
 
@@ -78,6 +79,9 @@ class FunctionAutotuner:
         split: bool = False,
         on_new_key: str = "tune",
         agree_every: int = DEFAULT_AGREE_EVERY,
+        objective: str = "launch",
+        flush_l2: bool = False,
+        check: CheckSpec = None,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
@@ -85,6 +89,9 @@ class FunctionAutotuner:
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
         check_common(n_warmup, n_repeat, reduce, statistic, timer)
         check_on_new_key(on_new_key, agree_every)
+        check_objective(objective)
+        check_spec(check)
+        self.objective, self.flush_l2, self.check = objective, bool(flush_l2), check
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")
@@ -195,7 +202,7 @@ class FunctionAutotuner:
               verbose: bool) -> dict:
         """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk."""
         name = f"{self.fn.__module__}.{self.__qualname__}"
-        entry = stores.EntryId("function", name, stores.function_source_key(self.fn), repr(key), 0,
+        entry = stores.EntryId("function checked" if self.check else "function", name, stores.function_source_key(self.fn), repr(key), 0,
                                tuple(_describe(c) for c in configs))
         site = Site(SiteId(name, (repr(key),), 0), None, configs)
         winners_store = engine.open_store(self.use_store, self.cache_dir, comm)
@@ -204,7 +211,8 @@ class FunctionAutotuner:
         agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
         agreement.consensus([site], None, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
                                                            reduce=self.reduce, statistic=self.statistic,
-                                                           split=self.split), [self.split])
+                                                           split=self.split, check=self.check, flush_l2=self.flush_l2),
+                            [self.split])
         if site.decided is not None:
             return configs[site.decided]
         if self.split:
@@ -226,6 +234,9 @@ class FunctionAutotuner:
                      comm: Communicator) -> None:
         """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``."""
         timer = self.timer or default_timer()
+        if self.flush_l2:
+            timer = flushing(timer)
+        check: Optional[OutputCheck] = None
         per_config = self.n_warmup + self.n_repeat
         for run in range(schedule.runs):
             slot, phase = divmod(run, per_config)
@@ -234,14 +245,22 @@ class FunctionAutotuner:
             if index is None or index in site.failures:
                 continue
             config = site.configs[index]
+            outcome: dict = {}
             try:
                 if not timed:
-                    self.fn(*args, **kwargs, **config)
+                    outcome["result"] = self.fn(*args, **kwargs, **config)
                 else:
                     info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
-                    site.add_sample(index, timer.time(lambda: self.fn(*args, **kwargs, **config), info)(), time.time())
+                    read = timer.time(lambda: outcome.__setitem__("result", self.fn(*args, **kwargs, **config)), info)
+                    site.add_sample(index, read(), time.time())
             except Exception as err:  # scored inf on every rank through the agreement
                 site.record_failure(index, err)
+                continue
+            if self.check:  # the first successful call's result is the reference
+                if check is None:
+                    check = make_check(self.check, outcome["result"])
+                elif not check.matches(outcome["result"]):
+                    blame({site.id: site}, {site.id: index})
 
 
 def autotune(
@@ -259,7 +278,11 @@ def autotune(
     ``n_warmup``, ``n_repeat``, ``timer``, ``reduce``, ``statistic``, ``group`` (a torch process
     group or an mpi4py communicator; ``comm`` is the older name for the latter),
     ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
-    space: only for functions with no collectives inside), ``on_new_key`` and ``agree_every``.
+    space: only for functions with no collectives inside), ``on_new_key`` and ``agree_every``,
+    ``objective`` (``"launch"`` or ``"step"``: the same here, each config is timed over whole calls),
+    ``flush_l2`` (evict the GPU's L2 before each timed call; see :mod:`disttune.timing`) and ``check``
+    (``True`` or ``(reference, output) -> bool``: a config whose result differs from the first
+    successful config's scores ``inf`` on every rank; see :mod:`disttune.checks`).
 
     The first call tunes its key on every rank. After that a key the wrapper has no winner for never
     starts a collective (only some ranks may meet it): it runs on the winner of the nearest tuned key

@@ -15,7 +15,16 @@ from .timing import Timer
 
 #: The options that change the schedule or the verdict (compared across ranks by the consensus).
 AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "early_stop", "split", "compile_split", "on_new_key",
-          "agree_every")
+          "agree_every", "objective", "flush_l2", "check")
+
+#: What a tuning may minimise (see :mod:`disttune.objective`).
+OBJECTIVES = ("launch", "step")
+
+
+def check_objective(objective: Any) -> None:
+    """``objective=`` of either tuner: one of :data:`OBJECTIVES`; a ValueError naming them otherwise."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"disttune: objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
 def check_count(name: str, value: Any, minimum: int) -> None:

@@ -71,10 +71,10 @@ def _bar(total: Optional[int], wanted: bool, description: str) -> Any:
     return tqdm(total=total, desc=description, unit="case", file=sys.stderr, leave=False)
 
 
-def _stored_times(winners_store: stores.WinnerStore, site: Any) -> tuple:
-    record = winners_store.load(engine.kernel_entry(site))
+def _stored_times(winners_store: stores.WinnerStore, entry: stores.EntryId) -> tuple:
+    record = winners_store.load(entry)
     times = record.get("agreed_ms") if record is not None else None
-    if not isinstance(times, list) or len(times) != len(site.configs):
+    if not isinstance(times, list) or len(times) != len(entry.configs):
         return ()
     return tuple(float("inf") if t is None else float(t) for t in times)
 
@@ -133,14 +133,14 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
                 index = result.winner  # -1: a kernel's cached winner outside its candidate list
                 config = site.preset if result.source == "cached" else result.config
                 if result.source == "store" and winners_store is not None:  # the times it was stored with
-                    result = dataclasses.replace(result, agreed_ms=_stored_times(winners_store, site))
+                    result = dataclasses.replace(result, agreed_ms=_stored_times(winners_store, tuner._entry(site)))
                 rows.append(SweepRow(number, result.site.kernel.rsplit(".", 1)[-1]
                                      + (f" #{result.site.occurrence}" if result.site.occurrence else ""),
                                      repr(result.site.key), describe_config(config),
                                      _timed(result.agreed_ms, result.winner), _timed(result.agreed_ms, 0),
                                      result.source))
                 if index >= 0:
-                    entry = engine.kernel_entry(site)
+                    entry = tuner._entry(site)
                     records[entry.digest()] = stores.make_record(entry, index, list(result.agreed_ms), fingerprint,
                                                                  {"function": name, "source": result.source})
             if bar is not None:
@@ -181,7 +181,7 @@ def sweep_function(tuner: Any, cases: Iterable[Any], table: Optional[PathLike] =
             rows.append(SweepRow(number, tuner.__qualname__, repr(key), _describe(winner), _timed(agreed, index),
                                  _timed(agreed, 0), source))
             if index >= 0:
-                entry = stores.EntryId("function", name, stores.function_source_key(tuner.fn), repr(key), 0,
+                entry = stores.EntryId("function checked" if tuner.check else "function", name, stores.function_source_key(tuner.fn), repr(key), 0,
                                        tuple(_describe(c) for c in configs))
                 records[entry.digest()] = stores.make_record(entry, index, list(agreed), fingerprint,
                                                              {"function": tuner.__qualname__, "source": source})
