@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from rank_cases import Cases, Ranks
 
@@ -96,6 +97,75 @@ def function_tuner_new_sizes(ctx: Ranks) -> dict:
         slowest = max(slowest, time.monotonic() - started)
     return {"outputs": outputs, "slowest_call_s": slowest, "timed_in_traffic": len(timer.seen) - timed,
             "keys": sorted(scaled.cache), "fallbacks": {repr(k): v[1] for k, v in scaled.fallbacks.items()}}
+
+
+ARRIVAL_S = 1.0  # how long the emulated copy engine takes to deliver a peer's shard
+
+
+def _fused_ag_gemm_step(ctx: Ranks, kernel, **options):
+    """AllGather-GEMM with the fused design's flag waits, on gloo: the shards are gathered (the user's own
+    collective), then a thread standing in for the copy engines writes each peer's shard into the workspace
+    ``ARRIVAL_S`` later and raises its flag, while the shipped shard GEMM runs; its tiles wait on the flags."""
+    import threading
+
+    from disttune.kernels.shard_gemm import shard_gemm
+
+    rows, K, N = 16, 16, 16
+    g = torch.Generator().manual_seed(11 + ctx.rank)
+    a_shard = torch.randn(rows, K, generator=g)
+    b_local = torch.randn(K, N, generator=g)
+    world, rank = ctx.world, ctx.rank
+    workspace = torch.empty(world * rows, K)
+    flags = torch.zeros(world, dtype=torch.int32)
+    out = torch.empty(world * rows, N)
+
+    @disttune.contextual_autotune(**tuner_options(ctx, options.pop("case"), **options))
+    def step():
+        gathered = [torch.empty_like(a_shard) for _ in range(world)]
+        torch.distributed.all_gather(gathered, a_shard)
+        workspace.zero_()
+        flags.zero_()
+        workspace[rank * rows:(rank + 1) * rows] = a_shard
+        flags[rank] = 1
+
+        def copy_engine() -> None:
+            time.sleep(ARRIVAL_S)
+            for peer in range(world):
+                if peer != rank:
+                    workspace[peer * rows:(peer + 1) * rows] = gathered[peer]
+                    flags[peer] = 1
+
+        engine = threading.Thread(target=copy_engine)
+        engine.start()
+        shard_gemm(workspace, b_local, out, [rows] * world, rank, flags=flags, kernel=kernel, epoch=1)
+        engine.join()
+        return out.clone()
+
+    return step, a_shard, b_local
+
+
+@cases.case
+def racy_config_scored_out(ctx: Ranks) -> dict:
+    """A config of the shipped shard GEMM that skips its flag waits is the fastest and wrong: without check=
+    it wins, with check=True it scores inf on every rank and the waiting config wins."""
+    from disttune.kernels.matmul import gemm_config
+    from disttune.kernels.shard_gemm import make_shard_gemm_kernel, racy_config
+
+    waiting = gemm_config(16, 16, 16, 1, 1, 1)
+    found = {}
+    for checked in (False, True):
+        kernel = make_shard_gemm_kernel([waiting, racy_config(waiting)])
+        step, a_shard, b_local = _fused_ag_gemm_step(ctx, kernel, case=f"racy_check_{checked}", n_warmup=0,
+                                                     n_repeat=2, check=checked)
+        out = step()
+        gathered = [torch.empty_like(a_shard) for _ in range(ctx.world)]
+        torch.distributed.all_gather(gathered, a_shard)
+        right = bool(torch.allclose(out, torch.cat(gathered) @ b_local, rtol=1e-3, atol=1e-3))
+        (result,) = step.report.results
+        log = "\n".join(p.read_text() for p in Path(step.options.log_dir).glob("rank-*.log"))
+        found[str(checked)] = {"winner": result.winner, "agreed_ms": list(result.agreed_ms), "right": right,
+                               "log_names_it": "output differs from the reference config's" in log}
+    return found
 
 
 if __name__ == "__main__":

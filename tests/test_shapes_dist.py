@@ -10,7 +10,7 @@ from helpers import failure, run_cases
 
 CASES = Path(__file__).with_name("shapes_cases.py")
 NAMES = ["one_rank_meets_a_new_size", "every_rank_meets_a_new_size", "nearest_never_tunes_in_traffic",
-         "function_tuner_new_sizes"]
+         "function_tuner_new_sizes", "racy_config_scored_out"]
 NEW = repr((100, "torch.float32", "torch.float32"))
 TUNED = repr((64, "torch.float32", "torch.float32"))
 
@@ -66,3 +66,12 @@ def test_function_tuner_serves_new_keys_without_a_collective_and_tunes_shared_on
         assert record["outputs"] == [4.0] * 9, record
     assert rank0["fallbacks"] == {} and list(rank1["fallbacks"]) == ["(100,)"]
     assert "nearest tuned key (64,)" in rank1["fallbacks"]["(100,)"]
+
+
+def test_check_scores_out_a_config_of_the_shipped_gemm_that_skips_its_waits(records):
+    """Host-clock timing: the racy config never waits for the shards, so it is the fastest and wins unchecked."""
+    for record in records["racy_config_scored_out"]:
+        unchecked, checked = record["False"], record["True"]
+        assert unchecked["winner"] == 1 and not unchecked["right"], record
+        assert checked["winner"] == 0 and checked["right"] and checked["agreed_ms"][1] == float("inf"), record
+        assert checked["log_names_it"] and not unchecked["log_names_it"]
