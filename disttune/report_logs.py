@@ -32,6 +32,8 @@ _REQUIRED = {
                "per_rank_ms": list},
     "winner": {"kernel": str, "key": str, "occurrence": int, "config_index": int, "config": str, "source": str},
     "tuning": {"function": str, "wall_s": (int, float), "function_runs": int, "world_size": int},
+    "fallback": {"kernel": str, "key": str, "occurrence": int, "config": str, "source": str},
+    "note": {"topic": str, "text": str},
 }
 
 

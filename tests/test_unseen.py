@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from disttune import store as stores
+from disttune.report import build_report
 from disttune.unseen import UnseenKeyError
 from tiny_kernels import DEV, TableTimer, launch_add, make_kernel, tuner
 
@@ -40,6 +41,10 @@ def test_nearest_serves_a_new_key_with_the_nearest_winner_and_never_tunes(tmp_pa
     fallbacks = [e for e in events if e["event"] == "fallback"]
     assert sorted(e["key"] for e in fallbacks) == sorted([repr((80, "torch.float32", "torch.float32")),
                                                           repr((100, "torch.float32", "torch.float32"))])
+    report = build_report(tmp_path / "logs")
+    text = report.markdown_path.read_text()
+    assert report.problems == [] and "## Keys served by a fallback" in text
+    assert "(100, 'torch.float32', 'torch.float32')" in text and "nearest tuned key (64," in text
 
 
 def test_nearest_without_a_candidate_serves_the_first_config(tmp_path):
