@@ -31,19 +31,19 @@ from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 from . import engine, env
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
-from .compat import config_text
+from .checks import CheckSpec, check_spec, make_check
 from .comm import Communicator, is_comm, make_communicator
+from .compat import config_text
 from .compile import CompilePool, compile_share, default_compile_threads
 from .fast_path import FastPlan
 from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
+from .objective import step_stages
 from .options import AGREED, check_common, check_count, check_objective, describe_options
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
-from .checks import CheckSpec, check_spec, make_check
-from .objective import step_stages
-from .timing import Timer, default_timer, flushing
 from .sweep import SweepRow, sweep_contextual
+from .timing import Timer, default_timer, flushing
 from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, check_on_new_key, pinned_or_nearest
 
 __all__ = ["ContextualAutotuner", "Options", "SiteResult", "TuningError", "TuningReport", "contextual_autotune"]
@@ -238,7 +238,8 @@ class ContextualAutotuner:
     def _entry(self, site: Site) -> stores.EntryId:
         """A site's identity in the winner store: winners of the step objective or of a checked tuning are their own."""
         o = self.options
-        kind = "kernel" + (f" objective={o.objective}" if o.objective != "launch" else "") + (" checked" if o.check else "")
+        kind = "kernel" + ("" if o.objective == "launch" else f" objective={o.objective}")
+        kind += " checked" if o.check else ""
         return engine.kernel_entry(site, kind)
 
     def _get_communicator(self) -> Communicator:

@@ -198,12 +198,17 @@ class FunctionAutotuner:
                                "torch.distributed is not initialised")
         return make_communicator(initialised, group, None, self.timeout_s)
 
+    def entry(self, key: Any, configs: list[dict]) -> stores.EntryId:
+        """The store identity of ``key`` tuned over ``configs`` (a checked tuning's winners are stored apart)."""
+        kind, name = "function checked" if self.check else "function", f"{self.fn.__module__}.{self.__qualname__}"
+        return stores.EntryId(kind, name, stores.function_source_key(self.fn), repr(key), 0,
+                              tuple(_describe(c) for c in configs))
+
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
               verbose: bool) -> dict:
         """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk."""
         name = f"{self.fn.__module__}.{self.__qualname__}"
-        entry = stores.EntryId("function checked" if self.check else "function", name, stores.function_source_key(self.fn), repr(key), 0,
-                               tuple(_describe(c) for c in configs))
+        entry = self.entry(key, configs)
         site = Site(SiteId(name, (repr(key),), 0), None, configs)
         winners_store = engine.open_store(self.use_store, self.cache_dir, comm)
         lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)

@@ -181,8 +181,7 @@ def sweep_function(tuner: Any, cases: Iterable[Any], table: Optional[PathLike] =
             rows.append(SweepRow(number, tuner.__qualname__, repr(key), _describe(winner), _timed(agreed, index),
                                  _timed(agreed, 0), source))
             if index >= 0:
-                entry = stores.EntryId("function checked" if tuner.check else "function", name, stores.function_source_key(tuner.fn), repr(key), 0,
-                                       tuple(_describe(c) for c in configs))
+                entry = tuner.entry(key, configs)
                 records[entry.digest()] = stores.make_record(entry, index, list(agreed), fingerprint,
                                                              {"function": tuner.__qualname__, "source": source})
             if bar is not None:

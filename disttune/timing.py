@@ -84,7 +84,7 @@ class CudaEventTimer:
 
 
 class L2FlushingTimer:
-    """``flush_l2=True``: before each timed launch (or timed run), ``flush()`` evicts the L2 cache; then ``inner`` times.
+    """``flush_l2=True``: before each timed launch (or run), ``flush()`` evicts the L2 cache, then ``inner`` times.
 
     The flush is enqueued before the timer starts, so it is not part of the time.
     """

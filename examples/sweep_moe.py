@@ -118,8 +118,8 @@ def main() -> int:
     dist.all_gather_object(verdicts, ok)
     if rank == 0:
         where = torch.cuda.get_device_name() if gpu else "CPU, Triton interpreter"
-        print(f"grouped GEMM E={E} top-{top_k} K={I // world} N={H} {dtype} on {world} rank(s) ({info.backend}, {where}): "
-              f"swept batch sizes {swept} in {sweep_s:.1f} s, pinned table {table}")
+        print(f"grouped GEMM E={E} top-{top_k} K={I // world} N={H} {dtype} on {world} rank(s) "
+              f"({info.backend}, {where}): swept batch sizes {swept} in {sweep_s:.1f} s, pinned table {table}")
         print("served, never tuned, with on_new_key='nearest':\n" + "\n".join(lines))
         for site, source in sorted(serve.fallbacks.items()):
             buckets = [bucket_of(text) for text in (site, source)]  # the key's ROWS_BUCKET

@@ -50,7 +50,8 @@ def _serving(ctx: Ranks, case: str, sizes_of_call, calls: int, **options) -> dic
         totals_ok = totals_ok and total == float(sum(sizes))
     return {"slowest_call_s": slowest, "wrong_calls": wrong, "own_all_reduce_ok": totals_ok,
             "tuned": step.tuned, "fallbacks": step.fallbacks,
-            "tuned_keys": sorted(repr(k) for k in kernel.cache), "timed_in_traffic": len(timer.seen) - timed_after_first_tuning}
+            "tuned_keys": sorted(repr(k) for k in kernel.cache),
+            "timed_in_traffic": len(timer.seen) - timed_after_first_tuning}
 
 
 @cases.case

@@ -48,8 +48,8 @@ def test_contextual_sweep_tunes_new_keys_prints_and_pins(tmp_path, capsys):
     for n in (64, 128, 100, 1000):
         z = torch.randn(n, device=DEV)
         assert torch.equal(served(z), z + 32)
-    assert sorted(served.fallbacks) == sorted(f"{kernel.base_fn.__module__}.add_block key={(n, 'torch.float32', 'torch.float32')!r} occurrence=0"
-                                              for n in (100, 1000)), served.fallbacks
+    assert sorted(served.fallbacks) == sorted(f"tiny_kernels.add_block key={(n, 'torch.float32', 'torch.float32')!r} "
+                                              "occurrence=0" for n in (100, 1000)), served.fallbacks
 
 
 def test_sweep_rejects_cases_that_are_not_pairs(tmp_path):
