@@ -15,8 +15,8 @@ says what happens instead:
   calls, of the first call that met a pending key (``-1``: none). When every rank names the same
   call, every rank met new keys in that call: each re-runs a normal tuning call with that call's
   arguments (kept until then), and the keys are tuned as the first call tunes. Otherwise they stay
-  on their fallback, and the next period tries again. A world of one needs no agreement: the
-  tuning runs at the end of the call that met the key.
+  on their fallback, and the next period tries again. A world of one needs no agreement: there
+  the launch runs its first config and the next call tunes, as before this option existed.
 * ``"error"``: :class:`UnseenKeyError` on the rank that meets the key, before it launches (a
   pinned deployment that must never run an untuned config).
 
