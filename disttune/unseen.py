@@ -16,7 +16,7 @@ says what happens instead:
   call, every rank met new keys in that call: each re-runs a normal tuning call with that call's
   arguments (kept until then), and the keys are tuned as the first call tunes. Otherwise they stay
   on their fallback, and the next period tries again. A world of one needs no agreement: there
-  the launch runs its first config and the next call tunes, as before this option existed.
+  the launch runs its first config and the next call tunes (no peer can be left waiting).
 * ``"error"``: :class:`UnseenKeyError` on the rank that meets the key, before it launches (a
   pinned deployment that must never run an untuned config).
 

@@ -77,6 +77,34 @@ def nearest_never_tunes_in_traffic(ctx: Ranks) -> dict:
 
 
 @cases.case
+def step_objective_agreed(ctx: Ranks) -> dict:
+    """``objective="step"`` over two ranks: each rank's step times differ, the max over ranks decides; the
+    launch-level winner (config 0) is the one that slows the step on rank 1."""
+    kernel = make_kernel()
+    used = {}
+    step_ms = {0: {16: 2.0, 32: 3.0, 64: 4.0}, 1: {16: 9.0, 32: 3.5, 64: 4.0}}[min(ctx.rank, 1)]
+
+    def table(info):
+        return step_ms[used["block"]] if info.kernel == "<step>" else {0: 1.0, 1: 2.0, 2: 3.0}[info.config_index]
+
+    found = {}
+    for objective in ("launch", "step"):
+        @disttune.contextual_autotune(**tuner_options(ctx, f"step_objective_{objective}", timer=TableTimer(table),
+                                                      objective=objective))
+        def step(x):
+            y = torch.empty_like(x)
+            launch_add(kernel, x, y)
+            used["block"] = int(round(float((y - x)[0])))
+            return y, sum_across_ranks(ctx, 1.0)
+
+        kernel.cache.clear()
+        step(torch.randn(64, device=ctx.device))
+        (result,) = step.report.results
+        found[objective] = {"winner": result.winner, "agreed_ms": list(result.agreed_ms)}
+    return found
+
+
+@cases.case
 def function_tuner_new_sizes(ctx: Ranks) -> dict:
     """``disttune.autotune`` after its first key: rank 1 alone meets size 100 (fallback, no stall), then every
     rank meets size 200 in the same call (tuned at the next agreement)."""
@@ -151,6 +179,9 @@ def racy_config_scored_out(ctx: Ranks) -> dict:
     it wins, with check=True it scores inf on every rank and the waiting config wins."""
     from disttune.kernels.matmul import gemm_config
     from disttune.kernels.shard_gemm import make_shard_gemm_kernel, racy_config
+
+    if torch.cuda.is_available():  # the stand-in copy engine is a host thread writing host memory
+        return {"skipped": "the racy-config case runs on the CPU (gloo, Triton's interpreter) only"}
 
     waiting = gemm_config(16, 16, 16, 1, 1, 1)
     found = {}
