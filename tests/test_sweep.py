@@ -89,3 +89,14 @@ def test_disttune_sweep_runs_the_moe_example_on_two_ranks_and_serves_from_its_ta
     assert "rows bucket 8 (never tuned)" in out and "the winner of rows bucket 2" in out, describe(proc)
     assert "correct on every rank: True" in out and "pinned table: " in out
     assert len(json.loads(table.read_text())["entries"]) == 2
+
+
+def test_disttune_sweep_names_a_missing_script_or_a_script_that_did_not_sweep(tmp_path):
+    from helpers import describe, run_command, write_script
+
+    missing = run_command([sys.executable, "-m", "disttune", "sweep", str(tmp_path / "nope.py")], timeout=60)
+    assert missing.returncode == 1 and "disttune sweep: no such script" in missing.stderr, describe(missing)
+    script = write_script(tmp_path, "print('no sweep here')\n")
+    idle = run_command([sys.executable, "-m", "disttune", "sweep", "--nproc", "1", "--table", str(tmp_path / "t.json"),
+                        str(script)], timeout=120)
+    assert idle.returncode == 1 and "finished without a sweep writing" in idle.stderr, describe(idle)
