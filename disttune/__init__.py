@@ -5,6 +5,8 @@ The public entry points:
 * :func:`contextual_autotune` wraps a function and tunes every ``triton.autotune``
   kernel launched inside it, agreed across ranks;
 * :func:`autotune` tunes a function over keyword-argument configs, agreed across ranks;
+* ``step.sweep(cases)`` tunes a list of shapes before deployment and writes a pinned table
+  (:mod:`disttune.sweep`); ``on_new_key=`` serves shapes never tuned (:mod:`disttune.unseen`);
 * :mod:`disttune.store` keeps winners on disk so the next process tunes nothing;
 * :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
 """
@@ -15,7 +17,9 @@ from .agreement import SiteResult, TuningError, TuningReport
 from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
 from .sites import AllConfigsFailed, SiteId, describe_config
+from .sweep import SweepRow
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
+from .unseen import UnseenKeyError
 
 __all__ = [
     "dist",
@@ -29,10 +33,12 @@ __all__ = [
     "MpiComm",
     "SiteId",
     "SiteResult",
+    "SweepRow",
     "Timer",
     "TorchComm",
     "TuningError",
     "TuningReport",
+    "UnseenKeyError",
     "FunctionAutotuner",
     "autotune",
     "contextual_autotune",

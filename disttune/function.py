@@ -46,7 +46,7 @@ from .options import check_common, check_objective, describe_options
 from .env import timeout_s as resolve_timeout
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
 from .sweep import SweepRow, sweep_function
-from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose
+from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose, table_candidates
 from .timing import LaunchInfo, Timer, default_timer, flushing
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
@@ -82,6 +82,7 @@ class FunctionAutotuner:
         objective: str = "launch",
         flush_l2: bool = False,
         check: CheckSpec = None,
+        pinned: Optional[str | os.PathLike] = None,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
@@ -106,6 +107,7 @@ class FunctionAutotuner:
         self.timeout_s = resolve_timeout(timeout_s)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
+        self.pinned = stores.load_table(pinned) if pinned else None  # a deployed table: its keys are never tuned
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
         self.on_new_key, self.agree_every = on_new_key, agree_every
         self.fallbacks: dict[Any, tuple[dict, str]] = {}  # key -> (config, source): keys served without tuning
@@ -131,9 +133,14 @@ class FunctionAutotuner:
             return self.fn(*args, **kwargs, **configs[0])
         key = self.key_fn(*args, **kwargs)
         served = self.fallbacks.get(key)
+        if served is None and self.pinned is not None:
+            pinned = self._pinned_winner(key, configs)
+            if pinned is not None:
+                self.cache[key] = pinned
+                return self.fn(*args, **kwargs, **pinned)
         if served is None:
             comm = self._communicator(autotune_pg)
-            if not self.cache or (self.on_new_key == "tune" and comm.world_size == 1):
+            if (not self.cache and self.pinned is None) or (self.on_new_key == "tune" and comm.world_size == 1):
                 self.cache[key] = self._tune(key, configs, args, kwargs, comm, autotune_verbose)
                 if self.on_new_key == "tune" and comm.world_size > 1 and self._countdown > self.agree_every:
                     self._countdown = self.agree_every  # the first key is tuned: later new keys wait for agreements
@@ -149,12 +156,21 @@ class FunctionAutotuner:
         (default ``group=``), print the table on rank 0, write a pinned table to ``table`` (:mod:`disttune.sweep`)."""
         return sweep_function(self, cases, table, verbose, group)
 
+    def _pinned_winner(self, key: Any, configs: list[dict]) -> Optional[dict]:
+        """The pinned table's winner for ``key`` over ``configs`` (None when the table has none)."""
+        entry = self.entry(key, configs)
+        index = stores.pinned_lookup(self.pinned, entry.name, entry.key, 0, entry.configs)  # type: ignore[arg-type]
+        return None if index is None else configs[index]
+
     def _fallback(self, key: Any, configs: list[dict]) -> tuple[dict, str]:
         """A key met after tuning: its fallback (nearest tuned key's winner, else the first config), no collective."""
         if self.on_new_key == "error":
             raise UnseenKeyError(f"disttune.autotune: {self.__qualname__} was called with key {key!r}, which it was "
                                  "not tuned for (on_new_key='error'); tune it first (sweep)")
-        served = self.fallbacks[key] = choose(key, configs, self.cache, _describe)
+        candidates: dict = dict(self.cache)
+        for tuned, text in table_candidates(self.pinned, self.entry(key, configs).name, 0).items():
+            candidates.setdefault(tuned, text)
+        served = self.fallbacks[key] = choose(key, configs, candidates, _describe)
         logging.getLogger("disttune").info("disttune.autotune %s: key %r served by the %s: %s", self.__qualname__,
                                            key, served[1], _describe(served[0]))
         return served
@@ -284,6 +300,8 @@ def autotune(
     group or an mpi4py communicator; ``comm`` is the older name for the latter),
     ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
     space: only for functions with no collectives inside), ``on_new_key`` and ``agree_every``,
+    ``pinned`` (a winners table, e.g. written by ``sweep``: its keys are served from it with no tuning and
+    no collective, so deploy the same file to every rank; other keys follow ``on_new_key``),
     ``objective`` (``"launch"`` or ``"step"``: the same here, each config is timed over whole calls),
     ``flush_l2`` (evict the GPU's L2 before each timed call; see :mod:`disttune.timing`) and ``check``
     (``True`` or ``(reference, output) -> bool``: a config whose result differs from the first

@@ -100,3 +100,26 @@ def test_disttune_sweep_names_a_missing_script_or_a_script_that_did_not_sweep(tm
     idle = run_command([sys.executable, "-m", "disttune", "sweep", "--nproc", "1", "--table", str(tmp_path / "t.json"),
                         str(script)], timeout=120)
     assert idle.returncode == 1 and "finished without a sweep writing" in idle.stderr, describe(idle)
+
+
+def test_function_tuner_serves_a_swept_table_without_tuning(tmp_path):
+    def build(**options):
+        @disttune.autotune([{"chunks": c} for c in (1, 2, 4)], key_fn=lambda x: (x.numel(),), n_warmup=0, n_repeat=1,
+                           store=False, **options)
+        def scaled(x, *, chunks):
+            return x * chunks
+
+        return scaled
+
+    times = {(8, 1): 3.0, (8, 2): 1.0, (8, 4): 2.0, (64, 1): 3.0, (64, 2): 2.0, (64, 4): 1.0}
+    swept = build(timer=TableTimer(lambda info: times[(int(info.key[0].strip("(,)")), info.config["chunks"])]))
+    table = tmp_path / "function.json"
+    swept.sweep([((torch.ones(n),), {}) for n in (8, 64)], table=table, verbose=False)
+    deployed = build(pinned=table, on_new_key="nearest", timer=TableTimer(lambda info: pytest.fail("tuned")))
+    assert [float(deployed(torch.ones(n))[0]) for n in (8, 64, 10, 50)] == [2.0, 4.0, 2.0, 4.0]
+    assert sorted(deployed.fallbacks) == [(10,), (50,)]
+    assert "nearest tuned key (64,)" in deployed.fallbacks[(50,)][1]
+    strict = build(pinned=table, on_new_key="error")
+    assert float(strict(torch.ones(8))[0]) == 2.0
+    with pytest.raises(disttune.UnseenKeyError):
+        strict(torch.ones(9))
