@@ -1,4 +1,5 @@
-"""What a tuning minimises (``objective=``): each launch's own time, or the time of the whole function run.
+"""What a tuning minimises (``objective=``, checked by :func:`disttune.options.check_objective`): each launch's
+own time, or the time of the whole function run.
 
 * ``"launch"`` (the default): the Timer wraps each intercepted launch (CUDA events around it on
   GPUs), in context: the other launches and the communication of the run go on around it.
@@ -29,7 +30,6 @@ from .checks import OutputCheck, blame
 from .compat import config_text
 from .engine import Runs, run_once
 from .handlers import SiteLaunches, launch_stand_in
-from .options import OBJECTIVES  # noqa: F401 - the objectives, checked by options.check_objective
 from .sites import Schedule, Site, SiteId, winner_index
 from .timing import LaunchInfo
 
