@@ -6,6 +6,8 @@ The public entry points:
   kernel launched inside it, agreed across ranks;
 * :func:`autotune` tunes a function over keyword-argument configs, agreed across ranks;
 * :func:`space` generates a config space pruned by the device's budget and the problem's size;
+* ``step.sweep(cases)`` tunes a list of shapes before deployment and writes a pinned table
+  (:mod:`disttune.sweep`); ``on_new_key=`` serves shapes never tuned (:mod:`disttune.unseen`);
 * :mod:`disttune.store` keeps winners on disk so the next process tunes nothing;
 * :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
 """
@@ -18,7 +20,9 @@ from .function import FunctionAutotuner, autotune
 from .search import ModelSearch
 from .space import ConfigSpace, space
 from .sites import AllConfigsFailed, SiteId, describe_config
+from .sweep import SweepRow
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
+from .unseen import UnseenKeyError
 
 __all__ = [
     "dist",
@@ -34,10 +38,12 @@ __all__ = [
     "MpiComm",
     "SiteId",
     "SiteResult",
+    "SweepRow",
     "Timer",
     "TorchComm",
     "TuningError",
     "TuningReport",
+    "UnseenKeyError",
     "FunctionAutotuner",
     "autotune",
     "contextual_autotune",

@@ -1,4 +1,5 @@
-"""The ``disttune`` command: demo, report, verify, and winner-store management (show, export, import, clear).
+"""The ``disttune`` command: demo, sweep, report, verify, and winner-store management (show, export, import,
+clear).
 
 Holds no tuning logic: each subcommand calls the library (``store``, ``report``) or
 launches the example through ``scripts/launch.sh``. An error is one line on stderr,
@@ -73,6 +74,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     report = build_report(log_dir)
     print(f"report: {report.markdown_path}" + (f" ({len(report.plots)} plots)" if report.plots else ""))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run a script that sweeps (``step.sweep`` / ``fn.sweep``) on the launcher; its sweeps write ``--table``."""
+    launcher, script = REPO_ROOT / "scripts" / "launch.sh", Path(args.script)
+    if not launcher.exists():
+        raise CommandError(f"needs a source checkout (missing {launcher})")
+    if not script.is_file():
+        raise CommandError(f"no such script: {script}")
+    table = Path(args.table).resolve()
+    table.parent.mkdir(parents=True, exist_ok=True)
+    child_env = env.environ_with_log_dir(resolve_log_dir(args.log_dir).resolve())
+    child_env["DISTTUNE_SWEEP_TABLE"] = str(table)
+    command = ["bash", str(launcher)] + ([f"--nproc_per_node={args.nproc}"] if args.nproc else []) + [str(script)]
+    code = subprocess.call(command + list(args.script_args), env=child_env)
+    if code != 0:
+        return code
+    if not table.exists():
+        raise CommandError(f"{script} finished without a sweep writing {table} (call step.sweep(cases) in it)")
+    print(f"pinned table: {table} ({len(store.load_table(table)['entries'])} winner(s)); deploy it with "
+          f"pinned= and on_new_key='nearest'")
     return 0
 
 
@@ -166,6 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-dir", default=None, metavar="DIR",
                       help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
     demo.set_defaults(run=cmd_demo, parser=demo, example_args=[])
+
+    sweep = sub.add_parser(
+        "sweep", help="run a script's sweeps on the launcher and keep their pinned winners table",
+        usage="disttune sweep [-h] [--nproc N] [--table FILE] [--log-dir DIR] SCRIPT [SCRIPT ARGS ...]",
+        description="Launch SCRIPT through scripts/launch.sh with DISTTUNE_SWEEP_TABLE set, so that its "
+                    "step.sweep(cases) calls write the winners they tuned to --table; arguments after SCRIPT go "
+                    "to it.")
+    sweep.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks (default: GPUs present, else 2)")
+    sweep.add_argument("--table", default="winners.json", metavar="FILE",
+                       help="the pinned winners table to write (default: winners.json)")
+    sweep.add_argument("--log-dir", default=None, metavar="DIR",
+                       help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
+    sweep.add_argument("script", help="the Python script that sweeps")
+    sweep.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    sweep.set_defaults(run=cmd_sweep, parser=sweep)
 
     report = sub.add_parser("report", help="merge rank-*.log into a Markdown report with plots")
     report.add_argument("log_dir", nargs="?", default=None,

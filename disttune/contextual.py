@@ -31,16 +31,21 @@ from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 from . import diagnostics, engine, env, verify
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
+from .checks import CheckSpec, check_spec, make_check
 from .comm import Communicator, is_comm, make_communicator
+from .compat import config_text
 from .compile import CompilePool, compile_share, default_compile_threads
 from .fast_path import FastPlan
 from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
-from .options import AGREED, check_common, check_count, describe_options
+from .objective import step_stages
+from .options import AGREED, check_common, check_count, check_objective, describe_options
 from .search import Search, SearchTrace, narrow, resolve_search
-from .sites import Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
-from .timing import Timer, default_timer
+from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
+from .sweep import SweepRow, sweep_contextual
+from .timing import Timer, default_timer, flushing
+from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, check_on_new_key, pinned_or_nearest
 
 __all__ = ["ContextualAutotuner", "Options", "SiteResult", "TuningError", "TuningReport", "contextual_autotune"]
 
@@ -80,9 +85,21 @@ class Options:
     compile_threads: Optional[int] = None
     compile_split: bool = True
     split: SplitSpec = False
+    on_new_key: str = "tune"
+    agree_every: int = DEFAULT_AGREE_EVERY
+    objective: str = "launch"
+    flush_l2: bool = False
+    check: CheckSpec = None
 
     def __post_init__(self) -> None:
         check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
+        check_on_new_key(self.on_new_key, self.agree_every)
+        check_objective(self.objective)
+        check_spec(self.check)
+        if self.objective == "step" and (self.early_stop or self.split or self.search not in (None, "exhaustive")):
+            raise ValueError("disttune: objective='step' times whole runs; search, early_stop and split are for "
+                             "objective='launch'")
+        object.__setattr__(self, "flush_l2", bool(self.flush_l2))
         object.__setattr__(self, "timeout_s", env.timeout_s(self.timeout_s))
         if not self.is_dist and self.group is not None and not is_comm(self.group):
             raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
@@ -117,6 +134,10 @@ class ContextualAutotuner:
         self._tuned = False
         self._communicator: Optional[Communicator] = None
         self.search_trace: Optional[SearchTrace] = None  # what the last model search proposed, per site
+        self._known_sites: dict[SiteId, Site] = {}  # every tuning call's sites and winners: what the plan serves
+        self._known_winners: dict[SiteId, Any] = {}
+        self._new_keys: Optional[NewKeys] = None  # keys met after tuning (see disttune.unseen)
+        self._saved_call: Optional[tuple[int, tuple, dict]] = None  # (position, args, kwargs) of a call that met one
         # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
         # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
         self.__dict__ = dict(self.__dict__)
@@ -133,6 +154,18 @@ class ContextualAutotuner:
         self._tuned = False
         self._winners = {}
         self._plan = None
+        self._known_sites, self._known_winners, self._new_keys, self._saved_call = {}, {}, None, None
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Sites served by a fallback since tuning (``on_new_key``): ``{site: "config <- nearest tuned key ..."}``."""
+        return {} if self._new_keys is None else self._new_keys.fallbacks()
+
+    def sweep(self, cases: Iterable[tuple[tuple, dict]], table: Optional[Union[str, os.PathLike]] = None,
+              verbose: bool = True) -> list[SweepRow]:
+        """Tune every new key of ``cases`` (``(args, kwargs)`` pairs, the same order on every rank), print the
+        table on rank 0, write a pinned table to ``table``; one tuning call per case (:mod:`disttune.sweep`)."""
+        return sweep_contextual(self, cases, table, verbose)
 
     def expected_runs(self, longest_config_list: int) -> int:
         """How many times one tuning call runs the function: ``2 + longest * (n_warmup + n_repeat)``.
@@ -166,8 +199,37 @@ class ContextualAutotuner:
                 stale = plan.finish(handler)  # type: ignore[union-attr]
                 if stale:
                     self._went_stale(stale)
+                elif plan.unseen is not None and plan.unseen.met_in_call:  # type: ignore[union-attr]
+                    self._met_new_key(plan, args, kwargs)
+            plan.countdown -= 1  # type: ignore[union-attr]
+            if not plan.countdown:  # type: ignore[union-attr]
+                self._agree_on_new_keys()
             return result
         return self._tuning_call(args, kwargs)
+
+    def _met_new_key(self, plan: FastPlan, args: tuple, kwargs: dict) -> None:
+        """A call served a pending key on its fallback: keep its arguments for a tuning at the agreement point."""
+        plan.unseen.met_in_call = False  # type: ignore[union-attr]
+        if self._saved_call is None:
+            self._saved_call = (self.options.agree_every - plan.countdown, args, kwargs)
+
+    def _agree_on_new_keys(self) -> None:
+        """Every ``agree_every`` calls, on every rank: one all-gather of the position of each rank's first call
+        that met a pending key; the same position everywhere tunes that call's keys (see :mod:`disttune.unseen`)."""
+        plan, saved = self._plan, self._saved_call
+        plan.countdown = self.options.agree_every  # type: ignore[union-attr]
+        self._saved_call = None
+        comm = self._get_communicator()
+        position = -1.0 if saved is None else float(saved[0])
+        positions = comm.all_gather_floats([position], "agreement on new keys")
+        if saved is None or not (positions == position).all():
+            return  # some rank met none, or met them in another call: they stay on their fallback
+        try:
+            self._tuning_call(saved[1], saved[2])
+        except (TuningError, AllConfigsFailed) as err:  # agreed on every rank: the keys keep their fallback
+            log = RankLog(self.options.log_dir, engine.global_rank(comm), self.__qualname__)
+            log.note("new keys", f"tuning the new keys failed, they stay on their fallback: {err}")
+            log.flush()
 
     def _went_stale(self, stale: list[str]) -> None:
         self._tuned = False
@@ -177,6 +239,13 @@ class ContextualAutotuner:
             RuntimeWarning, stacklevel=3,
         )
 
+    def _entry(self, site: Site) -> stores.EntryId:
+        """A site's identity in the winner store: winners of the step objective or of a checked tuning are their own."""
+        o = self.options
+        kind = "kernel" + ("" if o.objective == "launch" else f" objective={o.objective}")
+        kind += " checked" if o.check else ""
+        return engine.kernel_entry(site, kind)
+
     def _get_communicator(self) -> Communicator:
         if self._communicator is None:
             o = self.options
@@ -185,8 +254,30 @@ class ContextualAutotuner:
 
     def _commit(self, sites: dict[SiteId, Site], results: list[SiteResult]) -> dict[SiteId, Any]:
         self._winners = engine.commit(sites, results)
-        self._plan = FastPlan(sites, self._winners)
+        self._known_sites.update(sites)
+        self._known_winners.update(self._winners)
+        self._plan = FastPlan(self._known_sites, self._known_winners, *self._unseen_policy())
         return self._winners
+
+    def _unseen_policy(self) -> tuple[Optional[NewKeys], int]:
+        """The plan's fallback for keys it was not tuned for, and its countdown to the next agreement.
+
+        A world of one with ``on_new_key="tune"`` keeps the simplest rule: the launch runs its first config
+        and the next call tunes (no peer can be left waiting).
+        """
+        o, comm = self.options, self._get_communicator()
+        if o.on_new_key == "tune" and comm.world_size == 1:
+            return None, NEVER
+        if self._new_keys is None:
+            table = stores.load_table(o.pinned) if o.pinned else None
+            self._new_keys = NewKeys(self.__qualname__, o.on_new_key, table, self._log_fallback)
+        self._new_keys.remember(self._winners)
+        return self._new_keys, o.agree_every if o.on_new_key == "tune" else NEVER
+
+    def _log_fallback(self, ident: SiteId, config: Any, source: str) -> None:
+        log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
+        log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
+        log.flush()
 
     def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
         """Discover, agree on the sites, tune, agree on the winners, commit and store, run with the winners."""
@@ -204,7 +295,10 @@ class ContextualAutotuner:
         sites: dict[SiteId, Site] = {}
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
         try:
-            discover = Discover(sites, o.always_tune, engine.lookup(winners_store, table, o.always_tune), compiles)
+            lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune, self._entry), {}
+            if table is not None and o.on_new_key == "nearest":
+                lookup = pinned_or_nearest(lookup, table, from_nearest)
+            discover = Discover(sites, o.always_tune, lookup, compiles)
             result, error = engine.run_once(self.fn, discover, args, kwargs)
             if compiles is not None:
                 compiles.finish()
@@ -217,26 +311,36 @@ class ContextualAutotuner:
                     site.share = (comm.rank, comm.world_size)
             if compiles is not None:  # every rank finished its share before the consensus: the peers' are cached
                 compiles.compile_rest(tuned)
-            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, o.timer or default_timer(), o.verbose)
+            timer = o.timer or default_timer()
+            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
+                               o.verbose)
+            runs.check = make_check(o.check, result)  # the discovery run's result is the reference
             verified = 0 if verify_threshold is None else verify.verify_decided(
                 found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold, o.verbose)
-            searched, self.search_trace, full_timing = narrow(
-                tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
-                comm.all_gather_objects)
-            function_runs = 1 + verified + searched
-            if full_timing:
-                longest = max((s.slots() for s in tuned), default=0)
-                function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+            function_runs = 1 + verified
+            if o.objective == "step":
+                function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
+            else:
+                searched, self.search_trace, full_timing = narrow(
+                    tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
+                    comm.all_gather_objects)
+                function_runs += searched
+                if full_timing:
+                    longest = max((s.slots() for s in tuned), default=0)
+                    function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
             results = agreement.verdicts(tuned, log) + settled_results(found, log)
             diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
             winners = self._commit(sites, results)
+            for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
+                self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
+                log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
             final_run = any(s.preset is None for s in found)
             if any(s.split for s in tuned):
                 result, results, final_runs = runs.checked_final(results, winners, log,
                                                                  lambda r: self._commit(sites, r))
                 function_runs += final_runs
             if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
-                engine.save_winners(winners_store, [(engine.kernel_entry(sites[r.site]), r) for r in results], name)
+                engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
             if final_run and not any(s.split for s in tuned):
                 result = runs.final(self._winners)
                 function_runs += 1
@@ -304,6 +408,27 @@ def contextual_autotune(
     on what the other ranks launch at the same moment (no communication inside or beside them).
     The final run then checks that each split winner also runs on the ranks that did not time it
     (a winner that fails there is dropped for the next best, on every rank, and the run repeated).
+
+    ``on_new_key`` (``"tune"``, ``"nearest"`` or ``"error"``) and ``agree_every`` (default 128) say what a
+    call after tuning does with a key it was not tuned for (:mod:`disttune.unseen`): it never enters a
+    collective, so a size that only some ranks meet never stalls them. It runs at once on the winner of
+    the nearest tuned key (:mod:`disttune.nearest`; the first config when none is a candidate), the same
+    on every rank; ``"tune"`` then tunes keys that every rank met in the same call at the next agreement
+    point (one one-float all-gather every ``agree_every`` calls), up to ``agree_every`` calls later and
+    not in the call that met them; ``"nearest"`` never tunes in traffic (with ``pinned=``, sites the
+    table lacks take its nearest entry); ``"error"`` raises :class:`~disttune.unseen.UnseenKeyError`.
+    A world of one with ``"tune"`` runs the first config and tunes on the next call. ``fallbacks``
+    and the rank log name each key served by a fallback and which one.
+
+    ``objective`` (:mod:`disttune.objective`): ``"launch"`` (default) times each launch; ``"step"`` times
+    each whole run of the function with the configs in place, tuning sites that share one config list
+    jointly (``2 + C * (n_warmup + n_repeat)`` runs) and other sites one at a time, each beside the
+    winners agreed before it (``2 + sum(C_s) * (n_warmup + n_repeat)`` runs). ``flush_l2`` (default
+    False; the L2 policy is in :mod:`disttune.timing`) evicts the GPU's L2 before each timed launch or
+    run. ``check`` (``True`` or ``(reference, output) -> bool``, :mod:`disttune.checks`) compares each
+    tuning run's result with the discovery run's (each site's first working config): a config whose
+    result differs on any rank scores ``inf`` on every rank, named in the log and the report. Winners
+    tuned with ``objective="step"`` or ``check`` are stored apart from plain launch-level ones.
     """
 
     def decorate(fn: F) -> F:

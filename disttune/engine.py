@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import env
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError
+from .checks import OutputCheck, blame, scheduled_configs
 from .comm import Communicator, LocalComm
 from .compat import config_text
 from .handlers import Final, SiteLaunches, Tune
@@ -56,6 +57,7 @@ class Runs:
                  agreement: Agreement, timer: Timer, progress: bool = False) -> None:
         self.fn, self.args, self.kwargs, self.sites = fn, args, kwargs, sites
         self.agreement, self.timer, self.progress = agreement, timer, progress
+        self.check: Optional[OutputCheck] = None  # check=: each run's result against the reference
 
     def stage(self, schedule: Schedule, label: str) -> int:
         """Run the function ``schedule.runs`` times, checking with the peers after each run; returns the count."""
@@ -64,8 +66,10 @@ class Runs:
                            f"disttune {self.agreement.name}: {label}s")
         for run in range(schedule.runs):
             handler = Tune(self.sites, schedule, run, self.timer, comm.rank)
-            _, error = run_once(self.fn, handler, self.args, self.kwargs)
+            result, error = run_once(self.fn, handler, self.args, self.kwargs)
             problems = handler.finish() + ([error[1]] if error else [])
+            if self.check is not None and error is None and not self.check.matches(result):
+                blame(self.sites, scheduled_configs(self.sites.values(), schedule, run))
             self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
             if bar is not None:
                 bar.update(1)
@@ -123,8 +127,9 @@ def open_store(use: bool, cache_dir: Any, comm: Communicator, check: str = "stri
     return stores.WinnerStore(cache_dir, fingerprint, check)
 
 
-def kernel_entry(site: Site) -> stores.EntryId:
-    return stores.EntryId("kernel", site.id.kernel, stores.kernel_source_key(site.autotuner), repr(site.id.key),
+def kernel_entry(site: Site, kind: str = "kernel") -> stores.EntryId:
+    """The store identity of a contextual site; ``kind`` tells winners of different objectives apart."""
+    return stores.EntryId(kind, site.id.kernel, stores.kernel_source_key(site.autotuner), repr(site.id.key),
                           site.id.occurrence, tuple(config_text(c) for c in site.configs))
 
 

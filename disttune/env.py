@@ -32,7 +32,7 @@ from typing import Any, Literal, Mapping, Optional
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
-    "progress_enabled", "timeout_s", "triton_prints_autotuning", "xdg_cache_home",
+    "progress_enabled", "sweep_table", "timeout_s", "triton_prints_autotuning", "xdg_cache_home",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -114,6 +114,11 @@ def always_tune() -> bool:
 def pinned_table() -> Optional[str]:
     """``$DISTTUNE_PINNED``: a winners table to use instead of tuning (None: tune)."""
     return os.environ.get(PINNED) or None
+
+
+def sweep_table() -> Optional[str]:
+    """``$DISTTUNE_SWEEP_TABLE``: where a sweep writes its pinned table when it is not told (``disttune sweep``)."""
+    return os.environ.get("DISTTUNE_SWEEP_TABLE") or None
 
 
 def progress_enabled() -> bool:

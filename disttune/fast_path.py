@@ -183,13 +183,16 @@ class FastPlan:
     ``winners`` maps each :class:`~disttune.sites.SiteId` to its config; ``sites`` maps it to its
     :class:`~disttune.sites.Site`. Launches the plan does not cover (another autotuner, a new key,
     an extra occurrence) go to a :class:`~disttune.handlers.Fast` handler that shares the call's
-    occurrence counts.
+    occurrence counts; ``unseen`` (a :class:`~disttune.unseen.NewKeys`) serves the sites no winner covers.
+    ``countdown`` is the wrapper's count of calls to its next agreement on new keys (see :mod:`disttune.unseen`).
     """
 
-    __slots__ = ("kernels", "by_site", "winners", "sequence", "spare")
+    __slots__ = ("kernels", "by_site", "winners", "sequence", "spare", "unseen", "countdown")
 
-    def __init__(self, sites: dict, winners: dict) -> None:
+    def __init__(self, sites: dict, winners: dict, unseen: Any = None, countdown: int = 1 << 62) -> None:
         self.winners = winners
+        self.unseen = unseen
+        self.countdown = countdown
         self.kernels: dict[Autotuner, FastKernel] = {}
         self.by_site: dict[tuple, tuple[_Planned, ...]] = {}
         self.sequence: Optional[tuple[_Sequenced, ...]] = None  # learned by the first clean call
@@ -309,5 +312,5 @@ class FastLaunch:
 
     def _fallback(self) -> Any:
         if self.fallback is None:
-            self.fallback = Fast(self.plan.winners, self.occurrences)
+            self.fallback = Fast(self.plan.winners, self.occurrences, self.plan.unseen)
         return self.fallback

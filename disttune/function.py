@@ -31,20 +31,24 @@ the winner (``bench/fast_path.py`` measures it).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import engine
 from . import store as stores
-from .agreement import Agreement
+from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
-from .options import check_common, describe_options
+from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
+from .options import check_common, check_objective, describe_options
 from .env import timeout_s as resolve_timeout
 from .search import Search, SearchTrace, describe_search, narrow, resolve_search
-from .sites import Schedule, Site, SiteId, Statistic
-from .timing import LaunchInfo, Timer, default_timer
+from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
+from .sweep import SweepRow, sweep_function
+from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose, table_candidates
+from .timing import LaunchInfo, Timer, default_timer, flushing
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
 
@@ -75,12 +79,22 @@ class FunctionAutotuner:
         store: bool = True,
         split: bool = False,
         search: Optional[Search] = None,
+        on_new_key: str = "tune",
+        agree_every: int = DEFAULT_AGREE_EVERY,
+        objective: str = "launch",
+        flush_l2: bool = False,
+        check: CheckSpec = None,
+        pinned: Optional[str | os.PathLike] = None,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
         if not callable(key_fn):
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
         check_common(n_warmup, n_repeat, reduce, statistic, timer)
+        check_on_new_key(on_new_key, agree_every)
+        check_objective(objective)
+        check_spec(check)
+        self.objective, self.flush_l2, self.check = objective, bool(flush_l2), check
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")
@@ -97,7 +111,12 @@ class FunctionAutotuner:
         self.split = bool(split)
         self.search = resolve_search(search)
         self.search_trace: Optional[SearchTrace] = None  # what the last model search proposed
+        self.pinned = stores.load_table(pinned) if pinned else None  # a deployed table: its keys are never tuned
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
+        self.on_new_key, self.agree_every = on_new_key, agree_every
+        self.fallbacks: dict[Any, tuple[dict, str]] = {}  # key -> (config, source): keys served without tuning
+        self._countdown = NEVER  # calls to the next agreement on new keys (multi-rank "tune" only)
+        self._saved_call: Optional[tuple[int, Any, tuple, dict]] = None  # (position, key, args, kwargs)
         self.last_timings: Optional[dict] = None
 
     def __call__(self, *args: Any, autotune: bool = True, autotune_verbose: bool = False, autotune_pg: Any = None,
@@ -107,6 +126,9 @@ class FunctionAutotuner:
             raise TypeError(f"disttune.autotune: {self.__qualname__} got {clash} as keyword argument(s), "
                             "but the autotuner sets them from config_space; drop them from the call")
         if autotune:
+            self._countdown -= 1
+            if not self._countdown:
+                self._agree_on_new_keys(autotune_pg, autotune_verbose)
             winner = self.cache.get(self.key_fn(*args, **kwargs))
             if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
                 return self.fn(*args, **kwargs, **winner)
@@ -114,8 +136,67 @@ class FunctionAutotuner:
         if not autotune:
             return self.fn(*args, **kwargs, **configs[0])
         key = self.key_fn(*args, **kwargs)
-        self.cache[key] = self._tune(key, configs, args, kwargs, self._communicator(autotune_pg), autotune_verbose)
-        return self.fn(*args, **kwargs, **self.cache[key])
+        served = self.fallbacks.get(key)
+        if served is None and self.pinned is not None:
+            pinned = self._pinned_winner(key, configs)
+            if pinned is not None:
+                self.cache[key] = pinned
+                return self.fn(*args, **kwargs, **pinned)
+        if served is None:
+            comm = self._communicator(autotune_pg)
+            if (not self.cache and self.pinned is None) or (self.on_new_key == "tune" and comm.world_size == 1):
+                self.cache[key] = self._tune(key, configs, args, kwargs, comm, autotune_verbose)
+                if self.on_new_key == "tune" and comm.world_size > 1 and self._countdown > self.agree_every:
+                    self._countdown = self.agree_every  # the first key is tuned: later new keys wait for agreements
+                return self.fn(*args, **kwargs, **self.cache[key])
+            served = self._fallback(key, configs)
+        if self.on_new_key == "tune" and self._saved_call is None:
+            self._saved_call = (self.agree_every - self._countdown, key, args, kwargs)
+        return self.fn(*args, **kwargs, **served[0])
+
+    def sweep(self, cases: Iterable[tuple[tuple, dict]], table: Optional[str | os.PathLike] = None,
+              verbose: bool = True, group: Any = None) -> list[SweepRow]:
+        """Tune every new key of ``cases`` (``(args, kwargs)`` pairs, the same order on every rank) over ``group``
+        (default ``group=``), print the table on rank 0, write a pinned table to ``table`` (:mod:`disttune.sweep`)."""
+        return sweep_function(self, cases, table, verbose, group)
+
+    def _pinned_winner(self, key: Any, configs: list[dict]) -> Optional[dict]:
+        """The pinned table's winner for ``key`` over ``configs`` (None when the table has none)."""
+        entry = self.entry(key, configs)
+        index = stores.pinned_lookup(self.pinned, entry.name, entry.key, 0, entry.configs)  # type: ignore[arg-type]
+        return None if index is None else configs[index]
+
+    def _fallback(self, key: Any, configs: list[dict]) -> tuple[dict, str]:
+        """A key met after tuning: its fallback (nearest tuned key's winner, else the first config), no collective."""
+        if self.on_new_key == "error":
+            raise UnseenKeyError(f"disttune.autotune: {self.__qualname__} was called with key {key!r}, which it was "
+                                 "not tuned for (on_new_key='error'); tune it first (sweep)")
+        candidates: dict = dict(self.cache)
+        for tuned, text in table_candidates(self.pinned, self.entry(key, configs).name, 0).items():
+            candidates.setdefault(tuned, text)
+        served = self.fallbacks[key] = choose(key, configs, candidates, _describe)
+        logging.getLogger("disttune").info("disttune.autotune %s: key %r served by the %s: %s", self.__qualname__,
+                                           key, served[1], _describe(served[0]))
+        return served
+
+    def _agree_on_new_keys(self, group: Any, verbose: bool) -> None:
+        """Every ``agree_every`` calls: the ranks' first calls with a new key; the same call on every rank is
+        tuned with its arguments (see :mod:`disttune.unseen`). One one-float all-gather."""
+        self._countdown = self.agree_every
+        saved, self._saved_call = self._saved_call, None
+        comm = self._communicator(group)
+        position = -1.0 if saved is None else float(saved[0])
+        positions = comm.all_gather_floats([position], "agreement on new keys")
+        if saved is None or not (positions == position).all():
+            return
+        _, key, args, kwargs = saved
+        try:
+            self.cache[key] = self._tune(key, self._pruned(args, kwargs), args, kwargs, comm, verbose)
+        except (TuningError, AllConfigsFailed) as err:  # the same on every rank: the key keeps its fallback
+            logging.getLogger("disttune").warning("disttune.autotune %s: tuning key %r failed, it keeps its "
+                                                  "fallback: %s", self.__qualname__, key, err)
+            return
+        self.fallbacks.pop(key, None)
 
     def _pruned(self, args: tuple, kwargs: dict) -> list[dict]:
         configs = [c for c in self.config_space if self.prune_fn is None or self.prune_fn(c, *args, **kwargs)]
@@ -137,12 +218,17 @@ class FunctionAutotuner:
                                "torch.distributed is not initialised")
         return make_communicator(initialised, group, None, self.timeout_s)
 
+    def entry(self, key: Any, configs: list[dict]) -> stores.EntryId:
+        """The store identity of ``key`` tuned over ``configs`` (a checked tuning's winners are stored apart)."""
+        kind, name = "function checked" if self.check else "function", f"{self.fn.__module__}.{self.__qualname__}"
+        return stores.EntryId(kind, name, stores.function_source_key(self.fn), repr(key), 0,
+                              tuple(_describe(c) for c in configs))
+
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
               verbose: bool) -> dict:
         """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk."""
         name = f"{self.fn.__module__}.{self.__qualname__}"
-        entry = stores.EntryId("function", name, stores.function_source_key(self.fn), repr(key), 0,
-                               tuple(_describe(c) for c in configs))
+        entry = self.entry(key, configs)
         site = Site(SiteId(name, (repr(key),), 0), None, configs)
         winners_store = engine.open_store(self.use_store, self.cache_dir, comm)
         lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
@@ -150,7 +236,10 @@ class FunctionAutotuner:
         agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
         agreement.consensus([site], None, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
                                                            reduce=self.reduce, statistic=self.statistic,
-                                                           split=self.split, search=describe_search(self.search)),
+                                                           split=self.split, search=describe_search(self.search),
+                                                           check=self.check, flush_l2=self.flush_l2,
+                                                           objective=self.objective, on_new_key=self.on_new_key,
+                                                           agree_every=self.agree_every),
                             [self.split])
         if site.decided is not None:
             return configs[site.decided]
@@ -180,6 +269,9 @@ class FunctionAutotuner:
                      comm: Communicator) -> None:
         """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``."""
         timer = self.timer or default_timer()
+        if self.flush_l2:
+            timer = flushing(timer)
+        check: Optional[OutputCheck] = None
         per_config = self.n_warmup + self.n_repeat
         for run in range(schedule.runs):
             slot, phase = divmod(run, per_config)
@@ -189,14 +281,22 @@ class FunctionAutotuner:
             if index is None or index in site.failures:
                 continue
             config = site.configs[index]
+            outcome: dict = {}
             try:
                 if not timed:
-                    self.fn(*args, **kwargs, **config)
+                    outcome["result"] = self.fn(*args, **kwargs, **config)
                 else:
                     info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
-                    site.add_sample(index, timer.time(lambda: self.fn(*args, **kwargs, **config), info)(), time.time())
+                    read = timer.time(lambda: outcome.__setitem__("result", self.fn(*args, **kwargs, **config)), info)
+                    site.add_sample(index, read(), time.time())
             except Exception as err:  # scored inf on every rank through the agreement
                 site.record_failure(index, err)
+                continue
+            if self.check:  # the first successful call's result is the reference
+                if check is None:
+                    check = make_check(self.check, outcome["result"])
+                elif not check.matches(outcome["result"]):
+                    blame({site.id: site}, {site.id: index})
 
 
 def autotune(
@@ -215,7 +315,24 @@ def autotune(
     group or an mpi4py communicator; ``comm`` is the older name for the latter),
     ``timeout_s``, ``cache_dir``, ``store``, ``split`` (ranks time disjoint shares of the
     space: only for functions with no collectives inside), ``search`` (``"exhaustive"``, the default,
-    ``"screen"`` or ``"model"``/a :class:`~disttune.search.ModelSearch`: see :mod:`disttune.search`).
+    ``"screen"`` or ``"model"``/a :class:`~disttune.search.ModelSearch`: see :mod:`disttune.search`),
+    ``on_new_key`` and ``agree_every``,
+    ``pinned`` (a winners table, e.g. written by ``sweep``: its keys are served from it with no tuning and
+    no collective, so deploy the same file to every rank; other keys follow ``on_new_key``),
+    ``objective`` (``"launch"`` or ``"step"``: the same here, each config is timed over whole calls),
+    ``flush_l2`` (evict the GPU's L2 before each timed call; see :mod:`disttune.timing`) and ``check``
+    (``True`` or ``(reference, output) -> bool``: a config whose result differs from the first
+    successful config's scores ``inf`` on every rank; see :mod:`disttune.checks`).
+
+    The first call tunes its key on every rank. After that a key the wrapper has no winner for never
+    starts a collective (only some ranks may meet it): it runs on the winner of the nearest tuned key
+    (:mod:`disttune.nearest`; the first config when none is a candidate), the same on every rank, and
+    ``fallbacks`` names it. With ``on_new_key="tune"`` (the default) every ``agree_every`` calls the
+    ranks all-gather one float, and a key every rank met in the same call is then tuned with that
+    call's arguments; ``"nearest"`` never tunes it; ``"error"`` raises
+    :class:`~disttune.unseen.UnseenKeyError`. In a world of one, ``"tune"`` tunes every new key at
+    once. Per call this adds one counter; the agreement assumes every rank calls the wrapper (with
+    ``autotune=True``) as often, and uses the group of the call that reaches it.
     """
 
     def decorate(fn: Callable[..., Any]) -> FunctionAutotuner:

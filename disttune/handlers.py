@@ -12,7 +12,8 @@ occurrence of that kernel and key within the run; see :mod:`disttune.sites`) and
 * :class:`Final` (the run whose result the caller gets) launches the agreed winners, with Triton's
   one reset after benchmarking; a split winner that fails here is recorded for the agreement;
 * :class:`Fast` launches the winners of a finished tuning: the tuned fast path
-  (:mod:`disttune.fast_path`) hands it the launches its plan does not cover.
+  (:mod:`disttune.fast_path`) hands it the launches its plan does not cover, and a site no winner
+  covers to its fallback (:mod:`disttune.unseen`).
 
 Handlers only launch and record; the agreement between ranks lives in :mod:`disttune.agreement`.
 Naming a launch costs Triton's key computation and a dictionary update.
@@ -217,10 +218,13 @@ class Fast(SiteLaunches):
     as it would have been had this handler seen the whole call.
     """
 
-    def __init__(self, winners: dict[SiteId, Any], occurrences: Optional[dict] = None) -> None:
+    def __init__(self, winners: dict[SiteId, Any], occurrences: Optional[dict] = None, unseen: Any = None) -> None:
         super().__init__(occurrences)
         self.winners = winners
+        self.unseen = unseen  # a disttune.unseen.NewKeys: the fallback of sites no winner covers
         self.stale: list[str] = []
 
     def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        if self.unseen is not None and ident not in self.winners and key not in autotuner.cache:
+            return self.unseen.launch(ident, autotuner, key, args, kwargs)
         return launch_fast(ident, autotuner, key, args, kwargs, self.winners, self.stale)

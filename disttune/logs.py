@@ -131,6 +131,15 @@ class RankLog:
             source=source,
         )
 
+    def fallback(self, site: str, key: tuple, occurrence: int, config: str, source: str) -> None:
+        """A site met after tuning, served by a fallback (``on_new_key``) without tuning."""
+        self._add("fallback", f"{site} key={key!r} occ={occurrence} -> {{{config}}} served by the {source}",
+                  kernel=site, key=repr(key), occurrence=occurrence, config=config, source=source)
+
+    def note(self, topic: str, text: str) -> None:
+        """A line of prose about the tuner's own decisions (``topic``: what it is about)."""
+        self._add("note", f"{topic}: {text}", topic=topic, text=text)
+
     def flush(self) -> None:
         if not self._lines:
             return

@@ -1,7 +1,8 @@
 """The options both tuners share, checked once when a tuner is built, and their text for the consensus.
 
 Options that change the schedule (``n_warmup``, ``n_repeat``, ``search``, ``split``,
-``compile_split``) or the verdict (``reduce``, ``statistic``) must be the same on every rank: the
+``compile_split``, ``on_new_key``, ``agree_every``, ``objective``, ``flush_l2``) or the verdict (``reduce``,
+``statistic``, ``check``) must be the same on every rank: the
 consensus (:meth:`disttune.agreement.Agreement.consensus`) compares :func:`describe_options` of
 each rank's and names the option and every rank's value where they differ.
 """
@@ -15,7 +16,17 @@ from .sites import REDUCTIONS, Statistic, resolve_statistic
 from .timing import Timer
 
 #: The options that change the schedule or the verdict (compared across ranks by the consensus).
-AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "search", "split", "compile_split")
+AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "search", "split", "compile_split", "on_new_key",
+          "agree_every", "objective", "flush_l2", "check")
+
+#: What a tuning may minimise (see :mod:`disttune.objective`).
+OBJECTIVES = ("launch", "step")
+
+
+def check_objective(objective: Any) -> None:
+    """``objective=`` of either tuner: one of :data:`OBJECTIVES`; a ValueError naming them otherwise."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"disttune: objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
 def check_count(name: str, value: Any, minimum: int) -> None:

@@ -107,7 +107,9 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
             problems.append(f"{site.name.lower()}: plots failed: {type(err).__name__}: {err}")
         plots += site.plots
     markdown = out / REPORT_NAME
-    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history), encoding="utf-8")
+    fallbacks = [r for data in logs for r in data.records if r["event"] == "fallback"]
+    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history, fallbacks),
+                        encoding="utf-8")
     return Report(markdown, plots, sites, problems)
 
 

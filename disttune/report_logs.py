@@ -34,6 +34,8 @@ _REQUIRED = {
     "tuning": {"function": str, "wall_s": (int, float), "function_runs": int, "world_size": int},
     "diagnostics": {"kernel": str, "key": str, "occurrence": int, "scope": str},
     "verify": {"kernel": str, "key": str, "occurrence": int, "config": str, "regressed": bool},
+    "fallback": {"kernel": str, "key": str, "occurrence": int, "config": str, "source": str},
+    "note": {"topic": str, "text": str},
 }
 
 

@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 from .diagnostics import format_diagnostics
 from .report_logs import clip
 from .report_sites import ConfigRow, SiteSummary
+from .sites import describe_config
 
 # where a site's latest winner came from when it was not tuned in that call
 _SOURCES = {"store": "the store", "pinned": "the pinned table", "cached": "the kernel's cache"}
@@ -156,8 +157,24 @@ def format_problems(problems: Sequence[str]) -> str:
     return "\n".join(f"- {_cell(p)}" for p in problems)
 
 
+def format_fallbacks(fallbacks: Sequence[dict]) -> str:
+    """One row per key served by a fallback after tuning (``on_new_key``): which ranks, which config, from where."""
+    by_site: dict[tuple, dict] = {}
+    for record in fallbacks:
+        row = by_site.setdefault((record["kernel"], record["key"], record["occurrence"], record["config"],
+                                  record["source"]), {"ranks": set()})
+        row["ranks"].add(record.get("rank"))
+    lines = ["| kernel | key | occurrence | ran | served by | ranks |", "| --- | --- | --- | --- | --- | --- |"]
+    for (kernel, key, occurrence, config, source), row in sorted(by_site.items()):
+        ranks = ", ".join(str(r) for r in sorted(row["ranks"], key=str))
+        lines.append(f"| {_cell(kernel)} | {_code(key)} | {occurrence} | {_cell(describe_config(config))} | "
+                     f"{_cell(source)} | {ranks} |")
+    return "\n".join(lines)
+
+
 def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites: Sequence[SiteSummary],
-                    problems: Sequence[str], present: Sequence[int], history: bool = False) -> str:
+                    problems: Sequence[str], present: Sequence[int], history: bool = False,
+                    fallbacks: Sequence[dict] = ()) -> str:
     """The whole report: header, Problems, summary table, one section per site (per tuning with ``history``)."""
     scope = ("Each site shows every tuning in the logs, oldest first (site 2.1 is site 2's first tuning)."
              if history else "Each site shows its last tuning in the logs (`--all`: every tuning).")
@@ -172,6 +189,10 @@ def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites:
         parts += ["## Summary", "", format_summary(sites), ""]
     else:
         parts += ["No tuning sites in the logs.", ""]
+    if fallbacks:
+        parts += ["## Keys served by a fallback", "",
+                  "Keys met after tuning that no tuning covered (`on_new_key`): each ran, with no collective, on "
+                  "the config shown, the same on every rank that met it.", "", format_fallbacks(fallbacks), ""]
     for site in sites:
         parts += [format_site(site, present, out_dir), ""]
     return "\n".join(parts)

@@ -180,21 +180,7 @@ class WinnerStore:
 
     def save(self, entry: EntryId, winner: int, agreed_ms: list[float], extra: Optional[dict] = None) -> Optional[Path]:
         """Write one entry atomically (temp file + rename) under a file lock. Failures warn once."""
-        record = {
-            "schema": SCHEMA,
-            "kind": entry.kind,
-            "name": entry.name,
-            "source_key": entry.source_key,
-            "key": entry.key,
-            "occurrence": entry.occurrence,
-            "configs": list(entry.configs),
-            "winner": winner,
-            "winner_config": entry.configs[winner],
-            "agreed_ms": [t if t != float("inf") else None for t in agreed_ms],
-            "fingerprint": self.fingerprint,
-            "created": time.time(),
-            **(extra or {}),
-        }
+        record = make_record(entry, winner, agreed_ms, self.fingerprint, extra)
         path = self.path(entry)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +193,26 @@ class WinnerStore:
                               "used in this process but the next one will tune again", StoreWarning, stacklevel=2)
             return None
         return path
+
+
+def make_record(entry: EntryId, winner: int, agreed_ms: list[float], fingerprint: dict,
+                extra: Optional[dict] = None) -> dict:
+    """One store record (the content of one store file, and one entry of a winners table)."""
+    return {
+        "schema": SCHEMA,
+        "kind": entry.kind,
+        "name": entry.name,
+        "source_key": entry.source_key,
+        "key": entry.key,
+        "occurrence": entry.occurrence,
+        "configs": list(entry.configs),
+        "winner": winner,
+        "winner_config": entry.configs[winner],
+        "agreed_ms": [t if t != float("inf") else None for t in agreed_ms],
+        "fingerprint": fingerprint,
+        "created": time.time(),
+        **(extra or {}),
+    }
 
 
 def validate_record(record: Any, entry: Optional[EntryId], fingerprint: Optional[dict]) -> Optional[str]:
@@ -278,6 +284,12 @@ def export_table(path: str | os.PathLike, cache_dir: Optional[str | os.PathLike]
     entries = [record for _, record, problem in iter_records(cache_dir) if record is not None and not problem]
     atomic_write_json(Path(path), {"schema": TABLE_SCHEMA, "entries": entries})
     return len(entries)
+
+
+def write_table(path: str | os.PathLike, records: list[dict]) -> int:
+    """Write ``records`` (see :func:`make_record`) as one winners table at ``path``; returns the entry count."""
+    atomic_write_json(Path(path), {"schema": TABLE_SCHEMA, "entries": records})
+    return len(records)
 
 
 def import_table(path: str | os.PathLike, cache_dir: Optional[str | os.PathLike] = None) -> int:

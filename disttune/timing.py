@@ -10,13 +10,21 @@ timers record events without a device synchronisation per launch.
   ``TRITON_INTERPRET=1`` or without a GPU.
 
 Tests inject their own Timer so the expected winner is computable.
+
+**L2 between tuning runs.** By default nothing is done to the GPU's L2 cache between runs: each timed
+launch meets the cache as the launches before it in the same run of the function left it, which is
+how it meets it in production when the function runs in a loop (in context, that is the honest
+measurement). ``flush_l2=True`` (both tuners) writes a buffer twice the L2's size before each timed
+launch, or before each timed run with ``objective="step"`` (:func:`flushing`), for kernels that run
+cold in production (the first layer after a large copy, say). Under the interpreter or without a GPU
+there is no L2 to flush and the option does nothing.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from .env import interpreting
 
@@ -73,6 +81,41 @@ class CudaEventTimer:
             return float(start.elapsed_time(end))
 
         return read
+
+
+class L2FlushingTimer:
+    """``flush_l2=True``: before each timed launch (or run), ``flush()`` evicts the L2 cache, then ``inner`` times.
+
+    The flush is enqueued before the timer starts, so it is not part of the time.
+    """
+
+    def __init__(self, inner: Timer, flush: Callable[[], Any]) -> None:
+        self.inner, self.flush = inner, flush
+
+    def time(self, launch: Callable[[], Any], info: LaunchInfo) -> Reader:
+        self.flush()
+        return self.inner.time(launch, info)
+
+
+def l2_flush() -> Optional[Callable[[], Any]]:
+    """A function that writes a buffer twice the GPU's L2 size (at least 32 MiB), evicting what the L2 holds;
+    None without a GPU or under the interpreter (there is nothing to flush). Costs one memset per call."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or interpreting():
+        return None
+    l2_bytes = int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 0)
+    buffer = torch.empty(max(2 * l2_bytes, 32 << 20), dtype=torch.int8, device="cuda")
+    return buffer.zero_
+
+
+def flushing(timer: Timer, flush: Optional[Callable[[], Any]] = None) -> Timer:
+    """``timer`` with an L2 flush before each timing (``flush`` default :func:`l2_flush`); ``timer`` itself when
+    there is nothing to flush."""
+    flush = flush or l2_flush()
+    return timer if flush is None else L2FlushingTimer(timer, flush)
 
 
 def default_timer() -> Timer:

@@ -131,6 +131,7 @@ def shard_ordered_gemm(
     WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, ADD_SLOTS: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SKIP_WAIT: tl.constexpr = False,  # for tests only (racy_config): tiles read their rows without waiting
 ):
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_KMAJOR:  # B given as the transpose of a row-major [N, K] (an nn.Linear weight): TMA-friendly
@@ -147,7 +148,7 @@ def shard_ordered_gemm(
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT and ADD_SLOTS == 0):
         shard, row, rows_left, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD,
                                                                   BLOCK_M, GROUP_M)
-        if WAIT:  # shards arrive in CHUNKS pieces of chunk_rows rows, each flagged with the call's epoch
+        if WAIT and not SKIP_WAIT:  # shards arrive in CHUNKS pieces of chunk_rows rows, each flagged with the epoch
             flag = flags_ptr + shard * CHUNKS + row_in_shard // chunk_rows
             while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
                 pass
@@ -204,6 +205,13 @@ def prune_shard_configs(configs, named_args: dict, **kwargs) -> list:
         raise ValueError(f"shard GEMM: every config has BLOCK_M > {MAX_BLOCK_M}; a tile must not span two pushed "
                          f"chunks (BLOCK_M values: {sorted({c.kwargs['BLOCK_M'] for c in kept})})")
     return fitting
+
+
+def racy_config(config: triton.Config) -> triton.Config:
+    """``config`` with its tiles' flag waits skipped: a deliberately wrong config, for tests of output checks
+    (``check=``): fast, because it never waits, and wrong whenever a shard arrives after its tiles ran."""
+    return triton.Config({**config.kwargs, "SKIP_WAIT": True}, num_warps=config.num_warps,
+                         num_stages=config.num_stages)
 
 
 def make_shard_gemm_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench=None, **autotune_kwargs):

@@ -70,3 +70,16 @@ def test_second_launch_starts_without_tuning(tmp_path):
     assert timings[1][1] == "2", "a store hit costs the discovery run and the final run"
     print(f"first launch tuning call {timings[0][0]} s ({timings[0][1]} runs); "
           f"second launch {timings[1][0]} s ({timings[1][1]} runs)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sweep_example_on_one_gpu_pins_and_serves(tmp_path):
+    """The grouped GEMM swept over batch sizes 1 to 4096 with the Hopper configs, then sizes never tuned served."""
+    table = tmp_path / "moe_winners.json"
+    proc = run_launch(["--nproc_per_node=1", "examples/sweep_moe.py", "--table", str(table)], timeout=540,
+                      extra_env={"DISTTUNE_CACHE_DIR": str(tmp_path / "store"), "DISTTUNE_PROGRESS": "0"})
+    assert proc.returncode == 0 and "correct on every rank: True" in proc.stdout, describe(proc)
+    assert len(re.findall(r"^\d+ +_moe_gemm_body ", proc.stdout, flags=re.M)) == 7, describe(proc)
+    assert proc.stdout.count("(never tuned) ran") == 3, describe(proc)
+    print(proc.stdout)

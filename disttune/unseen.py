@@ -1,0 +1,170 @@
+"""Keys a tuned wrapper was never tuned for: served at once on a rank-independent fallback, never a stall.
+
+After tuning, a call may meet a key (a new batch size, a new token count) that no tuning call of
+the wrapper covered. Only some ranks may meet it, so the rank that does must not enter a
+collective: it would wait for peers that are busy with their own collectives. ``on_new_key=``
+says what happens instead:
+
+* ``"nearest"``: the launch runs at once, with no collective, on the winner of the nearest tuned
+  key (:mod:`disttune.nearest`, over this wrapper's agreed winners and its pinned table), or on
+  the first config when no tuned key is a candidate. Every rank that meets the key computes the
+  same fallback from the same agreed table. The key is never tuned in traffic.
+* ``"tune"`` (the default): served the same way, and remembered as pending. Every ``agree_every``
+  calls (SPMD code calls the wrapper as often on every rank, so that call is a point all ranks
+  share) the ranks all-gather one number each: the position, within the last ``agree_every``
+  calls, of the first call that met a pending key (``-1``: none). When every rank names the same
+  call, every rank met new keys in that call: each re-runs a normal tuning call with that call's
+  arguments (kept until then), and the keys are tuned as the first call tunes. Otherwise they stay
+  on their fallback, and the next period tries again. A world of one needs no agreement: there
+  the launch runs its first config and the next call tunes (no peer can be left waiting).
+* ``"error"``: :class:`UnseenKeyError` on the rank that meets the key, before it launches (a
+  pinned deployment that must never run an untuned config).
+
+The trade-off: a key every rank meets in the same call is tuned up to ``agree_every`` calls
+later, not in that call, since only a collective in every call could tell a rank that its peers
+met the key too; until then it runs on its fallback, the same on every rank. Cost on the fast
+path: one counter per call; one one-float all-gather per ``agree_every`` calls (``"tune"`` with
+more than one rank only; over NCCL it waits for the GPU's queue, as every collective of the tuner does); a launch on a fallback costs a dict lookup over the planned launch, and
+the first one per key the nearest search and a line in the rank log.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from . import triton_launch as triton
+from .compat import config_text
+from .nearest import nearest_key, parse_key
+from .sites import SiteId, describe_config
+
+ON_NEW_KEY = ("tune", "nearest", "error")
+DEFAULT_AGREE_EVERY = 128
+NEVER = 1 << 62  # a countdown that never reaches zero in a process's life
+
+
+class UnseenKeyError(RuntimeError):
+    """``on_new_key="error"``: a launch met a key that no tuning call and no pinned table covers."""
+
+
+def check_on_new_key(on_new_key: Any, agree_every: Any) -> None:
+    """The checks of ``on_new_key=`` and ``agree_every=``, shared by both tuners."""
+    if on_new_key not in ON_NEW_KEY:
+        raise ValueError(f"disttune: on_new_key must be one of {ON_NEW_KEY}, got {on_new_key!r}")
+    if isinstance(agree_every, bool) or not isinstance(agree_every, int) or agree_every < 1:
+        raise ValueError(f"disttune: agree_every must be an integer >= 1, got {agree_every!r}")
+
+
+def table_candidates(table: Optional[dict], name: str, occurrence: int) -> dict:
+    """``{key: winner config text}`` of a pinned table's entries for kernel (or function) ``name``."""
+    if table is None:
+        return {}
+    return {parse_key(r["key"]): r["configs"][r["winner"]] for r in table["entries"]
+            if r["name"] == name and int(r.get("occurrence", 0)) == occurrence}
+
+
+def choose(key: Any, configs: list, candidates: dict, describe: Callable[[Any], str] = config_text) -> tuple[Any, str]:
+    """The fallback for ``key`` among ``configs``: (config, where it came from).
+
+    ``candidates`` maps tuned keys to their winners (configs or their texts); a candidate whose winner
+    is not among ``configs`` (pruned for this key) does not count.
+    """
+    texts = [describe(c) for c in configs]
+    usable = {}
+    for tuned, winner in candidates.items():
+        text = winner if isinstance(winner, str) else describe(winner)
+        if text in texts:
+            usable[tuned] = texts.index(text)
+    nearest = nearest_key(key, usable)
+    if nearest is None:
+        return configs[0], "first config (no tuned key is a candidate)"
+    return configs[usable[nearest]], f"nearest tuned key {nearest!r}"
+
+
+class NewKeys:
+    """The unseen-key policy of one contextual wrapper: its agreed winners, fallbacks, pending keys.
+
+    ``known`` accumulates the agreed winners of every tuning call (the table the fallback reads);
+    ``served`` holds each unseen site's fallback, chosen once; ``log(ident, config, source)`` records it.
+    """
+
+    def __init__(self, name: str, mode: str, table: Optional[dict] = None,
+                 log: Optional[Callable[[SiteId, Any, str], None]] = None) -> None:
+        self.name, self.mode, self.table, self.log = name, mode, table, log
+        self.known: dict[SiteId, Any] = {}
+        self.served: dict[SiteId, tuple[Any, str]] = {}
+        self.pinned: dict[SiteId, Any] = {}  # sites the pinned table has a winner for: served as tuned
+        self.pending: set[SiteId] = set()
+        self.met_in_call = False  # set by a launch on a fallback, read and cleared by the wrapper
+
+    def remember(self, winners: dict[SiteId, Any]) -> None:
+        """Winners agreed by a tuning call: known from now on, and no longer served by a fallback."""
+        self.known.update(winners)
+        for ident in winners:
+            self.served.pop(ident, None)
+            self.pending.discard(ident)
+
+    def fallbacks(self) -> dict[str, str]:
+        """``{site: "config <- source"}`` for every site served by a fallback so far, for logs and reports."""
+        return {ident.describe(): f"{describe_config(config)} <- {source}"
+                for ident, (config, source) in self.served.items()}
+
+    def launch(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        """Launch ``ident`` on its fallback (chosen on first sight); no collective."""
+        config = self.pinned.get(ident)
+        if config is not None:
+            return triton.launch_winner(autotuner, args, kwargs, config)
+        served = self.served.get(ident)
+        if served is None:
+            configs = triton.candidate_configs(autotuner, args, kwargs)
+            exact = self._pinned_winner(ident, key, configs)
+            if exact is not None:
+                self.pinned[ident] = exact
+                return triton.launch_winner(autotuner, args, kwargs, exact)
+            if self.mode == "error":
+                raise UnseenKeyError(
+                    f"disttune: {self.name} launched {ident.describe()}, which no tuning call and no pinned "
+                    "table covers (on_new_key='error'); tune it (step.sweep) and deploy the table, or pass "
+                    "on_new_key='nearest'")
+            served = self.served[ident] = self._choose(ident, key, configs)
+            if self.log is not None:
+                self.log(ident, served[0], served[1])
+        if self.mode == "tune":
+            self.pending.add(ident)
+            self.met_in_call = True
+        return triton.launch_winner(autotuner, args, kwargs, served[0])
+
+    def _pinned_winner(self, ident: SiteId, key: tuple, configs: list) -> Optional[Any]:
+        """The pinned table's winner for exactly this site (same key and candidate list), if it has one."""
+        if self.table is None:
+            return None
+        texts = [config_text(c) for c in configs]
+        for record in self.table["entries"]:
+            if (record["name"], int(record.get("occurrence", 0)), record["configs"]) == (ident.kernel, ident.occurrence,
+                                                                                         texts) \
+                    and parse_key(record["key"]) == key:
+                return configs[int(record["winner"])]
+        return None
+
+    def _choose(self, ident: SiteId, key: tuple, configs: list) -> tuple[Any, str]:
+        candidates = {known.key: config for known, config in self.known.items()
+                      if known.kernel == ident.kernel and known.occurrence == ident.occurrence}
+        for tuned, text in table_candidates(self.table, ident.kernel, ident.occurrence).items():
+            candidates.setdefault(tuned, text)
+        return choose(key, configs, candidates)
+
+
+def pinned_or_nearest(lookup: Callable[[Any], Optional[int]], table: dict,
+                      chosen: dict[SiteId, tuple[Any, str]]) -> Callable[[Any], Optional[int]]:
+    """A pinned-table lookup that answers a site the table lacks with its nearest entry (or the first config),
+    noting each such answer in ``chosen``: ``on_new_key="nearest"`` with ``pinned=`` in a tuning call."""
+
+    def answer(site: Any) -> Optional[int]:
+        index = lookup(site)
+        if index is None:
+            config, source = choose(site.id.key, site.configs,
+                                    table_candidates(table, site.id.kernel, site.id.occurrence))
+            index = site.configs.index(config)
+            chosen[site.id] = (config, f"pinned table's {source}")
+        return index
+
+    return answer
