@@ -6,7 +6,8 @@ The public entry points:
   kernel launched inside it, agreed across ranks;
 * :func:`autotune` tunes a function over keyword-argument configs, agreed across ranks;
 * :mod:`disttune.store` keeps winners on disk so the next process tunes nothing;
-* :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
+* :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment;
+* :func:`warm_up` pays Triton's one-time initialisation before the first tuning call.
 """
 
 from . import dist
@@ -16,6 +17,7 @@ from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
 from .sites import AllConfigsFailed, SiteId, describe_config
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
+from .warmup import warm_up
 
 __all__ = [
     "dist",
@@ -37,5 +39,6 @@ __all__ = [
     "autotune",
     "contextual_autotune",
     "describe_config",
+    "warm_up",
 ]
 __version__ = "0.1.0"

@@ -190,6 +190,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     device = _device_for(launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds to the current device
+        from .warmup import start_if_enabled
+
+        start_if_enabled(device.index)  # Triton's one-time initialisation, beside the rendezvous and the model load
 
     kwargs: dict[str, Any] = {
         "backend": backend,
