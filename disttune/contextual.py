@@ -38,6 +38,7 @@ from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .options import AGREED, check_common, check_count, describe_options
+from .phases import Phases
 from .sites import Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .timing import Timer, default_timer
 
@@ -198,40 +199,59 @@ class ContextualAutotuner:
         table = stores.load_table(o.pinned) if o.pinned else None
         sites: dict[SiteId, Site] = {}
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
+        phases = Phases()
+        span = phases.span
         try:
-            discover = Discover(sites, o.always_tune, engine.lookup(winners_store, table, o.always_tune), compiles)
-            result, error = engine.run_once(self.fn, discover, args, kwargs)
-            if compiles is not None:
-                compiles.finish()
+            discover = Discover(sites, o.always_tune, engine.lookup(winners_store, table, o.always_tune), compiles,
+                                phases)
+            with span("discovery run"):
+                result, error = engine.run_once(self.fn, discover, args, kwargs)
+            overlap = compiles is not None and share is None and env.compile_overlap()
+            if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
+                with span("compile wait"):
+                    compiles.finish()
             found = list(sites.values())
-            agreement.consensus(found, error, o.agreed(), [bool(self._splits(s)) for s in found],
-                                None if table is None else stores.table_digest(table), o.pinned)
+            with span("collectives"):
+                agreement.consensus(found, error, o.agreed(), [bool(self._splits(s)) for s in found],
+                                    None if table is None else stores.table_digest(table), o.pinned)
             tuned = [s for s in found if s.preset is None and s.decided is None]
             for site in tuned:
                 if comm.world_size > 1 and self._splits(site):
                     site.share = (comm.rank, comm.world_size)
-            if compiles is not None:  # every rank finished its share before the consensus: the peers' are cached
-                compiles.compile_rest(tuned)
-            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, o.timer or default_timer(), o.verbose)
+            if compiles is not None and share is not None:  # every rank finished its share: the peers' are cached
+                with span("compile wait"):
+                    compiles.compile_rest(tuned)
+            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, o.timer or default_timer(), o.verbose,
+                               compiles if overlap else None, phases)
             function_runs = 1
-            if o.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
-                function_runs += runs.screen(tuned)
-            longest = max((s.slots() for s in tuned), default=0)
-            function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
-            results = agreement.verdicts(tuned, log) + settled_results(found, log)
+            with span("tuning runs"):
+                if o.early_stop and max((len(s.configs) for s in tuned), default=0) > 2:
+                    function_runs += runs.screen(tuned)
+                longest = max((s.slots() for s in tuned), default=0)
+                function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+            if overlap:
+                with span("compile wait"):
+                    compiles.finish()  # type: ignore[union-attr]  # a config never launched may still fail here
+            with span("collectives"):
+                results = agreement.verdicts(tuned, log) + settled_results(found, log)
             winners = self._commit(sites, results)
             final_run = any(s.preset is None for s in found)
             if any(s.split for s in tuned):
-                result, results, final_runs = runs.checked_final(results, winners, log,
-                                                                 lambda r: self._commit(sites, r))
+                with span("final run"):
+                    result, results, final_runs = runs.checked_final(results, winners, log,
+                                                                     lambda r: self._commit(sites, r))
                 function_runs += final_runs
             if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
-                engine.save_winners(winners_store, [(engine.kernel_entry(sites[r.site]), r) for r in results], name)
+                with span("store"):
+                    engine.save_winners(winners_store, [(engine.kernel_entry(sites[r.site]), r) for r in results],
+                                        name)
             if final_run and not any(s.split for s in tuned):
-                result = runs.final(self._winners)
+                with span("final run"):
+                    result = runs.final(self._winners)
                 function_runs += 1
             wall_s = time.perf_counter() - started
-            self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size)
+            self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
+                                       phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})
             log.tuning(name, wall_s, function_runs, len(tuned), comm.world_size, o.reduce, str(o.statistic))
             self._tuned = True
             if o.verbose and comm.rank == 0:

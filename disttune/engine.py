@@ -20,9 +20,11 @@ from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError
 from .comm import Communicator, LocalComm
 from .compat import config_text
+from .compile import CompilePool
 from .handlers import Final, SiteLaunches, Tune
 from .intercept import intercept
 from .logs import RankLog
+from .phases import Phases, span
 from .sites import Schedule, Site, SiteId, describe_config, screening_keep, survivors
 from .timing import Timer
 
@@ -53,9 +55,11 @@ class Runs:
     """The tuning and final runs of one tuning call of ``fn(*args, **kwargs)`` over ``sites``."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, sites: dict[SiteId, Site],
-                 agreement: Agreement, timer: Timer, progress: bool = False) -> None:
+                 agreement: Agreement, timer: Timer, progress: bool = False,
+                 compiles: Optional[CompilePool] = None, phases: Optional[Phases] = None) -> None:
         self.fn, self.args, self.kwargs, self.sites = fn, args, kwargs, sites
         self.agreement, self.timer, self.progress = agreement, timer, progress
+        self.compiles, self.phases = compiles, phases  # a pool still compiling; the call's breakdown
 
     def stage(self, schedule: Schedule, label: str) -> int:
         """Run the function ``schedule.runs`` times, checking with the peers after each run; returns the count."""
@@ -63,10 +67,11 @@ class Runs:
         bar = progress_bar(self.progress and comm.rank == 0, schedule.runs,
                            f"disttune {self.agreement.name}: {label}s")
         for run in range(schedule.runs):
-            handler = Tune(self.sites, schedule, run, self.timer, comm.rank)
+            handler = Tune(self.sites, schedule, run, self.timer, comm.rank, self.compiles, self.phases)
             _, error = run_once(self.fn, handler, self.args, self.kwargs)
             problems = handler.finish() + ([error[1]] if error else [])
-            self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
+            with span(self.phases, "collectives"):
+                self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -77,7 +82,9 @@ class Runs:
         """Early stopping: one warm-up and one timed run per config, agreed; the fastest quarter goes on."""
         screening = Schedule(max(s.slots() for s in tuned), 1, 1)
         runs = self.stage(screening, "screening run")
-        for site, (per_rank, agreed) in zip(tuned, self.agreement.gather_agreed(tuned, "screening agreement")):
+        with span(self.phases, "collectives"):
+            gathered = self.agreement.gather_agreed(tuned, "screening agreement")
+        for site, (per_rank, agreed) in zip(tuned, gathered):
             site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
         return runs
 
