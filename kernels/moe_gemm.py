@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from disttune import cached_launch
+
 from .matmul import (
     BF16_INTERPRETER_NOTE,
     cdiv,
@@ -430,8 +432,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
         return out.zero_()
     rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
     kern = kernel if kernel is not None else moe_gemm_kernel
-    kern[_grid(R, N, routing, meta["NUM_SMS"])](*args, rb, first_group, 0 if wait is None else wait[1], *strides,
-                                                **meta)
+    cached_launch.launch(kern, _grid(R, N, routing, meta["NUM_SMS"]),
+                         (*args, rb, first_group, 0 if wait is None else wait[1], *strides), meta)
     return out
 
 

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation  # Triton has no public way to ask whether an allocator is set
 
+from disttune import cached_launch
+
 from .matmul import (
     BF16_INTERPRETER_NOTE,
     CPU_GEMM_CONFIGS,
@@ -335,11 +337,12 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
         tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) * cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
-    kern[grid](a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
-               offsets if addend_flags is None else addend_flags, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-               out.stride(0), 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
-               rank, chunk_rows, epoch, addend_skip,
-               WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, ADD_SLOTS=slots, NUM_SMS=sms)
+    cached_launch.launch(kern, grid, (
+        a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
+        offsets if addend_flags is None else addend_flags, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
+        out.stride(0), 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
+        rank, chunk_rows, epoch, addend_skip),
+        dict(WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, ADD_SLOTS=slots, NUM_SMS=sms))
     return out
 
 
