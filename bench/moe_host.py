@@ -9,8 +9,8 @@ kernels are. Each row calls its function ``--calls`` times back to back and sync
 interleaved rounds (best round counts; ``disttune.benchmark.host_and_wall_us``); *host* is the time
 to issue the calls, *wall* includes the final synchronization, and *GPU* is 10 calls back to back
 between two CUDA events (``disttune.benchmark.steady_ms``). When host ~ wall the step is
-host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (every rank holds ``T / world`` tokens of the shape, as in ``bench/moe.py``
-part b; max over ranks):
+host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (every rank holds
+``T / world`` tokens of the shape, as in ``bench/moe.py`` part b; max over ranks):
 
   ag_moe                 ``kernels.moe.ag_moe`` with a stock ``triton.autotune`` kernel (what part b times)
   ag_moe, contextual     the same under ``disttune.contextual_autotune`` (tuned first; the fast path)
