@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -60,8 +61,12 @@ def precompile(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any, dev
     compiled = autotuner.fn.warmup(*args, **meta, **config.all_kwargs())
     if hasattr(compiled, "result"):  # a Triton that compiles asynchronously hands back a future
         compiled = compiled.result()
-    getattr(compiled, "run", None)  # CompiledKernel.run: the launcher and the loaded binary
+    with _loading:  # configs of one kernel share a launcher: one worker builds it, the others find it cached
+        getattr(compiled, "run", None)  # CompiledKernel.run: the launcher and the loaded binary
     return compiled
+
+
+_loading = threading.Lock()
 
 
 def compile_share(comm: Communicator) -> tuple[int, int]:
