@@ -225,7 +225,8 @@ class Bench:
                     print(f"| {row['contender']} | {row['ms']:.3f} | {row['one_call_ms']:.3f} | {row['host_us']:.1f} "
                           f"| {row['ms'] * 1e3:.1f} | {row['tflops']:.0f} "
                           f"| {loop_ms / row['ms']:.2f}x "
-                          f"| {gm_ms / row['ms']:.2f}x | {gm_one / row['one_call_ms']:.2f}x | {err} | {row['winner'] or ''} |")
+                          f"| {gm_ms / row['ms']:.2f}x | {gm_one / row['one_call_ms']:.2f}x | {err} "
+                          f"| {row['winner'] or ''} |")
 
     # -- part b -----------------------------------------------------------------------------
     def tp_inputs(self, s: dict, seed: int):

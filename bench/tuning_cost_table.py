@@ -34,8 +34,8 @@ def first_calls(rows: dict[str, dict]) -> list[str]:
     cold = rows.get("untuned_cold")
     head = next(iter(rows.values()))
     step = {"gemm": "AG-GEMM step", "moe": "AG + MoE grouped GEMM step"}[head.get("workload", "gemm")]
-    lines = [f"tuning cost, {step}, {head['world']} x {head['device']} (torch {head['torch']}, triton {head['triton']}, "
-             f"{head['date']})",
+    lines = [f"tuning cost, {step}, {head['world']} x {head['device']} (torch {head['torch']}, "
+             f"triton {head['triton']}, {head['date']})",
              f"{'variant':<20} {'first call s':>12} {'vs baseline':>11} {'overhead s':>10} {'vs baseline':>11} "
              f"{'runs':>5} {'source':>7} {'step ms (100)':>13} {'= baseline':>10}  winner"]
     base_overhead = base["first_call_s"] - cold["first_call_s"] if base and cold else None

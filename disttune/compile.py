@@ -112,7 +112,8 @@ class CompilePool:
     def _submit(self, site: Site, args: tuple, kwargs: dict, device: Optional[int], indices: Any) -> list:
         futures: list = [None] * len(site.configs)
         for index in indices:
-            futures[index] = self.executor.submit(self._timed, site.autotuner, args, kwargs, site.configs[index], device)
+            futures[index] = self.executor.submit(self._timed, site.autotuner, args, kwargs, site.configs[index],
+                                                  device)
         return futures
 
     def _timed(self, *job: Any) -> Any:
