@@ -9,7 +9,9 @@ rounds, ``disttune.benchmark.host_and_wall_us``; *host* is the time to issue the
 final synchronisation):
 
   torch.matmul                  cuBLAS on the same operands: the host floor of a library GEMM
-  plain JIT launch              ``shard_gemm_jit[grid](..., **winner)``: Triton's own launch path, no tuner
+  plain JIT launch              ``shard_gemm_jit[grid](*args, **winner)`` with the arguments prepared once:
+                                Triton's own launch path alone
+  shard_gemm, plain JIT kernel  ``kernels.shard_gemm.shard_gemm`` launching that JIT function (its Python)
   shard_gemm, fixed config      ``kernels.shard_gemm.shard_gemm`` on a one-config ``triton.autotune`` kernel
   AllGatherGEMM, fixed config   the whole AG-GEMM call on that kernel (checks, pusher, flags, the GEMM)
   AllGatherGEMM, contextual     the step tuned with ``contextual_autotune``, on its fast path
@@ -68,18 +70,30 @@ def main() -> None:
     fixed_kernel = make_shard_gemm_kernel([winner])  # one config: Triton launches it without benchmarking
     fixed_op = AllGatherGEMM(kernel=fixed_kernel)
 
+    captured: dict = {}
+
     class Plain:
-        """``shard_gemm_jit`` with the winner's meta-parameters, launched as ``kernel[grid](...)``."""
+        """``shard_gemm_jit`` with the winner's meta-parameters, launched as ``kernel[grid](...)``; the first
+        launch's arguments are kept for the bare launch."""
 
         def __getitem__(self, grid: Any) -> Any:
             launch = shard_gemm_jit[grid]
             meta = winner.all_kwargs()
-            return lambda *args, **kwargs: launch(*args, **kwargs, **meta)
+
+            def go(*args: Any, **kwargs: Any) -> Any:
+                captured.setdefault("call", (grid, args, {**kwargs, **meta}))
+                return launch(*args, **kwargs, **meta)
+
+            return go
 
     plain = Plain()
+    shard_gemm(a, b, out, (M,), 0, kernel=plain)
+    grid_fn, jit_args, jit_kwargs = captured["call"]
+    fixed_grid = grid_fn(jit_kwargs)
     fns = {
         "torch.matmul": lambda: torch.matmul(a, b, out=out),
-        "plain JIT launch": lambda: shard_gemm(a, b, out, (M,), 0, kernel=plain),
+        "plain JIT launch": lambda: shard_gemm_jit[fixed_grid](*jit_args, **jit_kwargs),
+        "shard_gemm, plain JIT kernel": lambda: shard_gemm(a, b, out, (M,), 0, kernel=plain),
         "shard_gemm, fixed config": lambda: shard_gemm(a, b, out, (M,), 0, kernel=fixed_kernel),
         "AllGatherGEMM, fixed config": lambda: fixed_op(a, b, out),
         "AllGatherGEMM, contextual": step,
@@ -101,6 +115,10 @@ def main() -> None:
         for name in ("AllGatherGEMM, fixed config", "AllGatherGEMM, contextual"):
             host_ms, table = benchmark.cprofile(fns[name], calls=options.calls, top=20)
             print(f"\n#### cProfile of {name}: {host_ms * 1e3:.1f} µs host per call (profiled)\n{table}")
+    out.zero_()
+    step()
+    error = benchmark.rel_error(out, (a.float() @ b.float()).to(out.dtype))
+    print(f"\ncontextual AG-GEMM against torch: rel. error {error:.1e}")
     written = benchmark.append_rows(options.out, rows, meta=env)
     if written:
         print(f"rows appended to {written}")

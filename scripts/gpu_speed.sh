@@ -9,6 +9,7 @@
 #   moe       bench/moe.py --parts a: grouped GEMM vs _grouped_mm, ms back to back and one call from idle, host µs
 #   moehost   bench/moe_host.py --shapes 64 --profile: AG-MoE host µs vs GPU per call, with a cProfile
 #   launch    bench/launch_host.py --profile: host µs of one AG-GEMM call vs a plain JIT launch
+#   tests     (not in the default) the one-GPU tests of the tuner and the GEMM kernels, about 3 minutes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d -t disttune-gpu-speed-XXXXXX)}; mkdir -p "$OUT"
@@ -43,5 +44,9 @@ if want moehost; then
 fi
 if want launch; then
     run launch 45 60 "${one[@]}" bench/launch_host.py --profile --out "$OUT/launch.jsonl"
+fi
+if want tests; then
+    run tests 240 20 python3 -m pytest -q -x tests/test_gpu.py tests/test_cached_launch.py tests/test_phases.py \
+        tests/test_fast_path.py tests/test_intercept.py tests/test_matmul.py
 fi
 echo "all steps: $(( $(date +%s) - started )) s; logs and rows under $OUT"
