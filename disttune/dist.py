@@ -168,7 +168,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
 
     Idempotent: if a default group already exists (ours or the caller's) this returns
     its :class:`DistInfo` without touching it. Cost of the first call: a rendezvous
-    (one TCP connection per rank to rank 0's store) and, for NCCL, communicator set-up.
+    (one TCP connection per rank to rank 0's store) and, for NCCL, communicator set-up;
+    on a GPU it also starts :func:`disttune.warm_up` on a background thread (Triton's
+    one-time initialisation, off the first tuning call; ``DISTTUNE_WARM_UP=0`` turns it off).
     Raises :class:`DistEnvError` naming the variable when the environment is incomplete.
     """
     global _INFO, _STORE
