@@ -237,17 +237,15 @@ class ContextualAutotuner:
             winners = self._commit(sites, results)
             final_run = any(s.preset is None for s in found)
             if any(s.split for s in tuned):
-                with span("final run"):
-                    result, results, final_runs = runs.checked_final(results, winners, log,
-                                                                     lambda r: self._commit(sites, r))
+                result, results, final_runs = runs.checked_final(results, winners, log,
+                                                                 lambda r: self._commit(sites, r))
                 function_runs += final_runs
             if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
                 with span("store"):
                     engine.save_winners(winners_store, [(engine.kernel_entry(sites[r.site]), r) for r in results],
                                         name)
             if final_run and not any(s.split for s in tuned):
-                with span("final run"):
-                    result = runs.final(self._winners)
+                result = runs.final(self._winners)
                 function_runs += 1
             wall_s = time.perf_counter() - started
             self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,

@@ -90,7 +90,7 @@ class Runs:
 
     def final(self, winners: dict[SiteId, Any]) -> Any:
         """The run with the winners; its result (or its exception) is the caller's."""
-        with intercept(Final(self.sites, winners)):
+        with span(self.phases, "final run"), intercept(Final(self.sites, winners)):
             return self.fn(*self.args, **self.kwargs)
 
     def checked_final(self, results: list[SiteResult], winners: dict[SiteId, Any], log: RankLog,
@@ -104,7 +104,8 @@ class Runs:
         runs = 0
         while True:
             handler = Final(self.sites, winners)
-            result, error = run_once(self.fn, handler, self.args, self.kwargs)
+            with span(self.phases, "final run"):
+                result, error = run_once(self.fn, handler, self.args, self.kwargs)
             runs += 1
             failed = self.agreement.final_run_status(results, error, handler.failures,
                                                      f"final run {runs} (split winners)")
