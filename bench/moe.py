@@ -16,7 +16,9 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
    "GEMM only" rows time grouped_mm and Triton "sorted" on a pre-permuted A as well. "K-major W"
    rows give grouped_mm and Triton the same weights stored as ``[E, N, K]`` (``w.transpose(1, 2)``
    of a contiguous copy), the layout tensor-descriptor loads favour. ``--tile-order`` chooses the
-   order in which the Triton kernel walks its tiles (``moe.TILE_ORDERS``).
+   order in which the Triton kernel walks its tiles (``moe.TILE_ORDERS``). Each contender's host µs per
+   call (the time to issue it, 50 calls back to back, best of 3 rounds) is printed beside its GPU µs
+   (back to back) and its one call from idle, which is at least the larger of the two.
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
    ``moe.ag_moe`` / ``moe.moe_rs`` vs the sequential forms (NCCL all_gather of tokens and
    routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
@@ -189,6 +191,10 @@ class Bench:
                 errors[name] = rel_error(out, ref)
             flops = 2.0 * T * k * H * I
             results = {}
+            # host µs to issue one call (calls back to back, best round): beside the GPU times below
+            host = benchmark.host_and_wall_us(dict(contenders), calls=2 if self.o.smoke else 50,
+                                              rounds=1 if self.o.smoke else 3)
+            host_us = {name: min(run.host_us for run in runs) for name, runs in host.items()}
             for name, fn in contenders:
                 one_call = self.time_ms(fn)
                 # back to back is the GPU time a model sees (its host runs ahead); one call from idle adds
@@ -201,21 +207,26 @@ class Bench:
                     winner = next((disttune.describe_config(c) for key, c in kernel.cache.items()
                                    if key[moe.MOE_KEY.index("A_MODE")] == (0 if "gather" in name else 2)
                                    and key[moe.MOE_KEY.index("B_TMA")] == b_tma), None)
-                self.record("a", s, name, ms, one_call_ms=one_call, tflops=flops / ms / 1e9, rel_err=errors.get(name),
+                self.record("a", s, name, ms, one_call_ms=one_call, host_us=host_us[name], tflops=flops / ms / 1e9,
+                            rel_err=errors.get(name),
                             winner=winner, tile_order=self.o.tile_order if name.startswith("triton") else None)
             if self.rank == 0:
                 loop_ms = results["torch per-expert loop (+perm)"]
                 gm_ms = results["torch._grouped_mm (+perm)"]
                 print(f"\n### (a) up projection T={T} E={E} top-{k} H={H} I={I} {self.meta['device']} "
                       f"({str(self.dtype).split('.')[-1]}, tile order {self.o.tile_order})\n")
-                print("| contender | ms back to back | ms one call | TFLOP/s | vs loop | vs grouped_mm (+perm) "
-                      "| rel. err vs grouped_mm | winner |")
-                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+                print("| contender | ms back to back | ms one call | host µs | GPU µs | TFLOP/s | vs loop "
+                      "| vs grouped_mm (+perm) | one call vs grouped_mm (+perm) | rel. err vs grouped_mm | winner |")
+                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+                gm_one = next(r["one_call_ms"] for r in self.rows[-len(contenders):]
+                              if r["contender"] == "torch._grouped_mm (+perm)")
                 for row in self.rows[-len(contenders):]:
                     err = f"{row['rel_err']:.1e}" if row["rel_err"] is not None else ""
-                    print(f"| {row['contender']} | {row['ms']:.3f} | {row['one_call_ms']:.3f} | {row['tflops']:.0f} "
+                    print(f"| {row['contender']} | {row['ms']:.3f} | {row['one_call_ms']:.3f} | {row['host_us']:.1f} "
+                          f"| {row['ms'] * 1e3:.1f} | {row['tflops']:.0f} "
                           f"| {loop_ms / row['ms']:.2f}x "
-                          f"| {gm_ms / row['ms']:.2f}x | {err} | {row['winner'] or ''} |")
+                          f"| {gm_ms / row['ms']:.2f}x | {gm_one / row['one_call_ms']:.2f}x | {err} "
+                          f"| {row['winner'] or ''} |")
 
     # -- part b -----------------------------------------------------------------------------
     def tp_inputs(self, s: dict, seed: int):

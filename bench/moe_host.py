@@ -1,7 +1,7 @@
 """Host time of AllGather-MoE per call, and of its pieces: is a step host-bound?
 
     torchrun --nproc_per_node=1 bench/moe_host.py             # one GPU: the host path alone (NCCL, 1 rank)
-    torchrun --nproc_per_node=2 bench/moe_host.py --profile   # two GPUs, plus a cProfile of ag_moe on rank 0
+    torchrun --nproc_per_node=2 bench/moe_host.py --profile   # two GPUs, plus cProfiles of ag_moe and moe_gemm
     torchrun --nproc_per_node=2 bench/moe_host.py --out moe_host.jsonl   # also append the rows as JSON lines
 
 A step whose host needs longer per call than its GPU work runs at the host's pace however fast its
@@ -9,8 +9,8 @@ kernels are. Each row calls its function ``--calls`` times back to back and sync
 interleaved rounds (best round counts; ``disttune.benchmark.host_and_wall_us``); *host* is the time
 to issue the calls, *wall* includes the final synchronization, and *GPU* is 10 calls back to back
 between two CUDA events (``disttune.benchmark.steady_ms``). When host ~ wall the step is
-host-bound. Rows (every rank holds ``T / world`` tokens of the shape, as in ``bench/moe.py``
-part b; max over ranks):
+host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (every rank holds
+``T / world`` tokens of the shape, as in ``bench/moe.py`` part b; max over ranks):
 
   ag_moe                 ``kernels.moe.ag_moe`` with a stock ``triton.autotune`` kernel (what part b times)
   ag_moe, contextual     the same under ``disttune.contextual_autotune`` (tuned first; the fast path)
@@ -109,18 +109,20 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
     host = max_over_ranks([best[n].host_us for n in names])
     wall = max_over_ranks([best[n].wall_us for n in names])
     if options.profile:
-        host_ms, table = benchmark.cprofile(ag, calls=options.calls, top=25)
-        if rank == 0:
-            print(f"\n#### cProfile of ag_moe, {options.calls} calls, rank 0: {host_ms:.3f} ms host per call "
-                  f"(profiled)\n{table}")
+        for name in ("ag_moe", "moe_gemm"):
+            host_ms, table = benchmark.cprofile(fns[name], calls=options.calls, top=25)
+            if rank == 0:
+                print(f"\n#### cProfile of {name}, {options.calls} calls, rank 0: {host_ms:.3f} ms host per call "
+                      f"(profiled)\n{table}")
     rows = []
     if rank == 0:
         print(f"\n### world {world}: T={T} E={E} top-{k} H={H} N={N} per rank, bf16, {torch.cuda.get_device_name()}; "
               f"µs per call ({options.calls} calls back to back, best of {options.rounds} rounds, max over ranks)\n")
-        print("| step | host µs | wall µs | GPU ms back to back |\n| --- | ---: | ---: | ---: |")
+        print("| step | host µs | GPU µs back to back | host / GPU | wall µs |\n| --- | ---: | ---: | ---: | ---: |")
         for name, h, wl in zip(names, host, wall):
-            g_ms = f"{gpu_max[name]:.3f}" if name in gpu_max else ""
-            print(f"| {name} | {h:.1f} | {wl:.1f} | {g_ms} |")
+            g_us = f"{gpu_max[name] * 1e3:.1f}" if name in gpu_max else ""
+            ratio = f"{h / (gpu_max[name] * 1e3):.2f}" if name in gpu_max else ""
+            print(f"| {name} | {h:.1f} | {g_us} | {ratio} | {wl:.1f} |")
             rows.append(dict(bench="moe_host", shape=s, step=name, host_us=h, wall_us=wl, gpu_ms=gpu_max.get(name),
                              calls=options.calls, rounds=options.rounds))
     return rows
@@ -131,7 +133,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", default="64,8", help="expert counts of the shapes to run (64 and/or 8)")
-    parser.add_argument("--profile", action="store_true", help="print a cProfile of ag_moe on rank 0")
+    parser.add_argument("--profile", action="store_true", help="print cProfiles of ag_moe and moe_gemm on rank 0")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     options = parser.parse_args()
     if not torch.cuda.is_available():

@@ -20,9 +20,23 @@ Variants (``--variant``):
   share     all + ``compile_split=True`` (disttune's default; every other variant turns it off, so
             they show what each step costs without it): each rank compiles its share of the configs,
             then loads the peers' from the Triton cache they share (same node, same TRITON_CACHE_DIR)
+  background  parallel, with the warm-up ``disttune.dist.init`` starts in the background (``DISTTUNE_WARM_UP=1``;
+            ``bench/tuning_cost.sh`` turns it off for every other variant) still running at the first call
+  warmed    parallel, after ``disttune.warm_up()`` paid Triton's one-time initialisation before the first
+            call (as it can while a model loads; its seconds are reported apart, as ``warm_up_s``)
+  warmed_early  warmed + early stopping
+  sequential_compiles  parallel with ``DISTTUNE_COMPILE_OVERLAP=0`` (the tuning runs wait for every compile)
   untuned   a fresh process running the same step with the "all" run's winner fixed and no tuner at all
             (a one-config ``triton.autotune`` kernel, which Triton launches without benchmarking)
+  untuned_cold  the same with a fresh Triton cache: it compiles the one config and pays Triton's one-time
+            initialisation, as every cold first call does; a tuner's *tuning overhead* is its first call
+            minus this one
   warm      a second process: the winner store from the "all" run is present
+
+Every tuned variant's row holds ``phases``, where its first call went (``TuningReport.phases``: discovery
+run, compile wait, first launches, tuning runs, collectives, store, final run, Python overhead; they sum to
+the call's wall time on rank 0) and ``background`` (compile threads: busy seconds summed, first start to
+last end). ``bench/tuning_cost.sh`` prints them side by side.
 
 Each process times its first call of the wrapped step (the tuning call: host clock until the
 device is done, max over ranks), then 100 calls with the winners (``disttune.benchmark.one_call_ms``:
@@ -60,9 +74,13 @@ from disttune.kernels import moe  # noqa: E402
 from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_matmul_kernel, matmul  # noqa: E402
 
 
+VARIANTS = ["baseline", "parallel", "background", "early", "all", "split", "share", "warmed", "warmed_early", "sequential_compiles",
+            "untuned", "untuned_cold", "warm"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=["baseline", "parallel", "early", "all", "split", "share", "untuned", "warm"], required=True)
+    parser.add_argument("--variant", choices=VARIANTS, required=True)
     parser.add_argument("--winner", default=None,
                         help="untuned: the config to fix, as describe_config prints it (default: the 'all' row's)")
     parser.add_argument("--M", type=int, default=8192)
@@ -76,7 +94,8 @@ def main() -> None:
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float16
     configs, make_kernel, body = make_workload(options, world, device, dtype)
-    if options.variant == "untuned":
+    variant = options.variant
+    if variant.startswith("untuned"):
         winner = fixed_winner(options, configs)
         kernel = make_kernel([winner])  # one config: Triton launches it with no benchmarking
 
@@ -86,29 +105,37 @@ def main() -> None:
         first_call_s = wall_time_of_one_call(fixed_step, device)
         step_median = median_step_ms(fixed_step)
         plain_call_s = wall_time_of_one_call(fixed_step, device)
-        write_row(options, {"variant": "untuned", "workload": options.workload,
+        write_row(options, {"variant": variant, "workload": options.workload,
                             "first_call_s": first_call_s, "plain_call_s": plain_call_s, "function_runs": 1,
                             "source": "fixed", "winner": disttune.describe_config(winner),
                             "step_ms_median_of_100": step_median})
         return
+    warm_up_s = None
+    if variant.startswith("warmed"):
+        started = time.perf_counter()
+        disttune.warm_up()
+        warm_up_s = benchmark.max_over_ranks(time.perf_counter() - started)
     kernel = make_kernel(configs)
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, verbose=False,
-                                  compile_threads=0 if options.variant in ("baseline", "early") else None,
-                                  early_stop=options.variant in ("early", "all", "split", "share"),
-                                  split=options.variant == "split", compile_split=options.variant == "share",
-                                  store=options.variant in ("all", "warm"))
+                                  compile_threads=0 if variant in ("baseline", "early") else None,
+                                  early_stop=variant in ("early", "all", "split", "share", "warmed_early"),
+                                  split=variant == "split", compile_split=variant == "share",
+                                  store=variant in ("all", "warm"))
     def step():
         return body(kernel)
 
     first_call_s = wall_time_of_one_call(step, device)
+    report = step.report
     step_median = median_step_ms(step)
     plain_call_s = wall_time_of_one_call(step, device)
 
-    (result,) = step.report.results
-    row = {"variant": options.variant, "workload": options.workload, "first_call_s": first_call_s,
-           "plain_call_s": plain_call_s, "function_runs": step.report.function_runs, "source": result.source,
-           "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median}
+    (result,) = report.results
+    row = {"variant": variant, "workload": options.workload, "first_call_s": first_call_s,
+           "plain_call_s": plain_call_s, "function_runs": report.function_runs, "source": result.source,
+           "winner": disttune.describe_config(result.config), "step_ms_median_of_100": step_median,
+           "tuning_wall_s": report.wall_s, "phases": report.phases, "background": report.background,
+           "warm_up_s": warm_up_s}
     write_row(options, row)
 
 

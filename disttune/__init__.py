@@ -9,7 +9,8 @@ The public entry points:
 * ``step.sweep(cases)`` tunes a list of shapes before deployment and writes a pinned table
   (:mod:`disttune.sweep`); ``on_new_key=`` serves shapes never tuned (:mod:`disttune.unseen`);
 * :mod:`disttune.store` keeps winners on disk so the next process tunes nothing;
-* :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment.
+* :mod:`disttune.dist` starts ``torch.distributed`` from torchrun's or MPI's environment;
+* :func:`warm_up` pays Triton's one-time initialisation before the first tuning call.
 """
 
 from . import dist
@@ -23,6 +24,7 @@ from .sites import AllConfigsFailed, SiteId, describe_config
 from .sweep import SweepRow
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 from .unseen import UnseenKeyError
+from .warmup import warm_up
 
 __all__ = [
     "dist",
@@ -49,5 +51,6 @@ __all__ = [
     "contextual_autotune",
     "describe_config",
     "space",
+    "warm_up",
 ]
 __version__ = "0.1.0"

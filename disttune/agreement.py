@@ -23,7 +23,7 @@ Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from .comm import Communicator
@@ -69,6 +69,10 @@ class TuningReport:
     function_runs: int
     wall_s: float
     world_size: int
+    #: seconds per step of the call, summing to ``wall_s`` (see :mod:`disttune.phases`; empty if not kept)
+    phases: dict = field(default_factory=dict)
+    #: seconds of work beside the call (compile threads): ``compile busy``, ``compile span``
+    background: dict = field(default_factory=dict)
 
 
 def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:

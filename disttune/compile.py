@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 from triton.runtime.autotuner import Autotuner
@@ -22,6 +24,7 @@ from triton.runtime.autotuner import Autotuner
 from . import env
 from .comm import Communicator
 from .sites import Site, SiteId
+from .warmup import wait_for_warm_up
 
 
 def can_precompile(autotuner: Autotuner) -> bool:
@@ -46,13 +49,24 @@ def default_compile_threads() -> int:
 
 
 def precompile(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any, device: Optional[int]) -> Any:
-    """Compile one config of a launch on a worker thread (``JITFunction.warmup``), on the caller's GPU."""
+    """Compile one config of a launch on a worker thread (``JITFunction.warmup``), on the caller's GPU, and
+    load it: Triton builds the launcher and loads the binary at a kernel's first launch, which would
+    otherwise land on the calling thread (a config the GPU cannot run fails here, as it would there)."""
     if device is not None:
         import torch
 
         torch.cuda.set_device(device)  # the CUDA device is per thread; compile for the launching rank's GPU
+    wait_for_warm_up()  # Triton initialises once: never beside a warm-up still doing it
     meta = {k: v for k, v in kwargs.items() if k != "warmup"}  # discovery already checked for conflicts
-    return autotuner.fn.warmup(*args, **meta, **config.all_kwargs())
+    compiled = autotuner.fn.warmup(*args, **meta, **config.all_kwargs())
+    if hasattr(compiled, "result"):  # a Triton that compiles asynchronously hands back a future
+        compiled = compiled.result()
+    with _loading:  # configs of one kernel share a launcher: one worker builds it, the others find it cached
+        getattr(compiled, "run", None)  # CompiledKernel.run: the launcher and the loaded binary
+    return compiled
+
+
+_loading = threading.Lock()
 
 
 def compile_share(comm: Communicator) -> tuple[int, int]:
@@ -77,6 +91,7 @@ class CompilePool:
         self.pending: dict[SiteId, tuple[Site, list]] = {}  # site -> (site, a future per config or None)
         self.later: dict[SiteId, tuple] = {}  # with a share: what compile_rest needs of each site
         self.compiled: dict[tuple[SiteId, int], Any] = {}  # (site, config index) -> compiled kernel (diagnostics)
+        self.spans: list[tuple[float, float]] = []  # (start, end) of every compile, perf_counter seconds
 
     def start(self, site: Site, args: tuple, kwargs: dict) -> list:
         """Start compiling ``site``'s candidates for this launch; returns a future per config (None: left
@@ -98,8 +113,45 @@ class CompilePool:
     def _submit(self, site: Site, args: tuple, kwargs: dict, device: Optional[int], indices: Any) -> list:
         futures: list = [None] * len(site.configs)
         for index in indices:
-            futures[index] = self.executor.submit(precompile, site.autotuner, args, kwargs, site.configs[index], device)
+            futures[index] = self.executor.submit(self._timed, site.autotuner, args, kwargs, site.configs[index],
+                                                  device)
         return futures
+
+    def _timed(self, *job: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return precompile(*job)
+        finally:
+            self.spans.append((started, time.perf_counter()))  # list.append: atomic across the workers
+
+    def ready(self, site: Site, index: int) -> bool:
+        """Wait until config ``index`` of ``site`` is compiled; False (the failure recorded) if it did not
+        compile. For launches made before :meth:`finish`: a config's first launch must not compile it a
+        second time on the calling thread."""
+        pending = self.pending.get(site.id)
+        future = pending[1][index] if pending is not None else None
+        if future is None:
+            return index not in site.failures
+        try:
+            future.result()
+        except Exception as err:
+            site.record_failure(index, err)
+            return False
+        finally:
+            pending[1][index] = None  # type: ignore[index]
+        return True
+
+    def idle(self) -> bool:
+        """Whether no compile is running or queued."""
+        return all(f is None or f.done() for _, futures in self.pending.values() for f in futures)
+
+    def busy_s(self) -> dict[str, float]:
+        """``compile busy``: seconds of compile summed over the workers; ``compile span``: first start to last end."""
+        spans = list(self.spans)
+        if not spans:
+            return {}
+        return {"compile busy": sum(end - start for start, end in spans),
+                "compile span": max(end for _, end in spans) - min(start for start, _ in spans)}
 
     def compile_rest(self, tuned: Sequence[Site]) -> None:
         """With a share: the configs of the ``tuned`` sites left to the peers, once every rank has finished

@@ -40,6 +40,7 @@ from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .objective import step_stages
+from .phases import Phases
 from .options import AGREED, check_common, check_count, check_objective, describe_options
 from .search import Search, SearchTrace, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
@@ -294,41 +295,53 @@ class ContextualAutotuner:
         table = stores.load_table(o.pinned) if o.pinned else None
         sites: dict[SiteId, Site] = {}
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
+        phases = Phases()
+        span = phases.span
         try:
             lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune, self._entry), {}
             if table is not None and o.on_new_key == "nearest":
                 lookup = pinned_or_nearest(lookup, table, from_nearest)
-            discover = Discover(sites, o.always_tune, lookup, compiles)
-            result, error = engine.run_once(self.fn, discover, args, kwargs)
-            if compiles is not None:
-                compiles.finish()
+            discover = Discover(sites, o.always_tune, lookup, compiles, phases)
+            with span("discovery run"):
+                result, error = engine.run_once(self.fn, discover, args, kwargs)
+            overlap = compiles is not None and share is None and env.compile_overlap()
+            if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
+                with span("compile wait"):
+                    compiles.finish()
             found = list(sites.values())
-            agreement.consensus(found, error, o.agreed(), [bool(self._splits(s)) for s in found],
-                                None if table is None else stores.table_digest(table), o.pinned)
+            with span("collectives"):
+                agreement.consensus(found, error, o.agreed(), [bool(self._splits(s)) for s in found],
+                                    None if table is None else stores.table_digest(table), o.pinned)
             tuned = [s for s in found if s.preset is None and s.decided is None]
             for site in tuned:
                 if comm.world_size > 1 and self._splits(site):
                     site.share = (comm.rank, comm.world_size)
-            if compiles is not None:  # every rank finished its share before the consensus: the peers' are cached
-                compiles.compile_rest(tuned)
+            if compiles is not None and share is not None:  # every rank finished its share: the peers' are cached
+                with span("compile wait"):
+                    compiles.compile_rest(tuned)
             timer = o.timer or default_timer()
             runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
-                               o.verbose)
+                               o.verbose, compiles if overlap else None, phases)
             runs.check = make_check(o.check, result)  # the discovery run's result is the reference
             verified = 0 if verify_threshold is None else verify.verify_decided(
                 found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold, o.verbose)
             function_runs = 1 + verified
-            if o.objective == "step":
-                function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
-            else:
-                searched, self.search_trace, full_timing = narrow(
-                    tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
-                    comm.all_gather_objects)
-                function_runs += searched
-                if full_timing:
-                    longest = max((s.slots() for s in tuned), default=0)
-                    function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
-            results = agreement.verdicts(tuned, log) + settled_results(found, log)
+            with span("tuning runs"):
+                if o.objective == "step":
+                    function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
+                else:
+                    searched, self.search_trace, full_timing = narrow(
+                        tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
+                        comm.all_gather_objects)
+                    function_runs += searched
+                    if full_timing:
+                        longest = max((s.slots() for s in tuned), default=0)
+                        function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+            if overlap:
+                with span("compile wait"):
+                    compiles.finish()  # type: ignore[union-attr]  # a config never launched may still fail here
+            with span("collectives"):
+                results = agreement.verdicts(tuned, log) + settled_results(found, log)
             diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
             winners = self._commit(sites, results)
             for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
@@ -340,12 +353,14 @@ class ContextualAutotuner:
                                                                  lambda r: self._commit(sites, r))
                 function_runs += final_runs
             if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
-                engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
+                with span("store"):
+                    engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
             if final_run and not any(s.split for s in tuned):
                 result = runs.final(self._winners)
                 function_runs += 1
             wall_s = time.perf_counter() - started
-            self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size)
+            self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
+                                       phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})
             log.tuning(name, wall_s, function_runs, len(tuned), comm.world_size, o.reduce, str(o.statistic))
             self._tuned = True
             if o.verbose and comm.rank == 0:

@@ -168,7 +168,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
 
     Idempotent: if a default group already exists (ours or the caller's) this returns
     its :class:`DistInfo` without touching it. Cost of the first call: a rendezvous
-    (one TCP connection per rank to rank 0's store) and, for NCCL, communicator set-up.
+    (one TCP connection per rank to rank 0's store) and, for NCCL, communicator set-up;
+    on a GPU it also starts :func:`disttune.warm_up` on a background thread (Triton's
+    one-time initialisation, off the first tuning call; ``DISTTUNE_WARM_UP=0`` turns it off).
     Raises :class:`DistEnvError` naming the variable when the environment is incomplete.
     """
     global _INFO, _STORE
@@ -190,6 +192,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     device = _device_for(launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds to the current device
+        from .warmup import start_if_enabled
+
+        start_if_enabled(device.index)  # Triton's one-time initialisation, beside the rendezvous and the model load
 
     kwargs: dict[str, Any] = {
         "backend": backend,

@@ -21,9 +21,11 @@ from .agreement import Agreement, SiteResult, TuningError
 from .checks import OutputCheck, blame, scheduled_configs
 from .comm import Communicator, LocalComm
 from .compat import config_text
+from .compile import CompilePool
 from .handlers import Final, SiteLaunches, Tune
 from .intercept import intercept
 from .logs import RankLog
+from .phases import Phases, span
 from .sites import Schedule, Site, SiteId, describe_config
 from .timing import Timer
 
@@ -54,10 +56,12 @@ class Runs:
     """The tuning and final runs of one tuning call of ``fn(*args, **kwargs)`` over ``sites``."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, sites: dict[SiteId, Site],
-                 agreement: Agreement, timer: Timer, progress: bool = False) -> None:
+                 agreement: Agreement, timer: Timer, progress: bool = False,
+                 compiles: Optional[CompilePool] = None, phases: Optional[Phases] = None) -> None:
         self.fn, self.args, self.kwargs, self.sites = fn, args, kwargs, sites
         self.agreement, self.timer, self.progress = agreement, timer, progress
         self.check: Optional[OutputCheck] = None  # check=: each run's result against the reference
+        self.compiles, self.phases = compiles, phases  # a pool still compiling; the call's breakdown
 
     def stage(self, schedule: Schedule, label: str) -> int:
         """Run the function ``schedule.runs`` times, checking with the peers after each run; returns the count."""
@@ -65,12 +69,13 @@ class Runs:
         bar = progress_bar(self.progress and comm.rank == 0, schedule.runs,
                            f"disttune {self.agreement.name}: {label}s")
         for run in range(schedule.runs):
-            handler = Tune(self.sites, schedule, run, self.timer, comm.rank)
+            handler = Tune(self.sites, schedule, run, self.timer, comm.rank, self.compiles, self.phases)
             result, error = run_once(self.fn, handler, self.args, self.kwargs)
             problems = handler.finish() + ([error[1]] if error else [])
             if self.check is not None and error is None and not self.check.matches(result):
                 blame(self.sites, scheduled_configs(self.sites.values(), schedule, run))
-            self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
+            with span(self.phases, "collectives"):
+                self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -79,7 +84,7 @@ class Runs:
 
     def final(self, winners: dict[SiteId, Any]) -> Any:
         """The run with the winners; its result (or its exception) is the caller's."""
-        with intercept(Final(self.sites, winners)):
+        with span(self.phases, "final run"), intercept(Final(self.sites, winners)):
             return self.fn(*self.args, **self.kwargs)
 
     def checked_final(self, results: list[SiteResult], winners: dict[SiteId, Any], log: RankLog,
@@ -93,7 +98,8 @@ class Runs:
         runs = 0
         while True:
             handler = Final(self.sites, winners)
-            result, error = run_once(self.fn, handler, self.args, self.kwargs)
+            with span(self.phases, "final run"):
+                result, error = run_once(self.fn, handler, self.args, self.kwargs)
             runs += 1
             failed = self.agreement.final_run_status(results, error, handler.failures,
                                                      f"final run {runs} (split winners)")

@@ -16,7 +16,8 @@ everywhere and a bad value is one clear error:
   (the tuners use them to share compiles and store writes among the ranks of a node);
 * :func:`log_dir`, :func:`environ_with_log_dir`: where the rank logs go, and a child process's
   environment that sends them elsewhere;
-* the store's (and the user cache root it falls back on), the progress bar's and the MoE test switches.
+* the store's (and the user cache root it falls back on), the progress bar's, the Triton warm-up's, the compile
+  overlap's and the MoE test switches.
 
 Reading costs a dictionary lookup or two; nothing is cached, so a test can change a variable.
 """
@@ -32,7 +33,8 @@ from typing import Any, Literal, Mapping, Optional
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
-    "progress_enabled", "sweep_table", "timeout_s", "triton_prints_autotuning", "xdg_cache_home",
+    "progress_enabled", "sweep_table", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
+    "compile_overlap",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -44,6 +46,8 @@ LOG_DIR = "DISTTUNE_LOG_DIR"
 ALWAYS_TUNE = "DISTTUNE_ALWAYS_TUNE"
 PINNED = "DISTTUNE_PINNED"
 PROGRESS = "DISTTUNE_PROGRESS"
+WARM_UP = "DISTTUNE_WARM_UP"
+COMPILE_OVERLAP = "DISTTUNE_COMPILE_OVERLAP"
 MOE_POISON = "DISTTUNE_MOE_POISON"
 
 
@@ -124,6 +128,17 @@ def sweep_table() -> Optional[str]:
 def progress_enabled() -> bool:
     """False when ``DISTTUNE_PROGRESS=0`` turns the tuning progress bar off."""
     return os.environ.get(PROGRESS, "1") != "0"
+
+
+def warm_up_enabled() -> bool:
+    """False when ``DISTTUNE_WARM_UP=0``: ``disttune.dist.init`` then starts no background Triton warm-up."""
+    return os.environ.get(WARM_UP, "1") != "0"
+
+
+def compile_overlap() -> bool:
+    """False when ``DISTTUNE_COMPILE_OVERLAP=0``: a tuning call waits for every compile before its
+    tuning runs, instead of starting the untimed ones while the compiles finish."""
+    return os.environ.get(COMPILE_OVERLAP, "1") != "0"
 
 
 def triton_prints_autotuning() -> bool:

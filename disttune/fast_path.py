@@ -217,9 +217,11 @@ class FastPlan:
         launches: dict = {}
         sequence = []
         for kernel, key, run, config_kwargs, pre_hook in trace:
-            if (kernel, key) not in launches:
-                launches[kernel, key] = kernel.planned_launch(key, run, config_kwargs, pre_hook)
-            sequence.append((kernel.autotuner, launches[kernel, key], kernel, key))
+            # one launcher per winner: occurrences of one key may have different winners
+            made = (kernel, key, id(config_kwargs), pre_hook)
+            if made not in launches:
+                launches[made] = kernel.planned_launch(key, run, config_kwargs, pre_hook)
+            sequence.append((kernel.autotuner, launches[made], kernel, key))
         return tuple(sequence)
 
     def new_handler(self) -> "FastLaunch":

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 from . import triton_launch as triton
 from .compile import CompilePool
 from .intercept import triton_run
+from .phases import Phases, span
 from .sites import Schedule, Site, SiteId
 from .timing import LaunchInfo, Timer
 
@@ -63,9 +64,10 @@ class Discover(SiteLaunches):
 
     def __init__(self, sites: dict[SiteId, Site], always_tune: bool,
                  lookup: Optional[Callable[[Site], Optional[int]]] = None,
-                 compiles: Optional[CompilePool] = None) -> None:
+                 compiles: Optional[CompilePool] = None, phases: Optional[Phases] = None) -> None:
         super().__init__()
         self.sites, self.always_tune, self.lookup, self.compiles = sites, always_tune, lookup, compiles
+        self.phases = phases
 
     def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
         configs = triton.candidate_configs(autotuner, args, kwargs)
@@ -85,20 +87,28 @@ class Discover(SiteLaunches):
                 return result
             except Exception as err:
                 site.record_failure(site.local_answer, err)
-        compiles = self.compiles.start(site, args, kwargs) if self.compiles is not None else []
+        compiling = self.compiles is not None and bool(self.compiles.start(site, args, kwargs))
         for index, config in enumerate(configs):
             if index in site.failures:
                 continue
+            if compiling:
+                with span(self.phases, "compile wait"):  # this config (the rest go on in the background)
+                    if not self.compiles.ready(site, index):  # type: ignore[union-attr]
+                        continue
             try:
-                if compiles and compiles[index] is not None:
-                    compiles[index].result()  # this config compiled (the rest go on in the background)
-                result = triton.launch_config(autotuner, args, kwargs, config)
+                with span(self.phases if first_launch(self.phases, ident, index) else None, "first launches"):
+                    result = triton.launch_config(autotuner, args, kwargs, config)
             except Exception as err:  # a config that fails here is scored inf, not fatal
                 site.record_failure(index, err)
                 continue
             site.stand_in = index
             return result
         return None  # nothing launches on this rank; agreement fails the site on every rank
+
+
+def first_launch(phases: Optional[Phases], ident: SiteId, index: int) -> bool:
+    """Whether config ``index`` of site ``ident`` launches for the first time (when a breakdown is kept)."""
+    return phases is not None and phases.first((ident, index))
 
 
 def launch_stand_in(site: Site, args: tuple, kwargs: dict, problems: list[str]) -> Any:
@@ -113,11 +123,16 @@ def launch_stand_in(site: Site, args: tuple, kwargs: dict, problems: list[str]) 
 
 
 class Tune(SiteLaunches):
-    """Tuning run ``run`` of ``schedule``: each site launches the config the schedule gives it, timed or not."""
+    """Tuning run ``run`` of ``schedule``: each site launches the config the schedule gives it, timed or not.
 
-    def __init__(self, sites: dict[SiteId, Site], schedule: Schedule, run: int, timer: Timer, rank: int) -> None:
+    ``compiles``: a compile pool still at work (its configs are waited for before their first launch,
+    and every compile before a timed launch, so no sample is taken beside a compile)."""
+
+    def __init__(self, sites: dict[SiteId, Site], schedule: Schedule, run: int, timer: Timer, rank: int,
+                 compiles: Optional[CompilePool] = None, phases: Optional[Phases] = None) -> None:
         super().__init__()
         self.sites, self.schedule, self.run, self.timer, self.rank = sites, schedule, run, timer, rank
+        self.compiles, self.phases = compiles, phases
         self.launched: set[SiteId] = set()
         self.problems: list[str] = []
         self.readers: list[tuple[Site, int, Callable[[], float]]] = []
@@ -138,21 +153,31 @@ class Tune(SiteLaunches):
         if index is None or index in site.failures:
             return launch_stand_in(site, args, kwargs, self.problems)
         config = site.configs[index]
+        if self.compiles is not None and not self._compiled(site, index, timed):
+            return launch_stand_in(site, args, kwargs, self.problems)
         try:
-            if not timed:
-                return triton.launch_config(autotuner, args, kwargs, config)
-            info = LaunchInfo(site.id.kernel, site.id.key, site.id.occurrence, index, config, self.run, self.rank)
-            outcome: dict = {}
+            with span(self.phases if first_launch(self.phases, ident, index) else None, "first launches"):
+                if not timed:
+                    return triton.launch_config(autotuner, args, kwargs, config)
+                info = LaunchInfo(site.id.kernel, site.id.key, site.id.occurrence, index, config, self.run, self.rank)
+                outcome: dict = {}
 
-            def timed_launch(launch: Callable[[], Any]) -> None:
-                outcome["read"] = self.timer.time(lambda: outcome.__setitem__("result", launch()), info)
+                def timed_launch(launch: Callable[[], Any]) -> None:
+                    outcome["read"] = self.timer.time(lambda: outcome.__setitem__("result", launch()), info)
 
-            triton.launch_config(autotuner, args, kwargs, config, timed_launch)
-            self.readers.append((site, index, outcome["read"]))
-            return outcome.get("result")
+                triton.launch_config(autotuner, args, kwargs, config, timed_launch)
+                self.readers.append((site, index, outcome["read"]))
+                return outcome.get("result")
         except Exception as err:
             site.record_failure(index, err)
             return launch_stand_in(site, args, kwargs, self.problems)
+
+    def _compiled(self, site: Site, index: int, timed: bool) -> bool:
+        """Wait for config ``index``'s compile (for a timed launch, for every compile); False if it failed."""
+        with span(self.phases, "compile wait"):
+            if timed and not self.compiles.idle():  # type: ignore[union-attr]
+                self.compiles.finish()  # type: ignore[union-attr]
+            return self.compiles.ready(site, index)  # type: ignore[union-attr]
 
     def finish(self) -> list[str]:
         """Read this run's timers into the sites' samples and check that every site launched."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import os
 import threading
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -39,8 +40,24 @@ _current: contextvars.ContextVar[Optional[LaunchHandler]] = contextvars.ContextV
     "disttune_launch_handler", default=None
 )
 _install_lock = threading.RLock()  # re-entrant: a launch from a finalizer may come while this thread holds it
-_open_scopes = 0
 _triton_run: Optional[Callable[..., Any]] = None
+# Scopes opened and closed so far: ``next()`` on a count is atomic, so a scope costs no lock. Putting
+# Triton's run back (under the lock) raises ``_restoring`` before it counts the open scopes; a scope
+# counts itself before it looks at ``_restoring``, so either the restorer sees the scope, or the scope
+# sees the restorer and waits for the lock to install the hook again.
+_opened = itertools.count()
+_closed = itertools.count()
+_restoring = False
+
+
+def _times_called(counter: "itertools.count[int]") -> int:
+    return int(repr(counter)[6:-1])  # "count(N)": the next value, read without taking it
+
+
+def _scopes_open() -> int:
+    """Scopes open now, or more (never fewer): the closes are read before the opens."""
+    closed = _times_called(_closed)
+    return _times_called(_opened) - closed
 
 
 def _reset_after_fork() -> None:
@@ -56,7 +73,7 @@ def _hooked_run(self: Autotuner, *args: Any, **kwargs: Any) -> Any:
     handler = _current.get()
     if handler is None:
         original = _triton_run or _stock_run()
-        if _open_scopes == 0:
+        if _scopes_open() == 0:
             restore_triton_run()  # outside every scope: later launches go straight to Triton
         return original(self, *args, **kwargs)  # type: ignore[misc]
     return handler.launch(self, args, kwargs)
@@ -87,12 +104,17 @@ def restore_triton_run() -> bool:
 
     Where something else has replaced or wrapped the hook since, its method stays (a wrapper still
     reaches the hook, which forwards to the saved method)."""
-    global _triton_run
+    global _triton_run, _restoring
     with _install_lock:
-        if _open_scopes == 0 and _triton_run is not None and Autotuner.run is _hooked_run:
-            Autotuner.run = _triton_run  # type: ignore[method-assign]
-            _triton_run = None
-        return _open_scopes == 0
+        _restoring = True
+        try:
+            idle = _scopes_open() == 0
+            if idle and _triton_run is not None and Autotuner.run is _hooked_run:
+                Autotuner.run = _triton_run  # type: ignore[method-assign]
+                _triton_run = None
+        finally:
+            _restoring = False
+        return idle
 
 
 def _stock_run() -> Callable[..., Any]:
@@ -109,30 +131,29 @@ def open_scope(handler: LaunchHandler) -> contextvars.Token:
     """Start routing this thread's autotuned launches to ``handler``; pair with :func:`close_scope`.
 
     The bare pair behind :func:`intercept`, for the tuned fast path (no generator, no checks):
-    the caller has made sure no scope is open on this thread and closes it in a ``finally``.
+    the caller has made sure no scope is open on this thread and closes it in a ``finally``. Where the
+    hook is in place it takes no lock (see ``_restoring``).
     """
-    global _open_scopes, _triton_run
-    _install_lock.acquire()  # acquire/release rather than ``with``: this runs on every tuned call
-    try:
+    next(_opened)
+    if _restoring or Autotuner.run is not _hooked_run:
+        _install()
+    return _current.set(handler)
+
+
+def _install() -> None:
+    """Install the hook unless it, or a wrapper that reaches it, is in place."""
+    global _triton_run
+    with _install_lock:
         current = Autotuner.run
         if current is not _hooked_run and not _reaches_hook(current):  # not installed, or replaced since
             _triton_run = current
             Autotuner.run = _hooked_run  # type: ignore[method-assign]
-        _open_scopes += 1
-    finally:
-        _install_lock.release()
-    return _current.set(handler)
 
 
 def close_scope(token: contextvars.Token) -> None:
     """End the scope :func:`open_scope` began (Triton's ``run`` comes back lazily, see the module doc)."""
-    global _open_scopes
     _current.reset(token)
-    _install_lock.acquire()
-    try:
-        _open_scopes -= 1
-    finally:
-        _install_lock.release()
+    next(_closed)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ __all__ = ["AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_routing", "toke
 _agreed: set = set()
 
 
-def _agree_on_inputs(where: str, info: GroupInfo, tokens: int, signature: tuple, described: dict,
+def _agree_on_inputs(where: str, info: GroupInfo, tokens: int, signature: tuple, described: Callable[[], dict],
                      local_error: Optional[Exception], given: Optional[tuple], out_rows: int,
                      top_k: int) -> tuple[int, ...]:
     """Every rank's token count, after making sure every rank's input is valid and agrees with the others'.
@@ -65,7 +65,7 @@ def _agree_on_inputs(where: str, info: GroupInfo, tokens: int, signature: tuple,
     table = torch.stack(rows).tolist()  # one host sync
     if any(r[-1] for r in table) or any(r[1:-2] != table[0][1:-2] for r in table):
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-        check_same_on_all_ranks(info, where, tuple(table[rank][1:-2]), described, message)
+        check_same_on_all_ranks(info, where, tuple(table[rank][1:-2]), described(), message)
         raise RuntimeError(f"{where}: the ranks' inputs disagree but the check found no difference")  # unreachable
     tpr = given if given is not None else tuple(r[0] for r in table)
     want = sum(tpr) * top_k
@@ -191,9 +191,12 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     signature = (xs[1] if xs else -1, ids_s[1] if ids_s else -1, ws[0] if ws else -1, dtype_code(x), dtype_code(w),
                  dtype_code(topk_weights), int(graph_safe), int(given is not None),
                  hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
-    described = {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
-                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
-                 "tokens_per_rank": given, "graph_safe": graph_safe}
+
+    def described() -> dict:  # for the error message only: not built on every call
+        return {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
+                "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
+                "tokens_per_rank": given, "graph_safe": graph_safe}
+
     out_rows = out.shape[0] if isinstance(out, torch.Tensor) and out.dim() == 2 else -1
     tpr = _agree_on_inputs(where, info, xs[0] if xs else -1, signature, described, local_error, given, out_rows,
                            ids_s[1] if ids_s else 1)

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from disttune import cached_launch
+
 from .matmul import (
     BF16_INTERPRETER_NOTE,
     cdiv,
@@ -299,7 +301,55 @@ def prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait=
 
     ``wait``: ``(flags, epoch)`` for a rank-stacked routing whose tokens are still arriving.
     The host launchers always run the persistent, flattened tile loop (``PERSISTENT=FLATTEN=True``).
-    Cost: about 10 µs of Python per call (each tensor's shape and strides are read once)."""
+    The checks and the constexprs depend only on the call's layout (shapes, strides, dtypes, devices,
+    alignment, modes), so they run once per layout and are kept (up to 256 layouts); a call with a
+    known layout costs a few µs of Python (its layout key, ``out``'s aliasing check, the arguments)."""
+    key = _layout_key(a, w, routing, a_order, out, out_order, weights, wait, tile_order)
+    meta = _checked_layouts.get(key) if key is not None else None
+    if meta is None:
+        meta = _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, tile_order)
+        if key is not None:
+            if len(_checked_layouts) >= 256:
+                _checked_layouts.clear()
+            _checked_layouts[key] = meta
+    elif (out is not None and out.numel() and a.numel()
+          and out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()):
+        raise ValueError(f"{where}: out shares storage with a; in-place grouped GEMM is not supported")
+    R = routing.num_rows
+    if weights is not None:
+        weights = weights.contiguous()
+    if out is None:
+        out = empty_buffer((R, w.shape[2]), a.dtype, a.device)
+    args = (a, w, out, weights if weights is not None else a, routing.sorted_ids, routing.expert_offs,
+            routing.expert_offs if wait is None else wait[0], R, w.shape[2], w.shape[1], routing.groups,
+            w.shape[0], routing.top_k)
+    strides = (*a.stride(), *w.stride(), *out.stride())
+    if (meta["A_TMA"] or meta["B_TMA"]) and a.device.type == "cuda":
+        ensure_descriptor_allocator()
+    return out, args, strides, dict(meta)
+
+
+_checked_layouts: dict = {}
+
+
+def _tensor_layout(t) -> Optional[tuple]:
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
+
+
+def _layout_key(a, w, routing, a_order, out, out_order, weights, wait, tile_order) -> Optional[tuple]:
+    """Everything :func:`_check_layout` reads, as a dictionary key; None where an argument is not what it
+    should be (the full check then says what is wrong)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and isinstance(routing, MoeRouting)
+            and (out is None or isinstance(out, torch.Tensor))
+            and (weights is None or isinstance(weights, torch.Tensor))):
+        return None
+    return (a_order, out_order, tile_order, wait is None, _tensor_layout(a), _tensor_layout(w), _tensor_layout(out),
+            None if weights is None else (weights.dtype, weights.shape, weights.device),
+            routing.sorted_ids.device, routing.num_experts, routing.num_tokens, routing.top_k, routing.rank_tokens)
+
+
+def _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, tile_order) -> dict:
+    """Every check of a grouped-GEMM call's layout (raising what is wrong); returns the constexpr kwargs."""
     a_mode = _A_MODE.get(a_order)
     if a_mode is None:
         raise ValueError(f"{where}: a_order must be one of {A_ORDERS}, got {a_order!r}")
@@ -336,35 +386,28 @@ def prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait=
             raise TypeError(f"{where}: weights must be a floating-point tensor [tokens, top_k]")
         if tuple(weights.shape) != (T, routing.top_k):
             raise ValueError(f"{where}: weights must have shape {(T, routing.top_k)}, got {tuple(weights.shape)}")
-        weights = weights.contiguous()
     if out is None:
-        out = empty_buffer((R, N), dtype, a.device)
+        out_stride: Sequence[int] = (N, 1)  # what empty_buffer gives
     else:
         check_float_tensor(where, "out", out)
         if tuple(out.shape) != (R, N):
             raise ValueError(f"{where}: out has shape {tuple(out.shape)}, expected {(R, N)}")
         if out.numel() and a.numel() and out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
             raise ValueError(f"{where}: out shares storage with a; in-place grouped GEMM is not supported")
-    a_stride, w_stride, out_stride = a.stride(), w.stride(), out.stride()
+        out_stride = out.stride()
+    a_stride, w_stride = a.stride(), w.stride()
     for name, shape, stride in (("a", a_shape, a_stride), ("w", w_shape, w_stride), ("out", (R, N), out_stride)):
         if _span(shape, stride) > _INT32_MAX:
             raise ValueError(f"{where}: {name} spans more than 2**31-1 elements; the kernel uses 32-bit offsets")
     if wait is not None and not routing.rank_tokens:
         raise ValueError(f"{where}: waiting on arrival flags needs a rank-stacked routing (moe_align_stacked)")
-    groups = routing.groups
-    args = (a, w, out, weights if weights is not None else a, routing.sorted_ids, routing.expert_offs,
-            routing.expert_offs if wait is None else wait[0], R, N, K, groups, E, routing.top_k)
-    strides = (*a_stride, *w_stride, *out_stride)
     elem = a.element_size()
     a_tma = a_mode == 2 and _descriptor_ready(a, a_stride, 1, elem)
     b_tma = _weight_layout(w, w_stride, elem)
-    meta = dict(E_POW2=max(2, next_power_of_2(groups)), WAIT=wait is not None, A_MODE=a_mode,
+    return dict(E_POW2=max(2, next_power_of_2(routing.groups)), WAIT=wait is not None, A_MODE=a_mode,
                 C_FLAT=out_order == "flat", MUL_WEIGHT=weights is not None, A_TMA=a_tma, B_TMA=b_tma,
                 NUM_SMS=num_sms(a.device), PERSISTENT=True, FLATTEN=True,
                 EXPERT_BANDS=tile_order == "expert_bands")
-    if (a_tma or b_tma) and a.device.type == "cuda":
-        ensure_descriptor_allocator()
-    return out, args, strides, meta
 
 
 def _descriptor_ready(t: torch.Tensor, stride: Sequence[int], inner: int, elem: int) -> bool:
@@ -430,8 +473,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
         return out.zero_()
     rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
     kern = kernel if kernel is not None else moe_gemm_kernel
-    kern[_grid(R, N, routing, meta["NUM_SMS"])](*args, rb, first_group, 0 if wait is None else wait[1], *strides,
-                                                **meta)
+    cached_launch.launch(kern, _grid(R, N, routing, meta["NUM_SMS"]),
+                         (*args, rb, first_group, 0 if wait is None else wait[1], *strides), meta)
     return out
 
 

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation  # Triton has no public way to ask whether an allocator is set
 
+from disttune import cached_launch
+
 from .matmul import (
     BF16_INTERPRETER_NOTE,
     CPU_GEMM_CONFIGS,
@@ -248,8 +250,37 @@ def b_is_kmajor(b: torch.Tensor) -> bool:
 def check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], who: str) -> None:
     """Raise a clear error unless ``a @ b -> out`` fits the kernel's tensor descriptors.
 
-    ``out=None`` checks the operands only (for callers that write into buffers of their own).
+    ``out=None`` checks the operands only (for callers that write into buffers of their own). The
+    verdict depends only on the tensors' layouts (shapes, strides, dtypes, devices, 16-byte alignment),
+    so a layout that passed once passes at the cost of its key (up to 256 layouts are kept).
     """
+    key = _gemm_layout(a, b, out)
+    if key is not None and key in _passed_layouts:
+        return
+    _check_gemm_inputs(a, b, out, who)
+    if key is not None:
+        if len(_passed_layouts) >= 256:
+            _passed_layouts.clear()
+        _passed_layouts.add(key)
+
+
+_passed_layouts: set = set()
+
+
+def _gemm_layout(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What :func:`_check_gemm_inputs` reads of each tensor; None where one is not a tensor."""
+    key: list = [interpreting()]
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16))
+        else:
+            return None
+    return tuple(key)
+
+
+def _check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], who: str) -> None:
     tensors = (("a", a), ("b", b)) + ((("out", out),) if out is not None else ())
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -343,11 +374,12 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
         tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) * cdiv(N, meta["BLOCK_N"])
         return (max(1, min(sms, tiles)),)
 
-    kern[grid](a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
-               offsets if addend_flags is None else addend_flags, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-               out.stride(0), 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
-               rank, chunk_rows, epoch, addend_skip,
-               WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, ADD_SLOTS=slots, NUM_SMS=sms)
+    cached_launch.launch(kern, grid, (
+        a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
+        offsets if addend_flags is None else addend_flags, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
+        out.stride(0), 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
+        rank, chunk_rows, epoch, addend_skip),
+        dict(WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, ADD_SLOTS=slots, NUM_SMS=sms))
     return out
 
 

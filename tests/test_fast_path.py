@@ -280,3 +280,22 @@ def test_untuned_key_on_the_fast_path_retunes_next_call(tmp_path):
     assert not step.tuned
     z = torch.randn(80, device=DEV)
     assert torch.equal(step(z), z + 64) and step.tuned
+
+
+def test_occurrences_of_one_key_keep_their_own_winners_once_the_sequence_is_learned(tmp_path):
+    """Two launches with the same key are two sites with their own winners; the learned launch
+    sequence (from the second call on) must launch each one's, not the first's twice."""
+    kernel = make_kernel()
+    timer = TableTimer(lambda i: 1.0 if i.config_index == (1 if i.occurrence == 0 else 2) else 2.0)
+
+    @tuner(tmp_path, timer=timer, n_warmup=0, n_repeat=1, store=False)
+    def step(x):
+        first, second = torch.empty_like(x), torch.empty_like(x)
+        launch_add(kernel, x, first)
+        launch_add(kernel, x, second)
+        return first, second
+
+    x = torch.randn(16, device=DEV)
+    for _ in range(4):  # tuning, the call that learns the sequence, two calls that follow it
+        first, second = step(x)
+        assert torch.equal(first, x + 32) and torch.equal(second, x + 64)

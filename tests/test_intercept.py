@@ -12,11 +12,13 @@ import threading
 
 import pytest
 import torch
+import triton
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import KernelInterface
 
 import disttune
 from disttune import intercept
-from tiny_kernels import DEV, STOCK_RUN, assert_no_scope_left, counting_step, grid, host_bench, key_of, launch_add, make_kernel, TableTimer, tuner
+from tiny_kernels import DEV, STOCK_RUN, block_configs, assert_no_scope_left, counting_step, grid, host_bench, key_of, launch_add, make_kernel, TableTimer, tuner
 
 
 def test_hook_intercepts_only_inside_the_function_and_leaves_at_the_first_launch_outside(tmp_path):
@@ -194,3 +196,57 @@ def test_kernels_outside_behave_like_stock_triton(tmp_path):
     out = torch.empty_like(z)
     launch_add(kernel, z, out)  # a new key outside: stock Triton tunes it with its own benchmarker
     assert key_of(z) in kernel.cache and torch.equal(out, z + kernel.cache[key_of(z)].kwargs["BLOCK"])
+
+
+class RecordingKernel(KernelInterface):
+    """A launchable with ``add_block``'s signature that records each launch's BLOCK per thread (Triton's
+    interpreter cannot launch from two threads at once)."""
+
+    def __init__(self) -> None:
+        self.fn = _recorded_body
+        self.arg_names = ["x_ptr", "y_ptr", "n", "BLOCK"]
+        self.blocks: dict = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.blocks.setdefault(threading.get_ident(), []).append(kwargs["BLOCK"])
+
+
+def _recorded_body(x_ptr, y_ptr, n, BLOCK):  # noqa: N803 - the signature RecordingKernel reports
+    """What RecordingKernel stands for."""
+
+
+def test_tuned_calls_keep_their_hook_while_another_thread_launches_outside_every_scope(tmp_path):
+    """Launches outside every scope put Triton's run back; a tuned call running meanwhile on another
+    thread must still see all its launches. Its second occurrence's winner differs from the first's,
+    which is the one in the kernel's cache: a launch that bypassed the hook would show the first's."""
+    recording = RecordingKernel()
+    kernel = triton.autotune(block_configs((16, 32, 64)), key=["n"])(recording)
+    timer = TableTimer(lambda i: 1.0 if i.config_index == (1 if i.occurrence == 0 else 2) else 2.0)
+    x = torch.randn(16)
+
+    @tuner(tmp_path, timer=timer, n_warmup=0, n_repeat=1, store=False)
+    def step():
+        kernel[grid(16)](x, x, 16)
+        kernel[grid(16)](x, x, 16)
+
+    step()
+    me = threading.get_ident()
+    recording.blocks.clear()
+    stop = threading.Event()
+
+    def launch_outside():
+        while not stop.is_set():
+            kernel[grid(16)](x, x, 16)  # Triton's cached winner, outside every scope
+
+    worker = threading.Thread(target=launch_outside)
+    worker.start()
+    try:
+        for _ in range(3000):
+            step()
+    finally:
+        stop.set()
+        worker.join(30)
+    outside = [blocks for ident, blocks in recording.blocks.items() if ident != me]
+    assert outside and set(outside[0]) == {32}, "outside: the cached winner of the key (the first occurrence's)"
+    assert recording.blocks[me] == [32, 64] * 3000, "every tuned call launched both of its winners"
+    assert_no_scope_left()

@@ -267,3 +267,29 @@ def test_config_is_valid_rejects_bad_configs():
     assert mm.prune_configs([cfg(BLOCK_M=24), cfg()], torch.float16, 232448) == [cfg()]
     with pytest.raises(ValueError, match="BLOCK_M=24 is not a power of two"):
         mm.prune_configs([cfg(BLOCK_M=24)], torch.float16, 232448)
+
+
+def test_gemm_input_checks_are_kept_per_layout(monkeypatch):
+    """A layout that passed once is not checked again; another layout, or a bad one, is checked in full."""
+    from disttune.kernels import shard_gemm
+
+    checked = []
+    real = shard_gemm._check_gemm_inputs
+    monkeypatch.setattr(shard_gemm, "_check_gemm_inputs",
+                        lambda a, b, out, who: checked.append(who) or real(a, b, out, who))
+    monkeypatch.setattr(shard_gemm, "_passed_layouts", set())
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = torch.randn(32, 16, device=dev, dtype=torch.float16), torch.randn(16, 24, device=dev, dtype=torch.float16)
+    out = torch.empty(32, 24, device=dev, dtype=torch.float16)
+    shard_gemm.check_gemm_inputs(a, b, out, "first")
+    shard_gemm.check_gemm_inputs(a.clone(), b.clone(), torch.empty_like(out), "same layout")
+    assert checked == ["first"]
+    shard_gemm.check_gemm_inputs(a, b.t().contiguous().t(), out, "K-major b")
+    assert checked == ["first", "K-major b"]
+    wide = torch.empty(32, 32, device=dev, dtype=torch.float16)[:, :24]  # row stride 32: still aligned
+    shard_gemm.check_gemm_inputs(a, b, wide, "strided out")
+    misaligned = torch.empty(32 * 24 + 1, device=dev, dtype=torch.float16)[1:].view(32, 24)
+    for _ in range(2):  # a failing layout is never kept: the error comes every time
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            shard_gemm.check_gemm_inputs(a, b, misaligned, "misaligned")
+    assert checked.count("misaligned") == 2

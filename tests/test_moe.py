@@ -215,6 +215,33 @@ def test_moe_gemm_reads_every_weight_layout(layout):
     assert rel_error(rt.unsort(out), moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
 
 
+def test_moe_gemm_checks_a_layout_once_and_still_refuses_an_aliased_out(monkeypatch):
+    """A call with a known layout skips the layout checks (kept per layout) but not the aliasing check,
+    which depends on the tensors; a new layout is checked in full."""
+    E, k, T, H, N = 8, 2, 16, 32, 32
+    x, w = _tensors(T, H, N, E, torch.float16, seed=21)
+    ids, _ = _routing(T, E, k, seed=22)
+    rt = moe.moe_align(ids, E)
+    checked = []
+    real = moe_gemm._check_layout
+    monkeypatch.setattr(moe_gemm, "_check_layout", lambda *a: checked.append(a[3]) or real(*a))
+    monkeypatch.setattr(moe_gemm, "_checked_layouts", {})
+    first = moe_gemm.prepare_launch(x, w, rt, "token", None, "sorted", None, "test")
+    second = moe_gemm.prepare_launch(x.clone(), w, rt, "token", None, "sorted", None, "test")
+    assert checked == ["token"] and first[3] == second[3] and first[2] == second[2]
+    assert second[1][0] is not first[1][0], "the arguments are the call's own tensors"
+    a = rt.permute(x)
+    moe_gemm.prepare_launch(a, w, rt, "sorted", None, "sorted", None, "test")
+    assert checked == ["token", "sorted"], "another layout: checked in full"
+    buf, other = (torch.empty(T * k, H + N, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    a_view = buf[:, :H]
+    moe_gemm.prepare_launch(a_view, w, rt, "sorted", other[:, H:], "sorted", None, "test")
+    assert len(checked) == 3
+    with pytest.raises(ValueError, match="shares storage"):  # the same layout, known now: the check still runs
+        moe_gemm.prepare_launch(a_view, w, rt, "sorted", buf[:, H:], "sorted", None, "test")
+    assert len(checked) == 3, "the layout was not checked again"
+
+
 def test_moe_gemm_writes_only_its_rows_and_strided_weights():
     """A transposed weight view ([E, N, K] storage) and an output view inside a NaN buffer."""
     E, k, T, H, N = 8, 2, 20, 32, 40
