@@ -33,7 +33,7 @@ from typing import Any, Literal, Mapping, Optional
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
-    "progress_enabled", "sweep_table", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
+    "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
     "compile_overlap",
 ]
 
@@ -123,6 +123,11 @@ def pinned_table() -> Optional[str]:
 def sweep_table() -> Optional[str]:
     """``$DISTTUNE_SWEEP_TABLE``: where a sweep writes its pinned table when it is not told (``disttune sweep``)."""
     return os.environ.get("DISTTUNE_SWEEP_TABLE") or None
+
+
+def verify_threshold_text() -> str:
+    """``$DISTTUNE_VERIFY`` as written (empty when unset): the regression threshold ``disttune verify`` asks for."""
+    return os.environ.get("DISTTUNE_VERIFY", "").strip()
 
 
 def progress_enabled() -> bool:

@@ -44,7 +44,7 @@ DEFAULT_THRESHOLD = 0.1
 
 def requested() -> Optional[float]:
     """The threshold ``$DISTTUNE_VERIFY`` asks for, or None when it is unset (a ValueError when it is not a number >= 0)."""
-    text = os.environ.get(VERIFY, "").strip()
+    text = env.verify_threshold_text()
     if not text:
         return None
     try:
