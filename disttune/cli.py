@@ -141,6 +141,10 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
     root = store.resolve_cache_dir(args.cache_dir)
     removed = leftovers = 0
+    for path in list(store.leftover_files(args.cache_dir)):
+        if chosen(path, None):
+            path.unlink(missing_ok=True)
+            leftovers += 1
     for path, record, _ in store.iter_records(args.cache_dir):
         if not chosen(path, record):
             continue
@@ -148,10 +152,6 @@ def cmd_clear(args: argparse.Namespace) -> int:
         if path.parent != root:
             path.with_name(path.name + ".lock").unlink(missing_ok=True)
         removed += 1
-    for path in store.leftover_files(args.cache_dir):
-        if chosen(path, None):
-            path.unlink(missing_ok=True)
-            leftovers += 1
     print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {root}"
           + (f" and {leftovers} leftover temporary file{'s' * (leftovers != 1)}" if leftovers else ""))
     return 0

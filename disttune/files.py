@@ -163,6 +163,12 @@ def append_no_follow(dir_fd: int, name: str, data: bytes) -> bool:
         fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
     except OSError:
         if not is_link(dir_fd, name):
+            try:
+                mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            except OSError:
+                mode = stat.S_IFREG
+            if not stat.S_ISREG(mode):  # e.g. a FIFO nobody reads (ENXIO)
+                raise NotRegularFile(errno.EINVAL, f"is not a regular file ({file_kind(mode)})", name) from None
             raise
         os.unlink(name, dir_fd=dir_fd)
         fd = os.open(name, flags | os.O_EXCL, 0o644, dir_fd=dir_fd)

@@ -118,7 +118,7 @@ class RankLog:
 
     def flush(self) -> None:
         """Append what is buffered, never through a link: a ``rank-<r>.log`` that is a symbolic link is
-        replaced by a file of its own (with a LogWarning); a FIFO or device there is an OSError."""
+        replaced by a file of its own, a FIFO or device there is not opened (each with a LogWarning)."""
         if not self._lines:
             return
         folder = files.open_dir(self.path.parent, create=True)
@@ -127,6 +127,9 @@ class RankLog:
             if files.append_no_follow(folder, self.path.name, text.encode("utf-8")):
                 warnings.warn(f"disttune: rank log {self.path} was a symbolic link; replaced by a file (its target "
                               "is left as it was)", LogWarning, stacklevel=2)
+        except files.NotRegularFile as err:
+            warnings.warn(f"disttune: rank log {self.path} {err.strerror}: not opened, {len(self._lines) // 2} "
+                          "event(s) of this call are not logged", LogWarning, stacklevel=2)
         finally:
             os.close(folder)
         self._lines.clear()
