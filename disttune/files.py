@@ -40,9 +40,9 @@ class NotRegularFile(OSError):
 
 
 def check_name(name: str) -> str:
-    """``name`` when it is one path component; ValueError otherwise (it could leave its directory)."""
+    """``name`` when it is one path component; an OSError otherwise (it could leave its directory)."""
     if not name or name in (".", "..") or "/" in name or "\0" in name or (os.sep != "/" and os.sep in name):
-        raise ValueError(f"disttune: {name!r} is not a plain file name")
+        raise OSError(errno.EINVAL, "is not a plain file name (it would leave its folder)", name)
     return name
 
 

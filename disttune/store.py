@@ -208,7 +208,8 @@ class WinnerStore:
             if record is not None or self.check != "warn":
                 return record
             prefix = f"{entry.digest()}-"
-            for name in sorted(n for n in os.listdir(folder) if n.startswith(prefix) and n.endswith(".json")):
+            others = (n for n in os.listdir(folder) if n.startswith(prefix) and n.endswith(".json"))
+            for name in sorted(n for n in others if n != self.file_name(entry)):
                 record = self._read(folder, entry.folder(), name, entry, any_environment=True)
                 if record is not None:
                     differs = sorted(k for k in set(record["fingerprint"]) | set(self.fingerprint)
@@ -233,12 +234,12 @@ class WinnerStore:
             return None
         try:
             return files.open_subdir(root, entry.folder())
-        except (FileNotFoundError, NotADirectoryError) as err:
-            if isinstance(err, NotADirectoryError) or files.is_link(root, entry.folder()):
-                warnings.warn(f"disttune: ignoring store folder {where}: not a plain folder; tuning instead",
-                              StoreWarning)
+        except FileNotFoundError:
             return None
-        except OSError as err:
+        except NotADirectoryError:
+            warnings.warn(f"disttune: ignoring store folder {where}: not a folder; tuning instead", StoreWarning)
+            return None
+        except OSError as err:  # a symbolic link (LinkRefused) among them
             warnings.warn(f"disttune: ignoring store folder {where}: {err.strerror or err}; tuning instead",
                           StoreWarning)
             return None
