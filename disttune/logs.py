@@ -146,6 +146,6 @@ def read_records(path: str | os.PathLike) -> list[dict]:
             if line.startswith("{"):
                 try:
                     records.append(json.loads(line))
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
                     continue
     return records
