@@ -5,18 +5,21 @@ directory (``platformdirs.user_cache_dir("disttune")``, ``~/.cache/disttune`` on
 
 An entry is named by two hashes: the *identity* of the site (kernel source as
 Triton keys it, tuning key, occurrence, candidate configs) and the *environment*
-(GPU name and count, compute capability, world size and ranks per node, torch,
-triton and CUDA versions, the environment variables Triton treats as
+(GPU name and count, compute capability, GPU driver, world size and ranks per node,
+torch, triton, CUDA and NCCL versions, the environment variables Triton treats as
 cache-invalidating). A different environment is a different file, so a miss; with
 ``check="warn"`` an entry of the same identity from another environment is used,
-with a warning naming what differs.
+with a warning naming what differs. Each entry also records the hash of the kernel's
+own source text (``source_digest``), which a pinned lookup checks: a table exported
+before the kernel was edited is refused (:class:`PinnedTableError`).
 
 This module only reads and writes; who reads, who writes and what is trusted is
 decided by the tuners (every rank reads, the agreed decision is rank 0's entry).
 Files are readable JSON with ``"schema": SCHEMA``. A corrupt, truncated or
 foreign file (bytes that are not UTF-8, nesting too deep to parse, a field of the wrong
 type, a winner that disagrees with its config) is reported and ignored, never trusted
-and never fatal; in a pinned table the same damage is one ValueError naming the file.
+and never fatal; in a pinned table the same damage is one PinnedTableError (a
+ValueError) naming the file.
 Nothing is read or written through a symbolic link, and nothing but a regular file is
 opened (:mod:`disttune.files`): a linked kernel folder, entry or lock file is replaced,
 a FIFO is never opened.
