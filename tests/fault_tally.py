@@ -46,20 +46,22 @@ def is_clear_error(record: dict) -> bool:
     return str(record.get("error_message", "")).startswith("disttune")
 
 
-def endings(per_rank: Sequence[dict], *fields: str, ok: str = "ok", error: str = "error_message") -> dict:
+def endings(per_rank: Sequence[dict], *fields: str, ok: str = "ok", error: str = "error_message",
+            message: str = "") -> dict:
     """One trial's ending over its ranks: counts a trial, a split ending, a disagreement and tracebacks.
 
     ``per_rank``: each rank's outcome; ``ok`` names its success flag (a missing flag: success when it
-    has no ``error``), ``fields`` what the successful ranks must agree on, ``error`` the error text
-    the failed ranks must agree on.
+    has no ``error``), ``fields`` what the successful ranks must agree on, ``error`` what the failed
+    ranks must agree on, ``message`` (default: ``error``) the text that must be a clear error.
     """
     TALLY["trials"] += 1
-    succeeded = [r for r in per_rank if r.get(ok, error not in r)]
-    failed = [r for r in per_rank if not r.get(ok, error not in r)]
+    message = message or error
+    succeeded = [r for r in per_rank if r.get(ok, message not in r)]
+    failed = [r for r in per_rank if not r.get(ok, message not in r)]
     split = bool(succeeded and failed)
     disagree = (len({json.dumps([r.get(f) for f in fields], default=str) for r in succeeded}) > 1
                 or len({str(r.get(error)) for r in failed}) > 1)
-    stray = sum(not str(r.get(error, "")).startswith("disttune") for r in failed)
+    stray = sum(not str(r.get(message, "")).startswith("disttune") for r in failed)
     TALLY["split_endings"] += split
     TALLY["disagreements"] += disagree
     TALLY["tracebacks"] += stray
