@@ -353,6 +353,7 @@ def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
     store.export_table(tables / "table0.json", stores / "rank0")
     other = json.loads((tables / "table0.json").read_text())
     other["entries"][0]["winner"] = 0  # same site, another winner
+    other["entries"][0]["winner_config"] = other["entries"][0]["configs"][0]
     (tables / "table1.json").write_text(json.dumps(other))
     (per_rank,) = launch_cases(tmp_path, 2, ["pinned_mismatch"], tmp_path / "none",
                                expect_errors=True, DISTTUNE_TEST_TABLES=str(tables)).values()
