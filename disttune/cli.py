@@ -123,14 +123,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     rows = list(store.iter_records(args.cache_dir))
+    leftovers = list(store.leftover_files(args.cache_dir))
     root = store.resolve_cache_dir(args.cache_dir)
-    if not rows:
+    if not rows and not leftovers:
         print(f"no stored winners under {root}")
         return 0
     print(f"stored winners under {root}:")
     for path, record, problem in rows:
         if record is None or problem:
-            print(f"  UNUSABLE {path}: {problem}")
+            print(f"  DAMAGED {path}: {problem} (ignored; `disttune clear` removes it)")
             continue
         fingerprint = record["fingerprint"]
         winner = record["configs"][record["winner"]]
@@ -138,6 +139,8 @@ def cmd_show(args: argparse.Namespace) -> int:
               f"{describe_config(str(winner))}  [{fingerprint.get('gpu') or 'cpu'}, "
               f"world {fingerprint.get('world_size')}, triton {fingerprint.get('triton')}, "
               f"age {_age(record.get('created'))}, env {path.stem.split('-')[-1]}]")
+    for path in leftovers:
+        print(f"  LEFTOVER {path}: a temporary file of a writer that did not finish (`disttune clear` removes it)")
     return 0
 
 
@@ -161,14 +164,29 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    removed = 0
+    """Remove entries (``--kernel``: those whose name, or kernel folder, contains the text), the damaged ones
+    among them, their lock files and the temporary files writers left behind; links are removed, not followed."""
+    def chosen(path: Path, record: Optional[dict]) -> bool:
+        names = [path.name if path.parent == root else path.parent.name]
+        if record is not None and isinstance(record.get("name"), str):
+            names.append(record["name"])
+        return not args.kernel or any(args.kernel in name for name in names)
+
+    root = store.resolve_cache_dir(args.cache_dir)
+    removed = leftovers = 0
+    for path in list(store.leftover_files(args.cache_dir)):
+        if chosen(path, None):
+            path.unlink(missing_ok=True)
+            leftovers += 1
     for path, record, _ in store.iter_records(args.cache_dir):
-        if args.kernel and (record is None or args.kernel not in record.get("name", "")):
+        if not chosen(path, record):
             continue
-        path.unlink(missing_ok=True)
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # a link (entry or kernel folder) goes, its target stays
+        if path.parent != root:
+            path.with_name(path.name + ".lock").unlink(missing_ok=True)
         removed += 1
-    print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {store.resolve_cache_dir(args.cache_dir)}")
+    print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {root}"
+          + (f" and {leftovers} leftover temporary file{'s' * (leftovers != 1)}" if leftovers else ""))
     return 0
 
 

@@ -136,15 +136,15 @@ def open_store(use: bool, cache_dir: Any, comm: Communicator, check: str = "stri
 def kernel_entry(site: Site, kind: str = "kernel") -> stores.EntryId:
     """The store identity of a contextual site; ``kind`` tells winners of different objectives apart."""
     return stores.EntryId(kind, site.id.kernel, stores.kernel_source_key(site.autotuner), repr(site.id.key),
-                          site.id.occurrence, tuple(config_text(c) for c in site.configs))
+                          site.id.occurrence, tuple(config_text(c) for c in site.configs),
+                          stores.kernel_source_digest(site.autotuner))
 
 
 def lookup(winners_store: Optional[stores.WinnerStore], table: Optional[dict], always_tune: bool,
            entry: Callable[[Site], stores.EntryId] = kernel_entry) -> Optional[Callable[[Site], Optional[int]]]:
     """How this rank answers for a new site: its pinned-table or stored winner index, or None (tune)."""
-    if table is not None:
-        return lambda site: stores.pinned_lookup(table, site.id.kernel, repr(site.id.key), site.id.occurrence,
-                                                 tuple(config_text(c) for c in site.configs))
+    if table is not None:  # a table made for another kernel source raises PinnedTableError here
+        return lambda site: stores.pinned_lookup(table, entry(site))
     if winners_store is None or always_tune or env.always_tune():
         return None
 

@@ -1,7 +1,7 @@
 """Per-rank tuning logs: ``<log_dir>/rank-<r>.log``, a readable line then a JSON line per event.
 
 Each rank writes only its own file, in append mode, so several wrappers (or jobs)
-never truncate one another. Events are buffered during tuning and written in one
+never truncate one another; the file is opened without following a symbolic link. Events are buffered during tuning and written in one
 append at the end, keeping file I/O out of the timed runs; each record keeps the
 time of its own event (a ``measure`` record: when that sample was taken).
 
@@ -21,12 +21,17 @@ import json
 import math
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from . import env
+from . import env, files
 
 DEFAULT_LOG_DIR = "logs"
+
+
+class LogWarning(UserWarning):
+    """Something in the way of a rank log (a link where the file belongs) was dealt with."""
 
 
 def resolve_log_dir(log_dir: Optional[str | os.PathLike]) -> Path:
@@ -141,11 +146,21 @@ class RankLog:
         self._add("note", f"{topic}: {text}", topic=topic, text=text)
 
     def flush(self) -> None:
+        """Append what is buffered, never through a link: a ``rank-<r>.log`` that is a symbolic link is
+        replaced by a file of its own, a FIFO or device there is not opened (each with a LogWarning)."""
         if not self._lines:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write("\n".join(self._lines) + "\n")
+        folder = files.open_dir(self.path.parent, create=True)
+        try:
+            text = "\n".join(self._lines) + "\n"
+            if files.append_no_follow(folder, self.path.name, text.encode("utf-8")):
+                warnings.warn(f"disttune: rank log {self.path} was a symbolic link; replaced by a file (its target "
+                              "is left as it was)", LogWarning, stacklevel=2)
+        except files.NotRegularFile as err:
+            warnings.warn(f"disttune: rank log {self.path} {err.strerror}: not opened, {len(self._lines) // 2} "
+                          "event(s) of this call are not logged", LogWarning, stacklevel=2)
+        finally:
+            os.close(folder)
         self._lines.clear()
 
 
@@ -160,6 +175,6 @@ def read_records(path: str | os.PathLike) -> list[dict]:
             if line.startswith("{"):
                 try:
                     records.append(json.loads(line))
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
                     continue
     return records

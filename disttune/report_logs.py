@@ -93,6 +93,8 @@ def scan_log_lines(path: Path, label: str) -> list[str]:
                     end = len(text.rstrip())
                     cut = err.pos >= end - 1 or err.msg.startswith("Unterminated string")
                     what = "truncated JSON" if cut else f"invalid JSON ({err.msg})"
+                except (RecursionError, ValueError):
+                    what = "invalid JSON (nested too deeply, or a number too long)"
             elif _READABLE_LINE.match(text):
                 continue
             else:

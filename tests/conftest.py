@@ -44,9 +44,7 @@ def isolated_outputs(tmp_path, monkeypatch):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from fault_tally import TALLY
+    from fault_tally import TALLY, summary_line
 
     if TALLY["trials"]:
-        terminalreporter.write_line(
-            "fault injection: {trials} trials, {faults} faults injected, {hangs} hangs, "
-            "{disagreements} disagreements, {torn_files} torn files".format(**TALLY))
+        terminalreporter.write_line(summary_line())

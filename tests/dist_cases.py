@@ -603,7 +603,7 @@ def case_soak(ctx):
     import resource
 
     rng = random.Random(1000 + ctx.rank)
-    disagreements, rss, fds = 0, [], []
+    disagreements, rss, fds, tunings, noisy = 0, [], [], 0, 0
     x = torch.randn(96, device=ctx.device)
     for trial in range(int(os.environ.get("DISTTUNE_SOAK_TRIALS", "200"))):
         kernel = make_kernel()
@@ -623,12 +623,14 @@ def case_soak(ctx):
             return y
 
         step()
+        tunings += 1
         winners = ctx.all_gather_object(step.report.results[0].winner)
         disagreements += len(set(winners)) != 1
+        noisy += len({tuple(row) for row in step.report.results[0].per_rank_ms}) > 1  # the noise reached the times
         if trial in (20, 199):
             rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
             fds.append(len(os.listdir("/proc/self/fd")))
-    return {"disagreements": disagreements, "rss_kb": rss, "fds": fds}
+    return {"disagreements": disagreements, "rss_kb": rss, "fds": fds, "tunings": tunings, "noisy": noisy}
 
 
 @cases.case(breaks_group=True, default=False)

@@ -164,7 +164,7 @@ def test_show_lists_a_damaged_entry_instead_of_failing(tmp_path, capsys):
     assert main(["show", "--cache-dir", str(tmp_path / "store")]) == 0
     shown = capsys.readouterr().out
     assert "pkg.kernel key=(64,) occ=0 -> BLOCK=16 w1 s3  [cpu, world 1" in shown
-    assert "UNUSABLE" in shown and "string-fingerprint.json: field 'fingerprint' missing or not a dict" in shown
+    assert "DAMAGED" in shown and "string-fingerprint.json: field 'fingerprint' missing or not a dict" in shown
 
 
 def test_report_errors_carry_one_prefix(tmp_path, capsys):

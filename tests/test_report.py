@@ -184,6 +184,15 @@ def test_empty_rank_log_and_binary_garbage(tmp_path):
     assert "rank-1.log is empty" in report.markdown_path.read_text()
 
 
+def test_a_rank_log_nested_too_deeply_is_a_problem_not_a_crash(tmp_path):
+    write_tuning(tmp_path, 0, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    (tmp_path / "rank-1.log").write_text("{\"a\": " + "[" * 100_000 + "]" * 100_000 + "}\n")
+    report = build_report(tmp_path, tmp_path / "out")
+    problems = "\n".join(report.problems)
+    assert "rank-1.log line 1" in problems and "nested too deeply" in problems
+    assert report.sites[0].winner == 0
+
+
 def test_appended_runs_report_the_last_tuning(tmp_path):
     write_tuning(tmp_path, 0, [[1.0], [2.0], [3.0]])  # first tuning: config 0 wins
     write_tuning(tmp_path, 0, [[3.0], [2.0], [1.0]])  # re-tuned later: config 2 wins

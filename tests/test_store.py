@@ -152,6 +152,34 @@ def test_warn_mode_uses_an_entry_from_another_environment(tmp_path):
     assert timer.seen == [] and step.report.results[0].winner == 2
 
 
+def test_fingerprint_records_the_driver_and_nccl_and_a_change_is_a_miss(tmp_path, monkeypatch):
+    fingerprint = store.environment_fingerprint(1, 1)
+    assert "driver" in fingerprint and "nccl" in fingerprint
+    if not torch.cuda.is_available():
+        assert fingerprint["driver"] is None
+    x = torch.randn(64, device=DEV)
+    tuned_step(make_kernel(), preferring(2))(x)
+    monkeypatch.setattr(store, "gpu_driver_version", lambda: "999.1")
+    timer = preferring(1)
+    step = tuned_step(make_kernel(), timer)
+    step(x)
+    assert timer.seen and step.report.results[0].source == "tuned", "another driver: tuned again"
+    records = [json.loads(p.read_text()) for p in store_files(tmp_path / "winner-store")]
+    assert sorted(r["fingerprint"]["driver"] or "" for r in records) == ["", "999.1"]
+
+
+def test_a_fifo_where_the_rank_log_goes_is_a_warning(tmp_path):
+    logs = tmp_path / "fifo-logs"
+    logs.mkdir()
+    os.mkfifo(logs / "rank-0.log")
+    x = torch.randn(64, device=DEV)
+    from disttune.logs import LogWarning
+
+    with pytest.warns(LogWarning, match="not a regular file"):
+        y = tuned_step(make_kernel(), preferring(2), log_dir=logs)(x)
+    assert torch.equal(y, x + 64)
+
+
 def test_unwritable_store_warns_once_and_tuning_succeeds(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -192,7 +220,8 @@ def test_concurrent_writers_never_tear_a_file(tmp_path):
     assert reader.load(entry)["winner"] in range(4) and seen <= set(range(4))
 
 
-def test_writer_killed_mid_write_leaves_the_old_entry_whole(tmp_path):
+def kill_a_writer_mid_write(tmp_path) -> int:
+    """Kill a writer that rewrites one entry in a loop; check the entry is whole. Returns its exit status."""
     root = str(tmp_path / "shared")
     _hammer(root, 3, 1)
     context = multiprocessing.get_context("spawn")
@@ -205,6 +234,11 @@ def test_writer_killed_mid_write_leaves_the_old_entry_whole(tmp_path):
     record = store.WinnerStore(root, {"env": 1}).load(entry)
     assert record is not None and record["winner"] in (1, 3)
     assert [p.name for p in Path(root).glob("*/*.json")] == [store.WinnerStore(root, {"env": 1}).path(entry).name]
+    return writer.exitcode
+
+
+def test_writer_killed_mid_write_leaves_the_old_entry_whole(tmp_path):
+    assert kill_a_writer_mid_write(tmp_path) == -signal.SIGKILL
 
 
 def test_pinned_table_round_trip_and_missing_entry(tmp_path):
@@ -319,6 +353,7 @@ def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
     store.export_table(tables / "table0.json", stores / "rank0")
     other = json.loads((tables / "table0.json").read_text())
     other["entries"][0]["winner"] = 0  # same site, another winner
+    other["entries"][0]["winner_config"] = other["entries"][0]["configs"][0]
     (tables / "table1.json").write_text(json.dumps(other))
     (per_rank,) = launch_cases(tmp_path, 2, ["pinned_mismatch"], tmp_path / "none",
                                expect_errors=True, DISTTUNE_TEST_TABLES=str(tables)).values()
