@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import filelock
+
 from . import env
 
 SCHEMA = 1
@@ -130,13 +132,15 @@ class EntryId:
 class WinnerStore:
     """Reads and writes winners under ``root``; every method is safe to call on any rank."""
 
-    def __init__(self, cache_dir: Optional[str | os.PathLike], fingerprint: dict, check: str = "strict") -> None:
+    def __init__(self, cache_dir: Optional[str | os.PathLike], fingerprint: dict, check: str = "strict",
+                 lock_timeout_s: float = 60.0) -> None:
         if check not in CHECKS:
             raise ValueError(f"disttune: store check must be one of {CHECKS}, got {check!r}")
         self.root = resolve_cache_dir(cache_dir)
         self.fingerprint = fingerprint
         self.env_hash = _sha(json.dumps(fingerprint, sort_keys=True, default=str))[:16]
         self.check = check
+        self.lock_timeout_s = lock_timeout_s  # how long a write waits for another writer's lock
         self._write_failed = False
 
     def path(self, entry: EntryId) -> Path:
@@ -198,8 +202,13 @@ class WinnerStore:
         path = self.path(entry)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with _locked(path):
+            with _locked(path, self.lock_timeout_s):
                 atomic_write_json(path, record)
+        except filelock.Timeout as err:
+            warnings.warn(f"disttune: the store's lock file {err.lock_file} was held by another process for "
+                          f"{self.lock_timeout_s:.0f} s; the winners are used in this process but not stored",
+                          StoreWarning, stacklevel=2)
+            return None
         except OSError as err:
             if not self._write_failed:
                 self._write_failed = True
@@ -249,10 +258,8 @@ def atomic_write_json(path: Path, record: Any) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    from filelock import FileLock
-
-    with FileLock(str(path) + ".lock", timeout=60):
+def _locked(path: Path, timeout_s: float = 60.0) -> Iterator[None]:
+    with filelock.FileLock(str(path) + ".lock", timeout=timeout_s):
         yield
 
 
