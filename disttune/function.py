@@ -15,9 +15,13 @@ same :class:`~disttune.agreement.Agreement` (consensus on key, configs, options 
 agreed vector; all-failed error), and the winner goes to the same store.
 
 Cost of one tuning: ``len(space) * (n_warmup + n_repeat) + 1`` calls of the function
-(the last with the winner, whose result is returned), one barrier per call, and two
-all-gathers. Every collective uses ``group=`` (a torch process group or an mpi4py
-communicator; ``comm=`` is the older name for the latter), or ``autotune_pg=`` at call time.
+(the last with the winner, whose result is returned), one barrier per call, and three
+all-gathers: the consensus, the agreement, and the final call's status, so that an error in that
+call on one rank is the same TuningError on all. On the first call an error of ``key_fn`` or
+``prune_fn`` on one rank is one too (every rank is tuning then; later, a rank cannot know
+whether its peers are, and raises alone). Every collective uses ``group=`` (a torch process
+group or an mpi4py communicator; ``comm=`` is the older name for the latter), or
+``autotune_pg=`` at call time.
 
 ``split=True`` is for functions with no communication inside: rank ``r`` times only
 configs ``r, r + w, r + 2w, ...`` and each config's time is its owner's, so ``w`` ranks
@@ -40,7 +44,7 @@ from . import engine
 from . import store as stores
 from .agreement import Agreement
 from .comm import Communicator, is_comm, make_communicator
-from .options import check_common, describe_options
+from .options import check_common, check_path, describe_options
 from .env import timeout_s as resolve_timeout
 from .sites import Schedule, Site, SiteId, Statistic
 from .timing import LaunchInfo, Timer, default_timer
@@ -91,6 +95,7 @@ class FunctionAutotuner:
         self.timer, self.reduce, self.statistic = timer, reduce, statistic
         self.group = group if group is not None else comm
         self.timeout_s = resolve_timeout(timeout_s)
+        check_path("cache_dir", cache_dir)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
@@ -102,16 +107,49 @@ class FunctionAutotuner:
             clash = sorted(self._tunables & kwargs.keys())
             raise TypeError(f"disttune.autotune: {self.__qualname__} got {clash} as keyword argument(s), "
                             "but the autotuner sets them from config_space; drop them from the call")
-        if autotune:
-            winner = self.cache.get(self.key_fn(*args, **kwargs))
-            if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
-                return self.fn(*args, **kwargs, **winner)
-        configs = self._pruned(args, kwargs)
         if not autotune:
-            return self.fn(*args, **kwargs, **configs[0])
+            return self.fn(*args, **kwargs, **self._pruned(args, kwargs)[0])
+        try:
+            winner = self.cache.get(self.key_fn(*args, **kwargs))
+        except Exception:  # key_fn raised or gave an unhashable key: the tuning call reports it
+            winner = None
+        if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
+            return self.fn(*args, **kwargs, **winner)
+        return self._tuning_call(args, kwargs, self._communicator(autotune_pg), autotune_verbose)
+
+    def _tuning_call(self, args: tuple, kwargs: dict, comm: Communicator, verbose: bool) -> Any:
+        """Key, pruned space, tuning (or the stored winner) and the call with the winner, whose result it
+        returns; an error on one rank in any of these is the same TuningError on every rank."""
+        try:
+            key = self._key(args, kwargs)
+            configs = self._pruned(args, kwargs)
+        except Exception as err:
+            if comm.world_size == 1 or self.cache:
+                raise
+            # Nothing tuned yet, so every peer is tuning too and waits in the consensus: join it with the error.
+            Agreement(comm, self.__qualname__).consensus([], (err, f"before tuning: {type(err).__name__}: {err}"),
+                                                         {}, [])
+            raise  # not reached: the consensus raised the error on every rank
+        config, agreement = self._tune(key, configs, args, kwargs, comm, verbose)
+        if comm.world_size == 1:
+            result = self.fn(*args, **kwargs, **config)
+        else:
+            try:
+                result, error = self.fn(*args, **kwargs, **config), None
+            except Exception as err:
+                result, error = None, (err, f"{type(err).__name__}: {err}")
+            agreement.final_run_status([], error, {}, "final call (with the winner)")
+        self.cache[key] = config
+        return result
+
+    def _key(self, args: tuple, kwargs: dict) -> Any:
         key = self.key_fn(*args, **kwargs)
-        self.cache[key] = self._tune(key, configs, args, kwargs, self._communicator(autotune_pg), autotune_verbose)
-        return self.fn(*args, **kwargs, **self.cache[key])
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"disttune.autotune: key_fn of {self.__qualname__} returned an unhashable "
+                            f"{type(key).__name__} ({key!r}); return a tuple or another hashable value") from None
+        return key
 
     def _pruned(self, args: tuple, kwargs: dict) -> list[dict]:
         configs = [c for c in self.config_space if self.prune_fn is None or self.prune_fn(c, *args, **kwargs)]
@@ -134,13 +172,14 @@ class FunctionAutotuner:
         return make_communicator(initialised, group, None, self.timeout_s)
 
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
-              verbose: bool) -> dict:
-        """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk."""
+              verbose: bool) -> tuple[dict, Agreement]:
+        """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk.
+        Returns the winner and the agreement, for the final call's status."""
         name = f"{self.fn.__module__}.{self.__qualname__}"
         entry = stores.EntryId("function", name, stores.function_source_key(self.fn), repr(key), 0,
                                tuple(_describe(c) for c in configs))
         site = Site(SiteId(name, (repr(key),), 0), None, configs)
-        winners_store = engine.open_store(self.use_store, self.cache_dir, comm)
+        winners_store = engine.open_store(self.use_store, self.cache_dir, comm, timeout_s=self.timeout_s)
         lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
         site.local_answer = None if lookup is None else lookup(site)
         agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
@@ -148,7 +187,7 @@ class FunctionAutotuner:
                                                            reduce=self.reduce, statistic=self.statistic,
                                                            split=self.split), [self.split])
         if site.decided is not None:
-            return configs[site.decided]
+            return configs[site.decided], agreement
         if self.split:
             site.share = (comm.rank, comm.world_size)
         self._timed_calls(site, Schedule(site.slots(), self.n_warmup, self.n_repeat), key, args, kwargs, comm)
@@ -162,7 +201,7 @@ class FunctionAutotuner:
                 mark = "  <- winner" if i == result.winner else ""
                 print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms{mark}",
                       file=sys.stdout, flush=True)
-        return configs[result.winner]
+        return configs[result.winner], agreement
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
                      comm: Communicator) -> None:
