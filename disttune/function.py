@@ -130,7 +130,7 @@ class FunctionAutotuner:
             Agreement(comm, self.__qualname__).consensus([], (err, f"before tuning: {type(err).__name__}: {err}"),
                                                          {}, [])
             raise  # not reached: the consensus raised the error on every rank
-        config, agreement = self._tune(key, configs, args, kwargs, comm, verbose)
+        config, agreement, save = self._tune(key, configs, args, kwargs, comm, verbose)
         if comm.world_size == 1:
             result = self.fn(*args, **kwargs, **config)
         else:
@@ -139,6 +139,8 @@ class FunctionAutotuner:
             except Exception as err:
                 result, error = None, (err, f"{type(err).__name__}: {err}")
             agreement.final_run_status([], error, {}, "final call (with the winner)")
+        if save is not None:
+            save()
         self.cache[key] = config
         return result
 
@@ -172,9 +174,10 @@ class FunctionAutotuner:
         return make_communicator(initialised, group, None, self.timeout_s)
 
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
-              verbose: bool) -> tuple[dict, Agreement]:
-        """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk.
-        Returns the winner and the agreement, for the final call's status."""
+              verbose: bool) -> tuple[dict, Agreement, Optional[Callable[[], None]]]:
+        """Consensus, the scheduled whole calls and the agreement: the contextual tuner's walk.
+        Returns the winner, the agreement (for the final call's status) and what writes the winner to
+        the store once that call has run on every rank (None: nothing to write here)."""
         name = f"{self.fn.__module__}.{self.__qualname__}"
         entry = stores.EntryId("function", name, stores.function_source_key(self.fn), repr(key), 0,
                                tuple(_describe(c) for c in configs))
@@ -187,21 +190,22 @@ class FunctionAutotuner:
                                                            reduce=self.reduce, statistic=self.statistic,
                                                            split=self.split), [self.split])
         if site.decided is not None:
-            return configs[site.decided], agreement
+            return configs[site.decided], agreement, None
         if self.split:
             site.share = (comm.rank, comm.world_size)
         self._timed_calls(site, Schedule(site.slots(), self.n_warmup, self.n_repeat), key, args, kwargs, comm)
         (result,) = agreement.verdicts([site])
         self.last_timings = {"configs": configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
                              "agreed_ms": list(result.agreed_ms), "winner": result.winner}
+        save = None
         if winners_store is not None and comm.rank == 0:
-            engine.save_winners(winners_store, [(entry, result)], self.__qualname__)
+            save = lambda: engine.save_winners(winners_store, [(entry, result)], self.__qualname__)  # noqa: E731
         if verbose and comm.rank == 0:
             for i, config in enumerate(configs):
                 mark = "  <- winner" if i == result.winner else ""
                 print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms{mark}",
                       file=sys.stdout, flush=True)
-        return configs[result.winner], agreement
+        return configs[result.winner], agreement, save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
                      comm: Communicator) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from fault_tally import TALLY
 from helpers import CommandTimeout, failure, read_records, run_cases, run_launch
 
@@ -20,11 +22,11 @@ CASES = Path(__file__).with_name("ending_cases.py")
 TIMEOUT_S = 20  # DISTTUNE_TIMEOUT of the launched ranks: "promptly" means well inside it
 
 
-def launch(tmp_path: Path, cases: list[str], faults_per_case: int = 1) -> dict:
+def launch(tmp_path: Path, cases: list[str], faults_per_case: int = 1, world: int = 2) -> dict:
     TALLY["trials"] += len(cases)
     TALLY["faults"] += faults_per_case * len(cases)
     try:
-        return run_cases(CASES, cases, tmp_path / "run", 2, timeout=240,
+        return run_cases(CASES, cases, tmp_path / "run", world, timeout=240,
                          extra_env={"DISTTUNE_TIMEOUT": str(TIMEOUT_S)})
     except CommandTimeout:
         TALLY["hangs"] += 1
@@ -135,3 +137,18 @@ def test_a_held_store_lock_is_waited_for_within_the_tuners_timeout(tmp_path):
     assert 2.5 < writer["seconds"] < 6, "rank 0 waits half the tuner's 6 s timeout for the lock, then goes on"
     (warning,) = writer["lock_warnings"]
     assert ".json.lock was held by another process for 3 s" in warning and str(tmp_path) in warning
+
+
+@pytest.mark.slow
+def test_four_ranks_end_the_same_way(tmp_path):
+    """The faults on rank 1 of 4: the three healthy ranks end exactly as it does."""
+    results = launch(tmp_path, ["raise_in_final_run", "stored_winner_raising_pre_hook",
+                                "pinned_table_missing_on_one_rank", "statistic_raises_on_one_rank"], world=4)
+    final = same_ending(results["raise_in_final_run"], "first", "winner")
+    assert "rank 1: RuntimeError: injected fault in the final run" in final["first"] and final["winner"] == 2
+    stored = same_ending(results["stored_winner_raising_pre_hook"], "returned", "after")
+    assert stored["returned"]["source"] == "tuned" and stored["returned"]["winner"] == 1
+    for case in ("pinned_table_missing_on_one_rank", "statistic_raises_on_one_rank"):
+        ending = same_ending(results[case], "raised", "error")
+        assert ending["raised"] == "TuningError" and "rank 1: " in ending["error"], ending
+        assert all(r["seconds"] < TIMEOUT_S / 4 for r in results[case]), results[case]
