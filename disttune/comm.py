@@ -134,7 +134,7 @@ class TorchComm:
         except (ImportError, AttributeError, RuntimeError, ValueError):
             return None
 
-    def _note_key(self, channel: str, rank: int) -> str:
+    def _note_key(self, channel: str, rank: int | str) -> str:
         ranks = "all" if self.group is None else ",".join(map(str, self._dist.get_process_group_ranks(self.group)))
         return f"disttune/{ranks}/{channel}/{rank}"
 
@@ -180,7 +180,7 @@ class TorchComm:
                     notes = self.peer_notes(self._channel)
                     if notes:
                         raise PeerFailed(f"disttune: rank {self.rank}: left step '{step}': rank(s) "
-                                         f"{sorted(notes)} posted an error", notes)
+                                         f"{sorted(notes)} posted a note (an error, or leaving after one)", notes)
                 if now > deadline:
                     raise CollectiveTimeout(
                         f"disttune: rank {self.rank}: collective in step '{step}' did not complete within "
