@@ -113,17 +113,15 @@ def case_raise_in_final_run(ctx):
 
 
 
-@cases.case(breaks_group=True, default=False)
-def case_raise_before_collective(ctx):
-    """Rank 1 raises in tuning run 3 before the step's all_reduce, where rank 0 is waiting."""
+def _raise_before_collective(ctx, name: str, failing_run: int) -> dict:
     kernel = make_kernel()
     runs = {"n": 0}
     x = torch.randn(64, device=ctx.device)
 
-    @disttune.contextual_autotune(**tuner_options(ctx, "raise_before_collective", timeout_s=6))
+    @disttune.contextual_autotune(**tuner_options(ctx, name, timeout_s=6))
     def step():
         runs["n"] += 1
-        if ctx.rank == 1 and runs["n"] == 3:
+        if ctx.rank == 1 and runs["n"] == failing_run:
             raise RuntimeError("injected fault before the collective")
         y = torch.empty_like(x)
         launch_add(kernel, x, y)
@@ -133,6 +131,17 @@ def case_raise_before_collective(ctx):
     step()
     return {"unexpected": "no error"}
 
+
+@cases.case(breaks_group=True, default=False)
+def case_raise_before_collective(ctx):
+    """Rank 1 raises in tuning run 2 before the step's all_reduce, where rank 0 is waiting."""
+    return _raise_before_collective(ctx, "raise_before_collective", 3)
+
+
+@cases.case(breaks_group=True, default=False)
+def case_raise_before_collective_in_discovery(ctx):
+    """Rank 1 raises in the discovery run before the step's all_reduce, where rank 0 is waiting."""
+    return _raise_before_collective(ctx, "raise_before_collective_in_discovery", 1)
 
 
 # -- stored and pinned winners that cannot run on one rank --------------------------------------------------

@@ -83,18 +83,20 @@ def test_a_local_error_before_a_collective_reaches_the_peers_at_once(tmp_path):
         assert all(r["seconds"] < TIMEOUT_S / 4 for r in results[case]), results[case]
 
 
-def test_user_code_raising_before_the_steps_own_collective_is_named_on_every_rank(tmp_path):
-    """Rank 1 raises before the all_reduce that rank 0 waits in: disttune cannot end that wait, but
-    the error posted through the process group's store is named in every rank's message."""
+@pytest.mark.parametrize("case", ["raise_before_collective", "raise_before_collective_in_discovery"])
+def test_user_code_raising_before_the_steps_own_collective_is_named_on_every_rank(tmp_path, case):
+    """Rank 1 raises before the all_reduce that rank 0 waits in (in a tuning run, in the discovery run):
+    disttune cannot end that wait, but the error posted through the process group's store is named in
+    every rank's message. The group is unusable afterwards, so each case has a launch of its own."""
     TALLY["trials"] += 1
     TALLY["faults"] += 1
     try:
-        proc = run_launch(["--nproc_per_node=2", str(CASES), "raise_before_collective", "--out", str(tmp_path)],
+        proc = run_launch(["--nproc_per_node=2", str(CASES), case, "--out", str(tmp_path)],
                           timeout=240, extra_env={"DISTTUNE_TIMEOUT": str(TIMEOUT_S)})
     except CommandTimeout:
         TALLY["hangs"] += 1
         raise
-    (per_rank,) = read_records(tmp_path, ["raise_before_collective"], (0, 1), proc).values()
+    (per_rank,) = read_records(tmp_path, [case], (0, 1), proc).values()
     for record in per_rank:
         assert record["error_type"] == "TuningError", failure(record)
         assert "rank 1: RuntimeError: injected fault before the collective" in record["error_message"], record
