@@ -86,7 +86,7 @@ class Runs:
         """The final run with the winners, ended by a status exchange; returns (its result, the results, runs made).
 
         An exception in the run on any rank is the same TuningError on every rank, so no rank returns
-        while another raises. A split winner was timed by one rank only, so this run is also its first
+        while another raises (a world of one raises the exception itself). A split winner was timed by one rank only, so this run is also its first
         launch on the others: one that failed anywhere is scored ``inf`` on every rank, the next best is
         committed and the run is repeated.
         """
@@ -95,6 +95,8 @@ class Runs:
             handler = Final(self.sites, winners)
             result, error = run_once(self.fn, handler, self.args, self.kwargs)
             runs += 1
+            if error is not None and self.agreement.comm.world_size == 1:
+                raise error[0]
             failed = self.agreement.final_run_status(results, error, handler.failures, f"final run {runs}")
             if not failed:
                 return result, results, runs
