@@ -7,31 +7,47 @@ collective. In the order a tuning call meets them:
 
 1. :meth:`Agreement.consensus` (one all-gather): the discovery run's error, the options that change
    the schedule or the verdict, each rank's site digests, which sites are split, the pinned table's
-   digest, and each rank's stored/pinned answer (rank 0's decides for everyone);
+   digest, each rank's stored/pinned answer (rank 0's decides for everyone, unless it failed to launch
+   on some rank in the discovery run: then a stored winner is tuned again without it, a pinned one is
+   an error);
 2. :meth:`Agreement.check_run` (one all-gather of a flag per run, a second only on trouble): an
    error in any rank's tuning run is an error on all;
 3. :meth:`Agreement.gather_agreed` (one all-gather of every site's per-config statistic) and
    :meth:`Agreement.verdicts`: the agreed vector (``reduce`` over ranks, ``inf`` where a config failed
    on any rank), the winner (argmin, ties to the lowest index), :class:`SiteResult` per site; every
    config failing is :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
-4. :meth:`Agreement.final_run_status` (one all-gather, when a site was split): an error or a split
+4. :meth:`Agreement.final_run_status` (one all-gather after the final run): an error or a split
    winner failing on any rank in the final run; :meth:`Agreement.drop_failed_winners` scores
    such winners ``inf`` and takes the next best.
 
-Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`).
+Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`). A rank that
+brings an error of its own to a collective also posts it as a note (:meth:`TorchComm.post_note`),
+so a peer held up elsewhere (inside the function's own collective) still hears of it: any
+collective here that breaks, times out or is left for a peer's note is one :class:`TuningError`
+naming every error the ranks posted, on every rank. Notes live on one channel per tuning call.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from .comm import Communicator
+from .comm import CollectiveTimeout, Communicator, PeerFailed
 from .compat import config_text
 from .logs import RankLog
+from .options import describe_value
 from .sites import AllConfigsFailed, Site, Statistic, SiteId, agree, winner_index
+from .store import StoreWarning
 
 INF = float("inf")
+T = TypeVar("T")
+
+#: Tuning calls so far per tuner name: each call's note channel (the same count on every rank of an SPMD job).
+_CALLS: defaultdict[str, itertools.count] = defaultdict(itertools.count)
 
 
 class TuningError(RuntimeError):
@@ -115,6 +131,18 @@ def describe_option_mismatch(per_rank_options: list[dict]) -> Optional[str]:
     return "\n  ".join(lines) or None
 
 
+def checked_times(site: Site, statistic: Statistic) -> list[float]:
+    """``site.local_times(statistic)``; a ValueError naming the config where the statistic of real
+    samples is not a time (nan or negative)."""
+    times = site.local_times(statistic)
+    for index, (ms, samples) in enumerate(zip(times, site.samples)):
+        if samples and index not in site.failures and not ms >= 0:
+            raise ValueError(f"it gave {ms!r} for config[{index}] {{{config_text(site.configs[index])}}} of "
+                             f"{site.id.describe()} from the samples {samples}; a statistic must return a time "
+                             "in ms (a number >= 0)")
+    return times
+
+
 def _raise_rank_errors(message: str, errors: list[tuple[int, str]], local: Optional[tuple]) -> None:
     """Raise ``message`` and every rank's error as one TuningError, chained to this rank's own exception."""
     text = (message + " on rank(s) " + ", ".join(str(r) for r, _ in errors) + ":\n  "
@@ -129,6 +157,36 @@ class Agreement:
 
     def __init__(self, comm: Communicator, name: str, reduce: str = "max", statistic: Statistic = "median") -> None:
         self.comm, self.name, self.reduce, self.statistic = comm, name, reduce, statistic
+        self.channel = f"{name}#{next(_CALLS[name])}"
+        watch = getattr(comm, "watch", None)
+        if watch is not None:
+            watch(self.channel)
+
+    def _together(self, step: str, own: Sequence[str], collective: Callable[[], T]) -> T:
+        """Run one collective of this tuning call; ``own`` is this rank's errors, if it brings any.
+
+        Those are posted as a note first. When the collective breaks, times out or is left for a peer's
+        note, every error the ranks posted is one TuningError (the same text on every rank that reached
+        the same step); a rank leaving without an error of its own posts an empty note, so that peers
+        still waiting on it leave too. Without any posted error the collective's own exception stands.
+        """
+        lines = [f"rank {self.comm.rank}: {msg}" for msg in own]
+        post = getattr(self.comm, "post_note", None)
+        if lines and post is not None:
+            post(self.channel, {"step": step, "lines": lines})
+        try:
+            return collective()
+        except (CollectiveTimeout, PeerFailed) as err:
+            notes = getattr(self.comm, "peer_notes", lambda channel: {})(self.channel)
+            posted = {**notes, self.comm.rank: {"lines": lines}}
+            every = [line for rank in sorted(posted) for line in posted[rank]["lines"]]
+            if not every:
+                raise
+            if not lines and post is not None:
+                post(self.channel, {"step": step, "lines": []})
+            # the text check_run and gather_agreed give when the collective completes: the same on every rank
+            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  "
+                              + "\n  ".join(every)) from err
 
     def consensus(self, sites: Sequence[Site], error: Optional[tuple], options: dict[str, str],
                   split: Sequence[bool], table: Optional[str] = None, pinned: Any = None) -> None:
@@ -137,7 +195,10 @@ class Agreement:
         ``error``: this rank's discovery error as ``(exception, message)``; ``options``: a stable text
         per option that changes the schedule or the verdict; ``split``: per site, whether it is split;
         ``table``: the pinned table's digest (``pinned`` names it in errors). Sites cached on some ranks
-        only are tuned everywhere; rank 0's stored or pinned answer decides a site for every rank.
+        only are tuned everywhere; rank 0's stored or pinned answer decides a site for every rank, unless
+        that config failed on some rank in the discovery run (its own answer there, or a config it tried):
+        a stored winner is then tuned again on every rank (the failing ranks score it ``inf``), and a
+        pinned one, which is never re-tuned, is a TuningError on every rank.
         """
         mine = {
             "error": error[1] if error else None,
@@ -145,10 +206,13 @@ class Agreement:
             "sites": [s.digest()[:4] for s in sites],
             "presets": [s.digest()[4] for s in sites],
             "lookups": [s.local_answer for s in sites],
+            "failures": [dict(s.failures) for s in sites],
             "table": table,
             "split": list(split),
         }
-        everyone = self.comm.all_gather_objects(mine, "consensus (site digest)")
+        step = "consensus (site digest)"
+        everyone = self._together(step, [error[1]] if error else [],
+                                  lambda: self.comm.all_gather_objects(mine, step))
         failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if failed:
             _raise_rank_errors(f"disttune: {self.name}: the discovery run raised", failed, error)
@@ -167,37 +231,70 @@ class Agreement:
         if len({d["table"] for d in everyone}) != 1:
             raise TuningError(f"disttune: {self.name}: ranks loaded different pinned winner tables "
                               f"(digests by rank: {[d['table'] for d in everyone]}); deploy the same file to all")
-        missing = []
+        missing, broken = [], []
         for index, site in enumerate(sites):
             if len({d["presets"][index] for d in everyone}) != 1:
                 site.preset = None  # cached on some ranks only, or differently: tune it everywhere
             answer = everyone[0]["lookups"][index]  # rank 0's entry decides for everyone
+            # the ranks that launched that answer in the discovery run and saw it fail
+            failing = [f"rank {r}: {d['failures'][index][answer]}" for r, d in enumerate(everyone)
+                       if answer is not None and answer in d["failures"][index]]
             if table is not None:
                 site.preset = None
                 if answer is None:
                     missing.append(site.id.describe())
+                elif failing:
+                    broken.append(f"{site.id.describe()}: config[{answer}] {{{config_text(site.configs[answer])}}}: "
+                                  + "; ".join(failing))
                 site.decided, site.decided_by = answer, "pinned"
             elif site.preset is None and answer is not None:
-                site.decided, site.decided_by = answer, "store"
+                if failing:  # tuned again on every rank; the failing ranks score that config inf
+                    warnings.warn(f"disttune: {self.name}: the stored winner of {site.id.describe()}, config[{answer}] "
+                                  f"{{{config_text(site.configs[answer])}}}, failed on " + "; ".join(failing)
+                                  + "; tuning again without it", StoreWarning, stacklevel=3)
+                else:
+                    site.decided, site.decided_by = answer, "store"
         if missing:
             raise TuningError(f"disttune: {self.name}: pinned table {pinned} has no winner for: " + "; ".join(missing)
                               + ". Export a table that covers these sites (disttune.store.export_table after a "
                               "tuning run).")
+        if broken:
+            raise TuningError(f"disttune: {self.name}: pinned table {pinned} gives winners that fail on some rank "
+                              "(a pinned table is never re-tuned; export one made on these ranks):\n  "
+                              + "\n  ".join(broken))
 
     def check_run(self, problems: list[str], step: str) -> None:
         """After each tuning run: one flag per rank; any rank's problem is the same TuningError on all."""
-        flags = self.comm.all_gather_floats([1.0 if problems else 0.0], step)
+        flags = self._together(step, problems, lambda: self.comm.all_gather_floats([1.0 if problems else 0.0], step))
         if flags.any():
-            reports = self.comm.all_gather_objects(problems, step + " (errors)")
+            reports = self._together(step, problems, lambda: self.comm.all_gather_objects(problems, step + " (errors)"))
             lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
             raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
 
     def gather_agreed(self, tuned: Sequence[Site], step: str) -> list[tuple]:
-        """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site."""
+        """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site.
+
+        The vector starts with a status flag: a statistic that raises or gives no number on any rank is
+        the same TuningError on all (a second all-gather, of the reasons, only then).
+        """
+        if not tuned:
+            return []
         local: list[float] = []
-        for site in tuned:
-            local.extend(site.local_times(self.statistic))
-        gathered = self.comm.all_gather_floats(local, step) if tuned else None
+        problems = []
+        try:
+            for site in tuned:
+                local.extend(checked_times(site, self.statistic))
+        except Exception as err:  # the user's statistic: its error goes to every rank
+            problems.append(f"statistic {describe_value(self.statistic)} failed: {type(err).__name__}: {err}")
+            local = [math.nan] * sum(len(site.configs) for site in tuned)
+        gathered = self._together(step, problems,
+                                  lambda: self.comm.all_gather_floats([1.0 if problems else 0.0] + local, step))
+        if gathered[:, 0].any():
+            reports = self._together(step, problems,
+                                     lambda: self.comm.all_gather_objects(problems, step + " (errors)"))
+            lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
+            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
+        gathered = gathered[:, 1:]
         out, offset = [], 0
         for site in tuned:
             per_rank = gathered[:, offset : offset + len(site.configs)]
@@ -233,7 +330,9 @@ class Agreement:
 
     def raise_all_failed(self, dead: Sequence[Site]) -> None:
         """Every config of ``dead`` failed somewhere: gather each rank's reasons and raise them on all."""
-        failures = self.comm.all_gather_objects([dict(s.failures) for s in dead], "agreement (failures)")
+        step = "agreement (failures)"
+        mine = [dict(s.failures) for s in dead]
+        failures = self._together(step, [], lambda: self.comm.all_gather_objects(mine, step))
         parts = []
         for i, site in enumerate(dead):
             lines = [
@@ -248,13 +347,14 @@ class Agreement:
 
     def final_run_status(self, results: Sequence[SiteResult], error: Optional[tuple], failures: dict,
                          step: str) -> dict[tuple, list[str]]:
-        """After a final run with split winners: one all-gather of its error and its failed winners.
+        """After the final run: one all-gather of its error and its failed split, stored or pinned winners.
 
         An error on any rank is the same TuningError on all. Returns ``(result index, config index) ->
         ["rank r: message", ...]`` for each winner that failed on some rank (empty: all ran).
         """
         failed = [(i, *failures[r.site]) for i, r in enumerate(results) if r.site in failures]
-        everyone = self.comm.all_gather_objects({"error": error[1] if error else None, "failed": failed}, step)
+        everyone = self._together(step, [error[1]] if error else [], lambda: self.comm.all_gather_objects(
+            {"error": error[1] if error else None, "failed": failed}, step))
         errors = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if errors:
             _raise_rank_errors(f"disttune: {self.name}: the final run (with the winners) failed", errors, error)
@@ -266,8 +366,17 @@ class Agreement:
 
     def drop_failed_winners(self, results: list[SiteResult], failed: dict[tuple, list[str]],
                             sites: dict[SiteId, Site], log: RankLog) -> list[SiteResult]:
-        """Score each winner that failed in the final run ``inf`` on every rank and take the next best."""
+        """Score each split winner that failed in the final run ``inf`` on every rank and take the next best;
+        a stored or pinned winner that failed there is a TuningError on every rank."""
         results = list(results)
+        settled = [f"{results[i].site.describe()}: config[{c}] {{{config_text(results[i].configs[c])}}} "
+                   f"({results[i].source}): " + "; ".join(messages)
+                   for (i, c), messages in sorted(failed.items()) if results[i].source in ("store", "pinned")]
+        if settled:
+            raise TuningError(f"disttune: {self.name}: a stored or pinned winner failed in the final run on a rank "
+                              "that had not tried it before (its own store answer differed); tune it again "
+                              "(always_tune=True, or disttune clear) or deploy a table made on these ranks:\n  "
+                              + "\n  ".join(settled))
         for (i, config_index), messages in sorted(failed.items()):
             old = results[i]
             site = sites[old.site]

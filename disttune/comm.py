@@ -12,13 +12,21 @@ protocol:
 Every collective waits at most ``timeout`` seconds. A timeout becomes a
 :class:`CollectiveTimeout` that names the step, so a missing peer is an error on
 each rank that is still alive, never a hang.
+
+:class:`TorchComm` also carries *notes* through the process group's rendezvous store
+(the c10d store every rank is connected to): a rank that fails where its peers may be
+waiting elsewhere (inside the user's own collective, say) posts its error there with
+:meth:`TorchComm.post_note`; a rank waiting in one of these collectives on a watched
+channel checks the store every 0.1 s once the wait has lasted 0.1 s, and leaves with
+:class:`PeerFailed` when a peer has posted. A collective that completes in time never
+touches the store. MPI and custom communicators have no notes: their waits end by timeout.
 """
 
 from __future__ import annotations
 
 import pickle
 import time
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -27,6 +35,14 @@ from .env import DEFAULT_TIMEOUT_S
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time (a peer died, hung or skipped it)."""
+
+
+class PeerFailed(RuntimeError):
+    """A peer posted a note on the watched channel while this rank waited in a collective."""
+
+    def __init__(self, message: str, notes: dict[int, dict]) -> None:
+        super().__init__(message)
+        self.notes = notes
 
 
 @runtime_checkable
@@ -88,6 +104,7 @@ class TorchComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = float(timeout_s)
+        self._channel: Optional[str] = None
         backend = str(dist.get_backend(group)).lower()
         import torch
 
@@ -101,13 +118,70 @@ class TorchComm:
     def describe(self) -> str:
         return f"torch.distributed ({self._dist.get_backend(self.group)}, {self.world_size} ranks)"
 
+    # -- notes through the rendezvous store -------------------------------------------------------------
+
+    _NOTE_POLL_S = 0.1
+
+    def watch(self, channel: Optional[str]) -> None:
+        """Leave a wait with :class:`PeerFailed` when a peer posts on ``channel`` (None: stop watching)."""
+        self._channel = channel
+
+    def _store(self) -> Any:
+        try:
+            from torch.distributed import distributed_c10d
+
+            return distributed_c10d._get_default_store()
+        except (ImportError, AttributeError, RuntimeError, ValueError):
+            return None
+
+    def _note_key(self, channel: str, rank: int | str) -> str:
+        ranks = "all" if self.group is None else ",".join(map(str, self._dist.get_process_group_ranks(self.group)))
+        return f"disttune/{ranks}/{channel}/{rank}"
+
+    def post_note(self, channel: str, note: dict) -> None:
+        """Post this rank's ``note`` (a small picklable dict) on ``channel``, for peers waiting anywhere."""
+        store = self._store()
+        if store is None:
+            return
+        try:
+            store.set(self._note_key(channel, self.rank), pickle.dumps(note))
+            store.add(self._note_key(channel, "posted"), 1)
+        except RuntimeError:
+            pass  # the store is gone with the job: the collectives' timeouts still end every wait
+
+    def peer_notes(self, channel: str) -> dict[int, dict]:
+        """The notes the other ranks have posted on ``channel`` so far, by rank (one store read per rank)."""
+        store = self._store()
+        notes: dict[int, dict] = {}
+        if store is None:
+            return notes
+        try:
+            if not store.add(self._note_key(channel, "posted"), 0):
+                return notes
+            for rank in range(self.world_size):
+                key = self._note_key(channel, rank)
+                if rank != self.rank and store.check([key]):
+                    notes[rank] = pickle.loads(store.get(key))
+        except RuntimeError:
+            pass
+        return notes
+
     def _wait(self, work: Any, step: str) -> None:
         # Poll rather than trust wait(timeout): NCCL ignores that timeout unless blocking wait is on.
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        next_look = started + self._NOTE_POLL_S
         pause = 0.0
         try:
             while not work.is_completed():
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if self._channel is not None and now > next_look:
+                    next_look = now + self._NOTE_POLL_S
+                    notes = self.peer_notes(self._channel)
+                    if notes:
+                        raise PeerFailed(f"disttune: rank {self.rank}: left step '{step}': rank(s) "
+                                         f"{sorted(notes)} posted a note (an error, or leaving after one)", notes)
+                if now > deadline:
                     raise CollectiveTimeout(
                         f"disttune: rank {self.rank}: collective in step '{step}' did not complete within "
                         f"{self.timeout_s:.0f} s (a peer rank died, raised, or skipped this step)"
@@ -115,7 +189,7 @@ class TorchComm:
                 time.sleep(pause)
                 pause = min(pause * 2 or 1e-5, 1e-3)
             work.wait()
-        except CollectiveTimeout:
+        except (CollectiveTimeout, PeerFailed):
             raise
         except RuntimeError as err:
             raise CollectiveTimeout(

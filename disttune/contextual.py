@@ -13,8 +13,10 @@ The walk of one tuning call, step by step (:meth:`ContextualAutotuner._tuning_ca
    ended by a one-float all-gather that turns an error on any rank into an error on all;
 5. **agreed**: one all-gather of a fixed-length vector (a slot per site x config), reduced over ranks;
    the same winners everywhere;
-6. **stored**: the winners go into each kernel's ``Autotuner.cache``, the per-rank log and the winner
-   store (:mod:`disttune.store`); a final run with the winners gives the caller its result.
+6. **final**: the winners go into each kernel's ``Autotuner.cache`` and the per-rank log; a final run
+   with the winners gives the caller its result, ended by a status all-gather (an error on any rank is
+   an error on all);
+7. **stored**: then, only then, the winners go into the winner store (:mod:`disttune.store`).
 
 After that every call takes the fast path (:mod:`disttune.fast_path`).
 """
@@ -41,7 +43,7 @@ from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .objective import step_stages
 from .phases import Phases
-from .options import AGREED, check_common, check_count, check_objective, describe_options
+from .options import AGREED, check_common, check_count, check_directory, check_objective, check_path, describe_options
 from .search import Search, SearchTrace, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .sweep import SweepRow, sweep_contextual
@@ -110,6 +112,9 @@ class Options:
             raise ValueError(f"disttune: store_writer must be 'global' or 'node', got {self.store_writer!r}")
         if self.compile_threads is not None:
             check_count("compile_threads", self.compile_threads, minimum=0)
+        check_directory("log_dir", self.log_dir)
+        check_path("cache_dir", self.cache_dir)
+        check_path("pinned", self.pinned)
         object.__setattr__(self, "pinned", self.pinned or env.pinned_table())
         object.__setattr__(self, "search", resolve_search(self.search, bool(self.early_stop)))
         object.__setattr__(self, "early_stop", self.search == "screen")
@@ -291,10 +296,15 @@ class ContextualAutotuner:
         threads = default_compile_threads() if o.compile_threads is None else o.compile_threads
         share = compile_share(comm) if o.compile_split and threads > 0 and comm.world_size > 1 else None
         compiles = CompilePool(threads, share) if threads > 0 else None
-        winners_store = engine.open_store(o.store, o.cache_dir, comm, o.store_check)
-        table = stores.load_table(o.pinned) if o.pinned else None
         sites: dict[SiteId, Site] = {}
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
+        winners_store, table, setup_error = None, None, None
+        try:  # what fails here on one rank reaches the others in the consensus, after a paired discovery run
+            check_directory("log_dir (resolved)", log.path.parent)
+            winners_store = engine.open_store(o.store, o.cache_dir, comm, o.store_check, o.timeout_s)
+            table = stores.load_table(o.pinned) if o.pinned else None
+        except Exception as err:
+            setup_error = (err, f"before the discovery run: {type(err).__name__}: {err}")
         phases = Phases()
         span = phases.span
         try:
@@ -304,6 +314,7 @@ class ContextualAutotuner:
             discover = Discover(sites, o.always_tune, lookup, compiles, phases)
             with span("discovery run"):
                 result, error = engine.run_once(self.fn, discover, args, kwargs)
+            error = setup_error or error
             overlap = compiles is not None and share is None and env.compile_overlap()
             if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
                 with span("compile wait"):
@@ -347,17 +358,12 @@ class ContextualAutotuner:
             for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
                 self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
                 log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
-            final_run = any(s.preset is None for s in found)
-            if any(s.split for s in tuned):
-                result, results, final_runs = runs.checked_final(results, winners, log,
-                                                                 lambda r: self._commit(sites, r))
+            if any(s.preset is None for s in found):
+                result, results, final_runs = runs.final(results, winners, log, lambda r: self._commit(sites, r))
                 function_runs += final_runs
             if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
                 with span("store"):
                     engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
-            if final_run and not any(s.split for s in tuned):
-                result = runs.final(self._winners)
-                function_runs += 1
             wall_s = time.perf_counter() - started
             self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
                                        phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})
@@ -371,7 +377,8 @@ class ContextualAutotuner:
         finally:
             if compiles is not None:
                 compiles.shutdown()
-            log.flush()
+            if setup_error is None:
+                log.flush()
 
 
 def contextual_autotune(

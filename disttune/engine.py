@@ -82,18 +82,14 @@ class Runs:
             bar.close()
         return schedule.runs
 
-    def final(self, winners: dict[SiteId, Any]) -> Any:
-        """The run with the winners; its result (or its exception) is the caller's."""
-        with span(self.phases, "final run"), intercept(Final(self.sites, winners)):
-            return self.fn(*self.args, **self.kwargs)
+    def final(self, results: list[SiteResult], winners: dict[SiteId, Any], log: RankLog,
+              commit: Callable[[list[SiteResult]], dict]) -> tuple[Any, list[SiteResult], int]:
+        """The final run with the winners, ended by a status exchange; returns (its result, the results, runs made).
 
-    def checked_final(self, results: list[SiteResult], winners: dict[SiteId, Any], log: RankLog,
-                      commit: Callable[[list[SiteResult]], dict]) -> tuple[Any, list[SiteResult], int]:
-        """The final run when some site was split; returns (its result, the results, runs made).
-
-        A split winner was timed by one rank only, so this run is also its first launch on the
-        others. A winner that failed anywhere is scored ``inf`` on every rank, the next best is
-        committed and the run is repeated; an exception in the run is the same TuningError on all.
+        An exception in the run on any rank is the same TuningError on every rank, so no rank returns
+        while another raises (a world of one raises the exception itself). A split winner was timed by one rank only, so this run is also its first
+        launch on the others: one that failed anywhere is scored ``inf`` on every rank, the next best is
+        committed and the run is repeated.
         """
         runs = 0
         while True:
@@ -101,8 +97,9 @@ class Runs:
             with span(self.phases, "final run"):
                 result, error = run_once(self.fn, handler, self.args, self.kwargs)
             runs += 1
-            failed = self.agreement.final_run_status(results, error, handler.failures,
-                                                     f"final run {runs} (split winners)")
+            if error is not None and self.agreement.comm.world_size == 1:
+                raise error[0]
+            failed = self.agreement.final_run_status(results, error, handler.failures, f"final run {runs}")
             if not failed:
                 return result, results, runs
             results = self.agreement.drop_failed_winners(results, failed, self.sites, log)
@@ -125,12 +122,17 @@ def commit(sites: dict[SiteId, Site], results: Sequence[SiteResult]) -> dict[Sit
 
 # -- the persistent store ----------------------------------------------------------------------------------
 
-def open_store(use: bool, cache_dir: Any, comm: Communicator, check: str = "strict") -> Optional[stores.WinnerStore]:
-    """The winner store of this environment (None when ``use`` is off)."""
+def open_store(use: bool, cache_dir: Any, comm: Communicator, check: str = "strict",
+               timeout_s: float = env.DEFAULT_TIMEOUT_S) -> Optional[stores.WinnerStore]:
+    """The winner store of this environment (None when ``use`` is off).
+
+    A write waits at most half the tuner's ``timeout_s`` for another process's lock on its entry, so
+    that peers already in their next collective (which waits ``timeout_s``) still hear from the writer.
+    """
     if not use:
         return None
     fingerprint = stores.environment_fingerprint(comm.world_size, env.local_world_size())
-    return stores.WinnerStore(cache_dir, fingerprint, check)
+    return stores.WinnerStore(cache_dir, fingerprint, check, lock_timeout_s=timeout_s / 2)
 
 
 def kernel_entry(site: Site, kind: str = "kernel") -> stores.EntryId:

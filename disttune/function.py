@@ -15,9 +15,13 @@ same :class:`~disttune.agreement.Agreement` (consensus on key, configs, options 
 agreed vector; all-failed error), and the winner goes to the same store.
 
 Cost of one tuning: ``len(space) * (n_warmup + n_repeat) + 1`` calls of the function
-(the last with the winner, whose result is returned), one barrier per call, and two
-all-gathers. Every collective uses ``group=`` (a torch process group or an mpi4py
-communicator; ``comm=`` is the older name for the latter), or ``autotune_pg=`` at call time.
+(the last with the winner, whose result is returned), one barrier per call, and three
+all-gathers: the consensus, the agreement, and the final call's status, so that an error in that
+call on one rank is the same TuningError on all. On the first call an error of ``key_fn`` or
+``prune_fn`` on one rank is one too (every rank is tuning then; later, a rank cannot know
+whether its peers are, and raises alone). Every collective uses ``group=`` (a torch process
+group or an mpi4py communicator; ``comm=`` is the older name for the latter), or
+``autotune_pg=`` at call time.
 
 ``split=True`` is for functions with no communication inside: rank ``r`` times only
 configs ``r, r + w, r + 2w, ...`` and each config's time is its owner's, so ``w`` ranks
@@ -42,7 +46,7 @@ from . import store as stores
 from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
 from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
-from .options import check_common, check_objective, describe_options
+from .options import check_common, check_objective, check_path, describe_options
 from .env import timeout_s as resolve_timeout
 from .search import Search, SearchTrace, describe_search, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
@@ -107,6 +111,7 @@ class FunctionAutotuner:
         self.timer, self.reduce, self.statistic = timer, reduce, statistic
         self.group = group if group is not None else comm
         self.timeout_s = resolve_timeout(timeout_s)
+        check_path("cache_dir", cache_dir)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
         self.search = resolve_search(search)
@@ -125,17 +130,33 @@ class FunctionAutotuner:
             clash = sorted(self._tunables & kwargs.keys())
             raise TypeError(f"disttune.autotune: {self.__qualname__} got {clash} as keyword argument(s), "
                             "but the autotuner sets them from config_space; drop them from the call")
-        if autotune:
-            self._countdown -= 1
-            if not self._countdown:
-                self._agree_on_new_keys(autotune_pg, autotune_verbose)
-            winner = self.cache.get(self.key_fn(*args, **kwargs))
-            if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
-                return self.fn(*args, **kwargs, **winner)
-        configs = self._pruned(args, kwargs)
         if not autotune:
-            return self.fn(*args, **kwargs, **configs[0])
-        key = self.key_fn(*args, **kwargs)
+            return self.fn(*args, **kwargs, **self._pruned(args, kwargs)[0])
+        self._countdown -= 1
+        if not self._countdown:
+            self._agree_on_new_keys(autotune_pg, autotune_verbose)
+        try:
+            winner = self.cache.get(self.key_fn(*args, **kwargs))
+        except Exception:  # key_fn raised or gave an unhashable key: the slow path reports it
+            winner = None
+        if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
+            return self.fn(*args, **kwargs, **winner)
+        return self._new_key_call(args, kwargs, self._communicator(autotune_pg), autotune_verbose)
+
+    def _new_key_call(self, args: tuple, kwargs: dict, comm: Communicator, verbose: bool) -> Any:
+        """A key with no winner yet: tuned (the first key, or any key in a world of one), served from the
+        pinned table, or served by its fallback with no collective (see :mod:`disttune.unseen`)."""
+        tunes_now = not self.cache and self.pinned is None
+        try:
+            key = self._key(args, kwargs)
+            configs = self._pruned(args, kwargs)
+        except Exception as err:
+            if comm.world_size == 1 or not tunes_now:
+                raise
+            # Nothing tuned yet, so every peer is tuning too and waits in the consensus: join it with the error.
+            Agreement(comm, self.__qualname__).consensus([], (err, f"before tuning: {type(err).__name__}: {err}"),
+                                                         {}, [])
+            raise  # not reached: the consensus raised the error on every rank
         served = self.fallbacks.get(key)
         if served is None and self.pinned is not None:
             pinned = self._pinned_winner(key, configs)
@@ -143,16 +164,42 @@ class FunctionAutotuner:
                 self.cache[key] = pinned
                 return self.fn(*args, **kwargs, **pinned)
         if served is None:
-            comm = self._communicator(autotune_pg)
-            if (not self.cache and self.pinned is None) or (self.on_new_key == "tune" and comm.world_size == 1):
-                self.cache[key] = self._tune(key, configs, args, kwargs, comm, autotune_verbose)
+            if tunes_now or (self.on_new_key == "tune" and comm.world_size == 1):
+                result = self._tuning_call(key, configs, args, kwargs, comm, verbose)
                 if self.on_new_key == "tune" and comm.world_size > 1 and self._countdown > self.agree_every:
                     self._countdown = self.agree_every  # the first key is tuned: later new keys wait for agreements
-                return self.fn(*args, **kwargs, **self.cache[key])
+                return result
             served = self._fallback(key, configs)
         if self.on_new_key == "tune" and self._saved_call is None:
             self._saved_call = (self.agree_every - self._countdown, key, args, kwargs)
         return self.fn(*args, **kwargs, **served[0])
+
+    def _tuning_call(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
+                     verbose: bool) -> Any:
+        """Tuning (or the stored winner) and the call with the winner, whose result it returns; an error on
+        one rank in the call is the same TuningError on every rank."""
+        config, agreement, save = self._tune(key, configs, args, kwargs, comm, verbose)
+        if comm.world_size == 1:
+            result = self.fn(*args, **kwargs, **config)
+        else:
+            try:
+                result, error = self.fn(*args, **kwargs, **config), None
+            except Exception as err:
+                result, error = None, (err, f"{type(err).__name__}: {err}")
+            agreement.final_run_status([], error, {}, "final call (with the winner)")
+        if save is not None:
+            save()
+        self.cache[key] = config
+        return result
+
+    def _key(self, args: tuple, kwargs: dict) -> Any:
+        key = self.key_fn(*args, **kwargs)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"disttune.autotune: key_fn of {self.__qualname__} returned an unhashable "
+                            f"{type(key).__name__} ({key!r}); return a tuple or another hashable value") from None
+        return key
 
     def sweep(self, cases: Iterable[tuple[tuple, dict]], table: Optional[str | os.PathLike] = None,
               verbose: bool = True, group: Any = None) -> list[SweepRow]:
@@ -191,7 +238,10 @@ class FunctionAutotuner:
             return
         _, key, args, kwargs = saved
         try:
-            self.cache[key] = self._tune(key, self._pruned(args, kwargs), args, kwargs, comm, verbose)
+            config, _, save = self._tune(key, self._pruned(args, kwargs), args, kwargs, comm, verbose)
+            if save is not None:
+                save()
+            self.cache[key] = config
         except (TuningError, AllConfigsFailed) as err:  # the same on every rank: the key keeps its fallback
             logging.getLogger("disttune").warning("disttune.autotune %s: tuning key %r failed, it keeps its "
                                                   "fallback: %s", self.__qualname__, key, err)
@@ -225,12 +275,14 @@ class FunctionAutotuner:
                               tuple(_describe(c) for c in configs))
 
     def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
-              verbose: bool) -> dict:
-        """Consensus, the scheduled whole calls, the agreement and the store: the contextual tuner's walk."""
+              verbose: bool) -> tuple[dict, Agreement, Optional[Callable[[], None]]]:
+        """Consensus, the scheduled whole calls and the agreement: the contextual tuner's walk.
+        Returns the winner, the agreement (for the final call's status) and what writes the winner to
+        the store once that call has run on every rank (None: nothing to write here)."""
         name = f"{self.fn.__module__}.{self.__qualname__}"
         entry = self.entry(key, configs)
         site = Site(SiteId(name, (repr(key),), 0), None, configs)
-        winners_store = engine.open_store(self.use_store, self.cache_dir, comm)
+        winners_store = engine.open_store(self.use_store, self.cache_dir, comm, timeout_s=self.timeout_s)
         lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
         site.local_answer = None if lookup is None else lookup(site)
         agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
@@ -242,7 +294,7 @@ class FunctionAutotuner:
                                                            agree_every=self.agree_every),
                             [self.split])
         if site.decided is not None:
-            return configs[site.decided]
+            return configs[site.decided], agreement, None
         if self.split:
             site.share = (comm.rank, comm.world_size)
         def stage(schedule: Schedule, label: str) -> int:
@@ -256,14 +308,15 @@ class FunctionAutotuner:
         (result,) = agreement.verdicts([site])
         self.last_timings = {"configs": configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
                              "agreed_ms": list(result.agreed_ms), "winner": result.winner}
+        save = None
         if winners_store is not None and comm.rank == 0:
-            engine.save_winners(winners_store, [(entry, result)], self.__qualname__)
+            save = lambda: engine.save_winners(winners_store, [(entry, result)], self.__qualname__)  # noqa: E731
         if verbose and comm.rank == 0:
             for i, config in enumerate(configs):
                 mark = "  <- winner" if i == result.winner else ""
                 print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms{mark}",
                       file=sys.stdout, flush=True)
-        return configs[result.winner]
+        return configs[result.winner], agreement, save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
                      comm: Communicator) -> None:

@@ -208,8 +208,9 @@ class Final(SiteLaunches):
     """The run with the agreed ``winners``; its result is the caller's.
 
     Each site's first launch is preceded by Triton's reset after benchmarking (``reset_to_zero``).
-    A split site's winner was timed by one rank only, so its first launch here may fail: the failure
-    is kept in ``failures`` (site -> (config index, message)) and the run goes on with the stand-in.
+    A split site's winner was timed by one rank only, and a stored or pinned winner was rank 0's
+    answer, so its first launch here may fail: the failure is kept in ``failures`` (site -> (config
+    index, message)) and the run goes on with the stand-in, keeping the function's own collectives paired.
     """
 
     def __init__(self, sites: dict[SiteId, Site], winners: dict[SiteId, Any]) -> None:
@@ -230,7 +231,7 @@ class Final(SiteLaunches):
                 triton.reset_before_real_launch(autotuner, args, kwargs, config)
             return triton.launch_winner(autotuner, args, kwargs, config)
         except Exception as err:
-            if site is None or not site.split:
+            if site is None or not (site.split or site.decided is not None):
                 raise
             self.failures.setdefault(ident, (site.configs.index(config), f"{type(err).__name__}: {err}"))
             return launch_stand_in(site, args, kwargs, [])

@@ -10,6 +10,8 @@ each rank's and names the option and every rank's value where they differ.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Optional
 
 from .sites import REDUCTIONS, Statistic, resolve_statistic
@@ -33,6 +35,20 @@ def check_count(name: str, value: Any, minimum: int) -> None:
     """``value`` must be an int (not a bool) of at least ``minimum``; a ValueError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"disttune: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_path(name: str, value: Any) -> None:
+    """``value`` must be None, a ``str`` or an ``os.PathLike``; a TypeError naming ``name`` otherwise."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"disttune: {name} must be a path (str or os.PathLike), got {type(value).__name__} {value!r}")
+
+
+def check_directory(name: str, path: Any) -> None:
+    """``path`` (a directory to write into) must not be an existing file; a ValueError naming ``name``
+    otherwise. Costs one ``stat``."""
+    check_path(name, path)
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"disttune: {name} {str(path)!r} is an existing file, not a directory")
 
 
 def check_common(n_warmup: int, n_repeat: int, reduce: str, statistic: Statistic, timer: Optional[Timer]) -> None:

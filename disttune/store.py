@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import filelock
+
 from . import env, files
 
 SCHEMA = 1
@@ -186,13 +188,15 @@ class EntryId:
 class WinnerStore:
     """Reads and writes winners under ``root``; every method is safe to call on any rank."""
 
-    def __init__(self, cache_dir: Optional[str | os.PathLike], fingerprint: dict, check: str = "strict") -> None:
+    def __init__(self, cache_dir: Optional[str | os.PathLike], fingerprint: dict, check: str = "strict",
+                 lock_timeout_s: float = 60.0) -> None:
         if check not in CHECKS:
             raise ValueError(f"disttune: store check must be one of {CHECKS}, got {check!r}")
         self.root = resolve_cache_dir(cache_dir)
         self.fingerprint = fingerprint
         self.env_hash = _sha(json.dumps(fingerprint, sort_keys=True, default=str))[:16]
         self.check = check
+        self.lock_timeout_s = lock_timeout_s  # how long a write waits for another writer's lock
         self._write_failed = False
 
     def path(self, entry: EntryId) -> Path:
@@ -275,7 +279,12 @@ class WinnerStore:
         record = make_record(entry, winner, agreed_ms, self.fingerprint, extra)
         path = self.path(entry)
         try:
-            write_entry(self.root, entry.folder(), path.name, record)
+            write_entry(self.root, entry.folder(), path.name, record, self.lock_timeout_s)
+        except filelock.Timeout as err:
+            warnings.warn(f"disttune: the store's lock file {err.lock_file} was held by another process for "
+                          f"{self.lock_timeout_s:.0f} s; the winners are used in this process but not stored",
+                          StoreWarning, stacklevel=2)
+            return None
         except OSError as err:
             if not self._write_failed:
                 self._write_failed = True
@@ -306,7 +315,7 @@ def make_record(entry: EntryId, winner: int, agreed_ms: list[float], fingerprint
     }
 
 
-def write_entry(root: Path, folder_name: str, name: str, record: Any) -> None:
+def write_entry(root: Path, folder_name: str, name: str, record: Any, lock_timeout_s: float = 60.0) -> None:
     """Write one store file ``root/folder_name/name`` under its lock; a link in the way is replaced (a warning)."""
     root_fd = files.open_dir(root, create=True)
     try:
@@ -322,7 +331,7 @@ def write_entry(root: Path, folder_name: str, name: str, record: Any) -> None:
             warnings.warn(f"disttune: lock file {root / folder_name / lock_name} was a symbolic link; removed",
                           StoreWarning, stacklevel=3)
             os.unlink(lock_name, dir_fd=folder)
-        with _locked(root / folder_name / name):
+        with _locked(root / folder_name / name, lock_timeout_s):
             files.write_replacing(folder, name, encode_record(record))
     finally:
         os.close(folder)
@@ -400,11 +409,10 @@ def atomic_write_json(path: Path, record: Any) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold ``path``'s lock file (``<path>.lock``); filelock opens it with O_NOFOLLOW."""
-    from filelock import FileLock
-
-    with FileLock(str(path) + ".lock", timeout=60):
+def _locked(path: Path, timeout_s: float = 60.0) -> Iterator[None]:
+    """Hold ``path``'s lock file (``<path>.lock``) for at most ``timeout_s`` of waiting; filelock opens it
+    with O_NOFOLLOW."""
+    with filelock.FileLock(str(path) + ".lock", timeout=timeout_s):
         yield
 
 

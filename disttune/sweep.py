@@ -124,7 +124,7 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
     rows: list[SweepRow] = []
     records: dict[str, dict] = {}
     fingerprint = stores.environment_fingerprint(comm.world_size, env.local_world_size())
-    winners_store = engine.open_store(options.store, options.cache_dir, comm, options.store_check)
+    winners_store = engine.open_store(options.store, options.cache_dir, comm, options.store_check, options.timeout_s)
     try:
         for number, (args, kwargs) in enumerate(_pairs(cases)):
             tuner._tuning_call(args, kwargs)
@@ -172,7 +172,10 @@ def sweep_function(tuner: Any, cases: Iterable[Any], table: Optional[PathLike] =
                 source = "cached"
             else:
                 tuner.last_timings = None
-                tuner.cache[key] = tuner._tune(key, configs, args, kwargs, comm, False)
+                config, _, save = tuner._tune(key, configs, args, kwargs, comm, False)
+                if save is not None:
+                    save()
+                tuner.cache[key] = config
                 tuner.fallbacks.pop(key, None)
                 source = "store" if tuner.last_timings is None else "tuned"
                 agreed = () if tuner.last_timings is None else tuple(tuner.last_timings["agreed_ms"])
