@@ -102,8 +102,9 @@ def case_damaged_store(ctx):
 @cases.case(default=False)
 def case_damaged_pinned(ctx):
     """Per damage: every rank is given the same damaged pinned table; each must raise one clear error."""
-    good = ctx.work_dir / "pinned-good"  # shared: rank 0 writes it before the final run
+    good = ctx.work_dir / "pinned-good"  # shared: rank 0 writes it once the final run agreed
     call(*tuned(ctx, good, ctx.work_dir / "pinned-logs"))
+    ctx.barrier()
     (path,) = entry_files(good)
     record_text = path.read_text()
     good_table = json.dumps({"schema": store.TABLE_SCHEMA, "entries": [json.loads(record_text)]})
@@ -192,6 +193,7 @@ def case_planted_links(ctx):
 
     scout = ctx.work_dir / "links" / "scout"  # where the kernel's folder goes: a first tuning, rank 0 writes
     call(*tuned(ctx, scout, work / "scout-logs"))
+    ctx.barrier()  # rank 0 writes once the final run agreed
     folder_name = entry_files(scout)[0].parent.name
     entry_name = entry_files(scout)[0].name
 
