@@ -210,7 +210,7 @@ class FunctionAutotuner:
     def _pinned_winner(self, key: Any, configs: list[dict]) -> Optional[dict]:
         """The pinned table's winner for ``key`` over ``configs`` (None when the table has none)."""
         entry = self.entry(key, configs)
-        index = stores.pinned_lookup(self.pinned, entry.name, entry.key, 0, entry.configs)  # type: ignore[arg-type]
+        index = stores.pinned_lookup(self.pinned, entry)  # type: ignore[arg-type]
         return None if index is None else configs[index]
 
     def _fallback(self, key: Any, configs: list[dict]) -> tuple[dict, str]:
