@@ -30,6 +30,9 @@ from tiny_kernels import TableTimer, add_block_limited, launch_add, make_kernel 
 
 cases = Cases(__doc__)
 
+#: The rank each case injects its fault on: rank 1 of the 2-rank tests, rank 0 when a GPU test runs the
+#: cases in a world of one (under NCCL).
+FAULTY_RANK = int(os.environ.get("ENDING_FAULTY_RANK", "1"))
 FAST_LAST = {0: 3.0, 1: 2.0, 2: 1.0}  # ms per config: config 2 (BLOCK 64) wins when it runs
 
 
@@ -98,7 +101,7 @@ def case_raise_in_final_run(ctx):
         y = torch.empty_like(x)
         launch_add(kernel, x, y)
         sum_across_ranks(ctx, 1.0)
-        if ctx.rank == 1 and runs["n"] == runs["fail_at"]:
+        if ctx.rank == FAULTY_RANK and runs["n"] == runs["fail_at"]:
             raise RuntimeError("injected fault in the final run")
         return y
 
@@ -121,7 +124,7 @@ def _raise_before_collective(ctx, name: str, failing_run: int) -> dict:
     @disttune.contextual_autotune(**tuner_options(ctx, name, timeout_s=6))
     def step():
         runs["n"] += 1
-        if ctx.rank == 1 and runs["n"] == failing_run:
+        if ctx.rank == FAULTY_RANK and runs["n"] == failing_run:
             raise RuntimeError("injected fault before the collective")
         y = torch.empty_like(x)
         launch_add(kernel, x, y)
@@ -147,8 +150,8 @@ def case_raise_before_collective_in_discovery(ctx):
 # -- stored and pinned winners that cannot run on one rank --------------------------------------------------
 
 def _fails_on_rank_1(nargs):
-    if torch.distributed.get_rank() == 1:
-        raise RuntimeError("injected pre_hook fault on rank 1")
+    if torch.distributed.get_rank() == FAULTY_RANK:
+        raise RuntimeError(f"injected pre_hook fault on rank {FAULTY_RANK}")
 
 
 @cases.case
@@ -170,7 +173,8 @@ def case_stored_winner_compile_error(ctx):
     """The stored winner (BLOCK 64) does not compile on rank 1 (static assertion): every rank tunes again."""
     store_step(ctx, "stored_compile", make_kernel(add_block_limited))()
     ctx.barrier()
-    step = store_step(ctx, "stored_compile", make_kernel(add_block_limited), limit=64 if ctx.rank == 1 else 1024)
+    step = store_step(ctx, "stored_compile", make_kernel(add_block_limited),
+                      limit=64 if ctx.rank == FAULTY_RANK else 1024)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return attempt(lambda: tune(step))
@@ -191,7 +195,7 @@ def case_pinned_winner_compile_error(ctx):
     """The pinned winner (BLOCK 64) does not compile on rank 1: the same TuningError on every rank."""
     table = _export_table(ctx, "pinned_compile")
     step = store_step(ctx, "pinned_compile", make_kernel(add_block_limited), pinned=table,
-                      limit=64 if ctx.rank == 1 else 1024)
+                      limit=64 if ctx.rank == FAULTY_RANK else 1024)
     return attempt(lambda: tune(step))
 
 
@@ -201,7 +205,7 @@ def case_pinned_winner_compile_error(ctx):
 def case_pinned_table_missing_on_one_rank(ctx):
     """Rank 1's pinned table path does not exist: every rank raises at the consensus, not by timeout."""
     table = _export_table(ctx, "pinned_missing")
-    if ctx.rank == 1:
+    if ctx.rank == FAULTY_RANK:
         table += ".missing"
     step = store_step(ctx, "pinned_missing", make_kernel(add_block_limited), pinned=table)
     started = time.monotonic()
@@ -226,7 +230,7 @@ def _timed_attempt(call) -> dict:
 
 
 def _raises_on_rank_1(*args, **kwargs):
-    if torch.distributed.get_rank() == 1:
+    if torch.distributed.get_rank() == FAULTY_RANK:
         raise KeyError("injected fault in a user callable on rank 1")
     return True
 
@@ -254,7 +258,7 @@ def case_function_final_call_raises_on_one_rank(ctx):
     def pick(x, *, variant):
         calls["n"] += 1
         sum_across_ranks(ctx, 1.0)
-        if ctx.rank == 1 and calls["n"] == 4:
+        if ctx.rank == FAULTY_RANK and calls["n"] == 4:
             raise RuntimeError("injected fault in the call with the winner")
         return variant
 
@@ -279,12 +283,12 @@ def case_stored_winner_untried_on_one_rank(ctx):
     rank_store = os.path.join(ctx.work_dir, "store", f"untried-rank{ctx.rank}")
     store_step(ctx, "untried", make_kernel(add_block_limited), cache_dir=rank_store)()
     ctx.barrier()
-    if ctx.rank == 1:
+    if ctx.rank == FAULTY_RANK:
         import shutil
 
         shutil.rmtree(rank_store, ignore_errors=True)
     step = store_step(ctx, "untried", make_kernel(add_block_limited), cache_dir=rank_store,
-                      limit=64 if ctx.rank == 1 else 1024)
+                      limit=64 if ctx.rank == FAULTY_RANK else 1024)
     return {**attempt(lambda: tune(step)), "then": attempt(lambda: sum_across_ranks(ctx, 1.0))}
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from disttune.timing import CudaEventTimer, default_timer
-from helpers import describe, run_launch
+from helpers import describe, failure, run_cases, run_launch
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -83,3 +83,32 @@ def test_sweep_example_on_one_gpu_pins_and_serves(tmp_path):
     assert len(re.findall(r"^\d+ +_moe_gemm_body ", proc.stdout, flags=re.M)) == 7, describe(proc)
     assert proc.stdout.count("(never tuned) ran") == 3, describe(proc)
     print(proc.stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_final_run_and_stored_winners_under_nccl_on_one_gpu(tmp_path):
+    """The ending cases in a world of one under NCCL, the fault on its only rank: an error in the final
+    run is the user's own, a stored winner that fails is tuned again without it and the new winner stored,
+    a pinned winner that does not compile is one TuningError."""
+    from pathlib import Path
+
+    cases = ["raise_in_final_run", "stored_winner_raising_pre_hook", "stored_winner_compile_error",
+             "pinned_winner_compile_error"]
+    results = run_cases(Path(__file__).with_name("ending_cases.py"), cases, tmp_path / "run", 1, timeout=300,
+                        extra_env={"ENDING_FAULTY_RANK": "0", "DISTTUNE_TIMEOUT": "60"})
+    (final,) = results["raise_in_final_run"]
+    assert final["ok"], failure(final)
+    assert final["first"] == "RuntimeError: injected fault in the final run", final
+    assert final["tuned"] and final["winner"] == 2, final
+    for case in ("stored_winner_raising_pre_hook", "stored_winner_compile_error"):
+        (ending,) = results[case]
+        assert ending["ok"], failure(ending)
+        assert ending["returned"] == {"winner": 1, "source": "tuned", "runs": 8}, ending
+    (hook,) = results["stored_winner_raising_pre_hook"]
+    assert hook["warned"] and "injected pre_hook fault" in hook["warned"][0], hook
+    assert hook["after"] == {"returned": {"winner": 1, "source": "store", "runs": 2}}, hook
+    (pinned,) = results["pinned_winner_compile_error"]
+    assert pinned["ok"], failure(pinned)
+    assert pinned["raised"] == "TuningError" and "pinned table" in pinned["error"], pinned
+    print({case: {k: v for k, v in results[case][0].items() if k not in ("ok",)} for case in cases})
