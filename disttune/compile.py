@@ -133,7 +133,7 @@ class CompilePool:
         if future is None:
             return index not in site.failures
         try:
-            future.result()
+            self.compiled[(site.id, index)] = future.result()
         except Exception as err:
             site.record_failure(index, err)
             return False

@@ -27,6 +27,7 @@ def recorded(monkeypatch):
         calls.append((config.kwargs["BLOCK"], threading.current_thread().name))
         if config.kwargs["BLOCK"] == 64:
             raise RuntimeError("injected compile fault")
+        return f"compiled BLOCK={config.kwargs['BLOCK']}"  # what the diagnostics read compiler facts from
 
     monkeypatch.setattr(compiling, "precompile", recording_precompile)
     monkeypatch.setattr(compiling, "can_precompile", lambda autotuner: True)
@@ -48,6 +49,20 @@ def test_without_a_share_every_config_compiles_on_the_pool_and_failures_are_this
     assert sorted(block for block, _ in recorded) == [16, 32, 64]
     assert all(thread.startswith("disttune-compile") for _, thread in recorded)
     assert set(site.failures) == {2} and "injected compile fault" in site.failures[2]
+    assert pool.compiled == {(site.id, 0): "compiled BLOCK=16", (site.id, 1): "compiled BLOCK=32"}
+
+
+def test_configs_waited_for_at_their_first_launch_keep_their_compiled_kernel(recorded):
+    """With the tuning runs overlapping the compiles, each launch waits for its config: the compiled
+    kernel must still reach the diagnostics, and a failed compile is this rank's failure."""
+    pool = compiling.CompilePool(2)
+    site = site_of((16, 32, 64))
+    pool.start(site, (), {})
+    assert [pool.ready(site, index) for index in range(3)] == [True, True, False]
+    pool.finish()
+    pool.shutdown()
+    assert pool.compiled == {(site.id, 0): "compiled BLOCK=16", (site.id, 1): "compiled BLOCK=32"}
+    assert set(site.failures) == {2}
 
 
 @pytest.mark.parametrize("rank", [0, 1])
