@@ -4,71 +4,128 @@ Each test launches ``ending_cases.py`` on 2 gloo ranks with one fault injected o
 in the final run, a stored or pinned winner that cannot run there, a missing pinned table, a
 raising ``key_fn``, ``prune_fn`` or statistic, user code raising before the step's own collective,
 bad inputs, a store lock held by another process) and asserts that every rank returned the same
-winner or raised the same clear error, well inside the collective timeout. The faults count in the
-fault tally that the test run prints at its end.
+winner or raised the same clear error, well inside the collective timeout.
+
+Every test measures what it adds to the fault suite's summary line (see ``fault_tally``): each call
+whose ending every rank must share is one trial, read back with ``endings()``, and a fault counts
+once its effect is seen on every rank (the planted error named in each rank's message, the stored
+winner tuned again, the lock's wait warned about).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from fault_tally import TALLY
-from helpers import CommandTimeout, failure, read_records, run_cases, run_launch
+from fault_tally import endings, faults_seen, hang, tracebacks_in
+from helpers import CommandTimeout, describe, failure, read_records, run_launch
 
 CASES = Path(__file__).with_name("ending_cases.py")
 TIMEOUT_S = 20  # DISTTUNE_TIMEOUT of the launched ranks: "promptly" means well inside it
 
 
-def launch(tmp_path: Path, cases: list[str], faults_per_case: int = 1, world: int = 2) -> dict:
-    TALLY["trials"] += len(cases)
-    TALLY["faults"] += faults_per_case * len(cases)
+def launch(tmp_path: Path, cases: list[str], world: int = 2) -> dict:
+    """Run ``cases`` of ending_cases.py on ``world`` ranks; a hang or a traceback in stderr counts, then fails."""
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    out.mkdir(parents=True)
     try:
-        return run_cases(CASES, cases, tmp_path / "run", world, timeout=240,
-                         extra_env={"DISTTUNE_TIMEOUT": str(TIMEOUT_S)})
+        proc = run_launch([f"--nproc_per_node={world}", str(CASES), *cases, "--out", str(out)], timeout=240,
+                          extra_env={"DISTTUNE_TIMEOUT": str(TIMEOUT_S)})
     except CommandTimeout:
-        TALLY["hangs"] += 1
+        hang()
         raise
+    assert proc.returncode == 0, describe(proc)
+    assert tracebacks_in(proc.stderr) == 0, describe(proc)
+    return read_records(out, cases, range(world), proc)
 
 
-def same_ending(per_rank: list[dict], *fields: str) -> dict:
-    """Every rank's record passed and holds the same ``fields``; a difference counts as a disagreement."""
+def call_ending(record: dict, call: str | None = None) -> dict:
+    """How one rank's ``call`` ended: ``returned`` (with the call's fields), or ``raised`` and ``error``.
+
+    ``call`` names the record's field holding the call's outcome (default: the case's own call, whose
+    outcome sits in the record itself); text outcomes read "returned" or "Type: message". A case that
+    raised outside the call ends with its own error. ``ending`` is the error's type and text together.
+    """
+    if not record["ok"]:
+        outcome = {"raised": record["error_type"], "error": record["error_message"]}
+    elif call is None:
+        outcome = {key: value for key, value in record.items() if key != "ok"}
+    elif isinstance(record[call], str):
+        raised, _, error = record[call].partition(": ")
+        outcome = {"returned": True} if record[call] == "returned" else {"raised": raised, "error": error}
+    else:
+        outcome = dict(record[call])
+    if "error" in outcome:
+        outcome["ending"] = f"{outcome.get('raised')}: {outcome['error']}"
+    return outcome
+
+
+def same_ending(per_rank: list[dict], *fields: str, call: str | None = None) -> dict:
+    """One trial: every rank's ``call`` returned the same ``fields`` or raised the same clear error.
+
+    The ending is counted (split ending, disagreement, stray error) before it is asserted, as is every
+    rank's case having run to its end; returns rank 0's ending of the call.
+    """
+    calls = [call_ending(record, call) for record in per_rank]
+    ending = endings(calls, *fields, error="ending", message="error")
     for record in per_rank:
         assert record["ok"], failure(record)
-    values = {json.dumps([r.get(f) for f in fields]) for r in per_rank}
-    if len(values) != 1:
-        TALLY["disagreements"] += 1
-    assert len(values) == 1, per_rank
-    return per_rank[0]
+    assert not any(ending.values()), (ending, calls)
+    return calls[0]
+
+
+def named_everywhere(text: str, calls: list[dict]) -> bool:
+    """Whether every rank's error names ``text`` (the planted fault's effect, seen on each rank)."""
+    return all(text in str(call.get("error")) for call in calls)
 
 
 def test_an_error_in_the_final_run_is_the_same_error_on_every_rank(tmp_path):
     results = launch(tmp_path, ["raise_in_final_run", "function_final_call_raises_on_one_rank"])
-    contextual = same_ending(results["raise_in_final_run"], "first", "winner", "tuned")
+    per_rank = results["raise_in_final_run"]
+    first = same_ending(per_rank, call="first")
+    planted = "rank 1: RuntimeError: injected fault in the final run"
+    faults_seen(named_everywhere(planted, [call_ending(r, "first") for r in per_rank]))
+    assert first["raised"] == "TuningError"
+    contextual = same_ending(per_rank, "winner", "tuned")  # the next call tunes again on every rank
     assert contextual["first"].startswith("TuningError: ") and "final run" in contextual["first"]
-    assert "rank 1: RuntimeError: injected fault in the final run" in contextual["first"]
+    assert planted in contextual["first"]
     assert contextual["tuned"] and contextual["winner"] == 2, "the next call ends the same way everywhere"
-    function = same_ending(results["function_final_call_raises_on_one_rank"], "raised", "error", "second")
+    per_rank = results["function_final_call_raises_on_one_rank"]
+    function = same_ending(per_rank, "returned")
+    faults_seen(named_everywhere("injected fault in the call with the winner", [call_ending(r) for r in per_rank]))
     assert function["raised"] == "TuningError" and "injected fault in the call with the winner" in function["error"]
+    same_ending(per_rank, "returned", call="second")
     assert function["second"] == {"returned": 2}
 
 
 def test_stored_and_pinned_winners_are_checked_on_every_rank(tmp_path):
     results = launch(tmp_path, ["stored_winner_raising_pre_hook", "stored_winner_compile_error",
                                 "pinned_winner_compile_error", "stored_winner_untried_on_one_rank"])
-    for case in ("stored_winner_raising_pre_hook", "stored_winner_compile_error"):
-        ending = same_ending(results[case], "returned", "raised")
-        assert ending["returned"] == {"winner": 1, "source": "tuned", "runs": 8}, ending  # tuned without config 2
-    hook = same_ending(results["stored_winner_raising_pre_hook"], "warned", "after")
-    assert hook["warned"] and "failed on rank 1: RuntimeError: injected pre_hook fault" in hook["warned"][0]
+    tuned_without_config_2 = {"winner": 1, "source": "tuned", "runs": 8}
+    per_rank = results["stored_winner_raising_pre_hook"]
+    hook = same_ending(per_rank, "returned", "warned")
+    assert hook["returned"] == tuned_without_config_2, hook
+    planted = "failed on rank 1: RuntimeError: injected pre_hook fault"
+    faults_seen(all(r["warned"] and planted in r["warned"][0] for r in per_rank))
+    assert hook["warned"] and planted in hook["warned"][0]
+    same_ending(per_rank, "returned", call="after")
     assert hook["after"] == {"returned": {"winner": 1, "source": "store", "runs": 2}}, "the new winner was stored"
-    pinned = same_ending(results["pinned_winner_compile_error"], "raised", "error")
+    per_rank = results["stored_winner_compile_error"]
+    ending = same_ending(per_rank, "returned")
+    faults_seen(all(r.get("returned") == tuned_without_config_2 for r in per_rank))  # tuned again, without it
+    assert ending["returned"] == tuned_without_config_2, ending
+    calls = [call_ending(r) for r in results["pinned_winner_compile_error"]]
+    pinned = same_ending(results["pinned_winner_compile_error"])
+    faults_seen(named_everywhere("rank 1: InterpreterError", calls)
+                and named_everywhere("BLOCK must be smaller than LIMIT", calls))
     assert pinned["raised"] == "TuningError" and "pinned table" in pinned["error"]
     assert "rank 1: InterpreterError" in pinned["error"] and "BLOCK must be smaller than LIMIT" in pinned["error"]
-    untried = same_ending(results["stored_winner_untried_on_one_rank"], "raised", "error", "then")
+    per_rank = results["stored_winner_untried_on_one_rank"]
+    untried = same_ending(per_rank)
+    faults_seen(named_everywhere("failed in the final run", [call_ending(r) for r in per_rank]))
     assert untried["raised"] == "TuningError" and "failed in the final run" in untried["error"]
+    same_ending(per_rank, "returned", call="then")
     assert untried["then"] == {"returned": 2.0}, "the function's own collectives stayed paired"
 
 
@@ -78,7 +135,9 @@ def test_a_local_error_before_a_collective_reaches_the_peers_at_once(tmp_path):
     results = launch(tmp_path, cases)
     for case, says in zip(cases, ("cannot read pinned winners table", "injected fault in a user callable",
                                   "injected fault in a user callable", "statistic")):
-        ending = same_ending(results[case], "raised", "error")
+        ending = same_ending(results[case])
+        calls = [call_ending(r) for r in results[case]]
+        faults_seen(named_everywhere("rank 1: ", calls) and named_everywhere(says, calls))
         assert ending["raised"] == "TuningError" and "rank 1: " in ending["error"] and says in ending["error"], ending
         assert all(r["seconds"] < TIMEOUT_S / 4 for r in results[case]), results[case]
 
@@ -88,24 +147,22 @@ def test_user_code_raising_before_the_steps_own_collective_is_named_on_every_ran
     """Rank 1 raises before the all_reduce that rank 0 waits in (in a tuning run, in the discovery run):
     disttune cannot end that wait, but the error posted through the process group's store is named in
     every rank's message. The group is unusable afterwards, so each case has a launch of its own."""
-    TALLY["trials"] += 1
-    TALLY["faults"] += 1
-    try:
-        proc = run_launch(["--nproc_per_node=2", str(CASES), case, "--out", str(tmp_path)],
-                          timeout=240, extra_env={"DISTTUNE_TIMEOUT": str(TIMEOUT_S)})
-    except CommandTimeout:
-        TALLY["hangs"] += 1
-        raise
-    (per_rank,) = read_records(tmp_path, [case], (0, 1), proc).values()
+    (per_rank,) = launch(tmp_path, [case]).values()
+    # the case itself raises, so its record is the ending; each message adds what its own rank saw of the wait
+    ending = endings(per_rank, error="error_type", message="error_message")
+    planted = "rank 1: RuntimeError: injected fault before the collective"
+    faults_seen(all(planted in str(r.get("error_message")) for r in per_rank))
+    assert not any(ending.values()), (ending, per_rank)
     for record in per_rank:
         assert record["error_type"] == "TuningError", failure(record)
-        assert "rank 1: RuntimeError: injected fault before the collective" in record["error_message"], record
+        assert planted in record["error_message"], record
         assert record["elapsed_s"] < TIMEOUT_S, "ended by the tuner's own timeout (6 s), not the group's"
 
 
 def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
-    (per_rank,) = launch(tmp_path, ["bad_inputs"], faults_per_case=11).values()
-    ending = same_ending(per_rank, "ok")
+    (per_rank,) = launch(tmp_path, ["bad_inputs"]).values()
+    for record in per_rank:
+        assert record["ok"], failure(record)
     attempts = [r["attempts"] for r in per_rank]
     expected = {
         "log_dir is a file": ("ValueError", "is an existing file, not a directory"),
@@ -120,22 +177,25 @@ def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
         "key_fn unhashable": ("TuningError", "returned an unhashable list"),
         "statistic gives nan": ("TuningError", "it gave nan for config[0]"),
     }
-    assert ending and set(attempts[0]) == set(expected)
+    assert all(set(seen) == set(expected) for seen in attempts), attempts
     for what, (error_type, says) in expected.items():
+        calls = [seen[what] for seen in attempts]
+        # an error agreed in a collective has the same text on every rank; a local one may name the rank's own file
+        ending = endings(calls, error="error" if error_type == "TuningError" else "raised", message="error")
+        faults_seen(all(call.get("raised") == error_type and says in str(call.get("error")) for call in calls))
         for rank, seen in enumerate(attempts):
             assert seen[what].get("raised") == error_type and says in seen[what]["error"], (rank, what, seen[what])
             assert seen[what]["seconds"] < TIMEOUT_S / 4, (rank, what, seen[what])
-        if error_type == "TuningError":  # an error agreed in a collective: the same text on every rank
-            same = len({seen[what]["error"] for seen in attempts}) == 1
-            TALLY["disagreements"] += not same
-            assert same, [seen[what] for seen in attempts]
+        assert not any(ending.values()), (what, ending, calls)
 
 
 def test_a_held_store_lock_is_waited_for_within_the_tuners_timeout(tmp_path):
     (per_rank,) = launch(tmp_path, ["store_lock_held"]).values()
-    ending = same_ending(per_rank, "returned", "raised")
+    ending = same_ending(per_rank, "returned")
     assert ending["returned"] == {"winner": 2, "source": "tuned", "runs": 8}
     writer = per_rank[0]
+    held = [w for w in writer["lock_warnings"] if ".json.lock was held by another process for 3 s" in w]
+    faults_seen(2.5 < writer["seconds"] < 6 and len(held) == 1)
     assert 2.5 < writer["seconds"] < 6, "rank 0 waits half the tuner's 6 s timeout for the lock, then goes on"
     (warning,) = writer["lock_warnings"]
     assert ".json.lock was held by another process for 3 s" in warning and str(tmp_path) in warning
@@ -146,11 +206,19 @@ def test_four_ranks_end_the_same_way(tmp_path):
     """The faults on rank 1 of 4: the three healthy ranks end exactly as it does."""
     results = launch(tmp_path, ["raise_in_final_run", "stored_winner_raising_pre_hook",
                                 "pinned_table_missing_on_one_rank", "statistic_raises_on_one_rank"], world=4)
-    final = same_ending(results["raise_in_final_run"], "first", "winner")
-    assert "rank 1: RuntimeError: injected fault in the final run" in final["first"] and final["winner"] == 2
-    stored = same_ending(results["stored_winner_raising_pre_hook"], "returned", "after")
+    per_rank = results["raise_in_final_run"]
+    planted = "rank 1: RuntimeError: injected fault in the final run"
+    same_ending(per_rank, call="first")
+    faults_seen(named_everywhere(planted, [call_ending(r, "first") for r in per_rank]))
+    final = same_ending(per_rank, "winner")
+    assert planted in final["first"] and final["winner"] == 2
+    per_rank = results["stored_winner_raising_pre_hook"]
+    stored = same_ending(per_rank, "returned")
+    faults_seen(all(r.get("returned", {}).get("winner") == 1 for r in per_rank))  # tuned again, without config 2
+    same_ending(per_rank, "returned", call="after")
     assert stored["returned"]["source"] == "tuned" and stored["returned"]["winner"] == 1
     for case in ("pinned_table_missing_on_one_rank", "statistic_raises_on_one_rank"):
-        ending = same_ending(results[case], "raised", "error")
+        ending = same_ending(results[case])
+        faults_seen(named_everywhere("rank 1: ", [call_ending(r) for r in results[case]]))
         assert ending["raised"] == "TuningError" and "rank 1: " in ending["error"], ending
         assert all(r["seconds"] < TIMEOUT_S / 4 for r in results[case]), results[case]
