@@ -425,12 +425,7 @@ def iter_records(cache_dir: Optional[str | os.PathLike] = None) -> Iterator[tupl
     Never follows a link and never opens anything but a regular file: a linked kernel folder or entry,
     or a FIFO named like an entry, is listed with its problem.
     """
-    root = resolve_cache_dir(cache_dir)
-    try:
-        folders = sorted(os.scandir(root), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for folder in folders:
+    for folder in _store_folders(cache_dir):
         if folder.is_symlink():
             yield Path(folder.path), None, "a symbolic link where a kernel folder belongs"
             continue
@@ -454,16 +449,19 @@ def iter_records(cache_dir: Optional[str | os.PathLike] = None) -> Iterator[tupl
             yield path, record if problem is None else None, problem or validate_record(record, None, None)
 
 
+def _store_folders(cache_dir: Optional[str | os.PathLike]) -> list[os.DirEntry]:
+    """The entries directly under the store's root, by name (none when the root does not exist)."""
+    try:
+        return sorted(os.scandir(resolve_cache_dir(cache_dir)), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def leftover_files(cache_dir: Optional[str | os.PathLike] = None) -> Iterator[Path]:
     """Temporary files under the store (``.<entry>.<random>.tmp``) whose writer is gone (its lock is free)."""
     from filelock import FileLock, Timeout
 
-    root = resolve_cache_dir(cache_dir)
-    try:
-        folders = sorted(os.scandir(root), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for folder in folders:
+    for folder in _store_folders(cache_dir):
         if folder.is_symlink() or not folder.is_dir(follow_symlinks=False):
             continue
         for name in sorted(os.listdir(folder.path)):
