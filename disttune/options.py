@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 from .sites import REDUCTIONS, Statistic, resolve_statistic

@@ -11,7 +11,6 @@ writes through links and tracebacks, each counted from what the test observed.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time

@@ -12,8 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from fault_tally import TALLY, endings, faults_seen, link_writes, torn_files, tracebacks_in
 from helpers import CommandTimeout, describe, failure, read_records, run_launch
 
