@@ -60,7 +60,7 @@ def test_function_tuner_serves_new_keys_without_a_collective_and_tunes_shared_on
     rank0, rank1 = records["function_tuner_new_sizes"]
     for record in (rank0, rank1):
         assert record["slowest_call_s"] < 10, record
-        assert record["keys"] == [[64], [200]], record  # 200 was tuned at the agreement after call 6
+        assert record["keys"] == [[64], [200]], record  # 200 was tuned at the agreement after the sixth call
         assert record["timed_in_traffic"] == 3
         # chunks=2 won for 64; 200 ran on it (nearest) until tuned; every call's own all-reduce summed 2
         assert record["outputs"] == [4.0] * 9, record
