@@ -63,7 +63,8 @@ def one_rank_meets_a_new_size(ctx: Ranks) -> dict:
 
 @cases.case
 def every_rank_meets_a_new_size(ctx: Ranks) -> dict:
-    """Every rank gets size 100 in the fifth call: served on the fallback, then tuned at the agreement after the eighth."""
+    """Every rank gets size 100 in the fifth call: served on the fallback, then tuned at the agreement
+    after the eighth."""
     return _serving(ctx, "every_rank_meets_a_new_size",
                     lambda call, rank: 100 if call in (5, 10) else 64, calls=12, agree_every=4)
 
