@@ -1,4 +1,5 @@
-"""GPU checks: NCCL, CUDA events and the AG-GEMM example tuned in context on two GPUs.
+"""GPU checks: NCCL, CUDA events, the AG-GEMM example tuned in context on two GPUs, and ``check=`` against a
+config of the shard GEMM that reads shards a side stream is still delivering.
 
 Skipped on machines without CUDA GPUs (CI); run on a GPU machine with ``bash scripts/gpu_check.sh``.
 The rest of the suite also runs there, under NCCL.
@@ -112,3 +113,20 @@ def test_final_run_and_stored_winners_under_nccl_on_one_gpu(tmp_path):
     assert pinned["ok"], failure(pinned)
     assert pinned["raised"] == "TuningError" and "pinned table" in pinned["error"], pinned
     print({case: {k: v for k, v in results[case][0].items() if k not in ("ok",)} for case in cases})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("check", [False, True])
+def test_check_scores_out_a_shard_gemm_config_that_reads_shards_a_side_stream_still_delivers(check, tmp_path):
+    """One GPU: the peers' shards land in a NaN-poisoned workspace from a side stream, about 25 ms late (see
+    ``late_shards``); the racy config, timed the fastest, wins unchecked and scores inf with check=True."""
+    from disttune.kernels.matmul import gemm_config
+    from late_shards import SideStreamArrivals, check_scores_out_racy_config
+
+    found = check_scores_out_racy_config(SideStreamArrivals(), gemm_config(128, 128, 32, 8, 4, 4), check, tmp_path,
+                                         rows=256, K=256, N=256, dtype=torch.float16, device="cuda")
+    if check:
+        assert found["winner"] == 0 and found["right"] and found["agreed_ms"][1] == float("inf"), found
+    else:
+        assert found["winner"] == 1 and not found["right"], found
