@@ -92,6 +92,14 @@ def describe_value(value: Any) -> str:
         return type(value).__name__
 
 
+def describe_objective(objective: Any) -> str:
+    """``objective=`` as text for the consensus: a function's name and the line it starts on, so that two
+    lambdas of one module given on different ranks differ."""
+    code = getattr(objective, "__code__", None)
+    return describe_value(objective) + (f" (line {code.co_firstlineno})" if code is not None else "")
+
+
 def describe_options(**options: Any) -> dict[str, str]:
     """``{name: text}`` for the consensus: equal texts mean equal settings on every rank."""
-    return {name: describe_value(value) for name, value in options.items()}
+    return {name: describe_objective(value) if name == "objective" else describe_value(value)
+            for name, value in options.items()}

@@ -161,9 +161,13 @@ def named_objective(m: Measurements) -> float:
     return m.time_ms
 
 
-def test_the_objective_is_described_for_the_consensus_by_its_name():
+def test_the_objective_is_described_for_the_consensus_by_its_name_and_line():
     agreed = Options(objective=named_objective).agreed()["objective"]
-    assert agreed == f"{__name__}.named_objective"
+    assert agreed == f"{__name__}.named_objective (line {named_objective.__code__.co_firstlineno})"
+    first = lambda m: m.time_ms  # noqa: E731
+    second = lambda m: 2 * m.time_ms  # noqa: E731
+    texts = {Options(objective=f).agreed()["objective"] for f in (first, first, second)}
+    assert len(texts) == 2  # one module, two lambdas: told apart by their lines
     assert Options(objective=disttune.pareto("time_ms")).agreed()["objective"] == repr(Pareto(("time_ms",)))
     assert Options().agreed()["objective"] == "'launch'"
 
