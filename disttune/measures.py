@@ -16,6 +16,7 @@ Without a GPU the probe reads nothing and the measurements other than time are N
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
@@ -49,7 +50,8 @@ class Pareto:
     ``pick="balanced"`` takes the front config with the smallest sum of its measures, each scaled to
     0 (the front's best) .. 1 (the front's worst); a measure name takes the front config best in that
     measure. Ties go to the lowest index. A measure that is None for some config (no GPU, no NVML) is
-    left out; with none left, the front is the fastest config(s).
+    left out (a ``pick`` left out falls to the first measure left); with none left, the front is the
+    fastest config(s).
     """
 
     measures: tuple
@@ -188,16 +190,40 @@ class DeviceProbe:
 
 
 def nvml_handle(device: int) -> Optional[tuple]:
-    """``(pynvml, handle)`` for ``device`` when pynvml imports and the GPU reports energy; None otherwise."""
+    """``(pynvml, handle)`` for CUDA device ``device`` when pynvml imports and the GPU reports energy; None
+    otherwise. The GPU is found by its UUID (NVML numbers GPUs without ``CUDA_VISIBLE_DEVICES``); by index
+    only where no device list narrows CUDA's view."""
     try:
         import pynvml
-
+    except ImportError:
+        return None
+    try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        uuid = device_uuid(device)
+        if uuid is not None:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        elif not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        else:
+            return None
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
         return pynvml, handle
-    except Exception:  # not installed, no driver, or a GPU without an energy counter
+    except Exception:  # no driver, or a GPU without an energy counter
         return None
+
+
+def device_uuid(device: int) -> Optional[str]:
+    """CUDA device ``device``'s UUID as NVML writes it (``GPU-...``); None where torch does not give it."""
+    try:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    except Exception:
+        return None
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
 
 
 def default_probe() -> Probe:

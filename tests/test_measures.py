@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import disttune
 from disttune.contextual import Options
 from disttune.logs import read_records
-from disttune.measures import Measurements, NoProbe, Pareto, choose, default_probe
+from disttune.measures import Measurements, NoProbe, Pareto, choose, default_probe, nvml_handle
 from disttune.report import build_report
 from helpers import run_cases
 from tiny_kernels import DEV, TableProbe, TableTimer, launch_add, make_kernel, tuner
@@ -86,6 +87,11 @@ def test_pareto_leaves_out_a_measure_not_read_for_every_config():
     rows = [Measurements(2.0, None), Measurements(1.0, 5.0), Measurements(3.0, 1.0)]
     choice = choose(disttune.pareto("time_ms", "peak_memory_mb"), rows, [0, 1, 2])
     assert choice.front == (1,) and choice.winner == 1  # by time alone: config 0 has no memory reading
+
+
+def test_without_pynvml_there_is_no_energy_counter(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert nvml_handle(0) is None
 
 
 def test_on_the_cpu_a_callable_objective_sees_time_and_no_memory_or_energy(tmp_path):
