@@ -16,11 +16,10 @@ Without a GPU the probe reads nothing and the measurements other than time are N
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
-from .env import interpreting
+from .env import cuda_devices_narrowed, interpreting
 from .timing import LaunchInfo, Reader, Timer
 
 INF = float("inf")
@@ -202,7 +201,7 @@ def nvml_handle(device: int) -> Optional[tuple]:
         uuid = device_uuid(device)
         if uuid is not None:
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        elif not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        elif not cuda_devices_narrowed():
             handle = pynvml.nvmlDeviceGetHandleByIndex(device)
         else:
             return None
