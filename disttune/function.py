@@ -46,7 +46,7 @@ from . import store as stores
 from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
 from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
-from .measures import Objective, Probe, ProbingTimer, default_probe, measured, measures_of
+from .measures import Objective, Probe, ProbingTimer, default_probe, describe_measurements, measured, measures_of
 from .options import check_common, check_objective, check_path, describe_options, describe_value
 from .env import timeout_s as resolve_timeout
 from .search import Search, SearchTrace, describe_search, narrow, resolve_search
@@ -319,8 +319,10 @@ class FunctionAutotuner:
         if verbose and comm.rank == 0:
             for i, config in enumerate(configs):
                 mark = "  <- winner" if i == result.winner else ""
-                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms{mark}",
-                      file=sys.stdout, flush=True)
+                extra = (f", {describe_measurements(result.measurements[i])}, score {result.scores[i]:.4g}"
+                         if result.measurements else "")
+                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms"
+                      f"{extra}{mark}", file=sys.stdout, flush=True)
         return configs[result.winner], agreement, save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,

@@ -98,6 +98,13 @@ def pareto(*measures: str, pick: str = "balanced") -> Pareto:
 Objective = Union[str, Pareto, Callable[[Measurements], float]]
 
 
+def describe_measurements(row: Measurements) -> str:
+    """The measurements beside the time, as the summary prints them (``n/a``: not read)."""
+    memory = "n/a" if row.peak_memory_mb is None else f"{row.peak_memory_mb:.4g} MB"
+    energy = "n/a" if row.energy_mj is None else f"{row.energy_mj:.4g} mJ"
+    return f"peak memory {memory}, energy {energy}"
+
+
 def measured(objective: Any) -> bool:
     """Whether ``objective`` needs the measurements beside the time (a callable or a Pareto option)."""
     return isinstance(objective, Pareto) or (callable(objective) and not isinstance(objective, str))

@@ -61,6 +61,14 @@ def test_callable_objective_picks_a_different_winner_than_time_alone(tmp_path):
     assert logged[0]["score"] == pytest.approx(11.0) and not logged[0]["on_front"]
 
 
+def test_the_summary_names_the_winners_measurements_and_score(tmp_path, capsys):
+    step, _ = _step(tmp_path, (16, 32), (1.0, 2.0), (30.0, 5.0), verbose=True,
+                    objective=lambda m: m.time_ms + 0.1 * m.peak_memory_mb)
+    step(torch.randn(64, device=DEV))
+    out = capsys.readouterr().out
+    assert "BLOCK=32" in out and "2.0000 ms agreed (max), peak memory 5 MB, energy n/a, score 2.5" in out
+
+
 def test_pareto_picks_from_a_known_front_and_the_report_shows_it(tmp_path):
     times, memory = (1.0, 2.0, 3.0, 4.0), (40.0, 20.0, 30.0, 10.0)  # config 2 is dominated by config 1
     picks = {}
