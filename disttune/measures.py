@@ -57,6 +57,7 @@ class Pareto:
     pick: str = "balanced"
 
     def usable(self, rows: Sequence[Measurements], eligible: Sequence[int]) -> list[str]:
+        """The measures read for every eligible config (``time_ms`` when none is)."""
         return [m for m in self.measures if all(getattr(rows[c], m) is not None for c in eligible)] or ["time_ms"]
 
     def front(self, rows: Sequence[Measurements], eligible: Sequence[int]) -> list[int]:
@@ -69,8 +70,8 @@ class Pareto:
 
         return [c for c in eligible if not any(dominates(values[o], values[c]) for o in eligible if o != c)]
 
-    def choose(self, rows: Sequence[Measurements], front: Sequence[int]) -> int:
-        names = self.usable(rows, front)
+    def choose(self, rows: Sequence[Measurements], front: Sequence[int], names: Sequence[str]) -> int:
+        """The front config ``pick`` says, over the measures ``names`` that made the front."""
         if self.pick != "balanced":
             chosen = self.pick if self.pick in names else names[0]
             return min(front, key=lambda c: (float(getattr(rows[c], chosen)), c))
@@ -130,7 +131,7 @@ def choose(objective: Any, rows: Sequence[Measurements], eligible: Sequence[int]
         if not running:
             return Choice(None, (INF,) * len(rows))
         front = objective.front(rows, running)
-        return Choice(objective.choose(rows, front), tuple(0.0 if c in front else INF for c in range(len(rows))),
+        return Choice(objective.choose(rows, front, objective.usable(rows, running)), tuple(0.0 if c in front else INF for c in range(len(rows))),
                       tuple(front))
     scores = [INF] * len(rows)
     for c in running:
