@@ -18,6 +18,7 @@ from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
 from .agreement import SiteResult, TuningError, TuningReport
 from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
+from .measures import Measurements, Pareto, pareto
 from .search import ModelSearch
 from .space import ConfigSpace, space
 from .sites import AllConfigsFailed, SiteId, describe_config
@@ -36,7 +37,9 @@ __all__ = [
     "HostTimer",
     "LaunchInfo",
     "LocalComm",
+    "Measurements",
     "ModelSearch",
+    "Pareto",
     "MpiComm",
     "SiteId",
     "SiteResult",
@@ -50,6 +53,7 @@ __all__ = [
     "autotune",
     "contextual_autotune",
     "describe_config",
+    "pareto",
     "space",
     "warm_up",
 ]

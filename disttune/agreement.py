@@ -12,9 +12,10 @@ collective. In the order a tuning call meets them:
    an error);
 2. :meth:`Agreement.check_run` (one all-gather of a flag per run, a second only on trouble): an
    error in any rank's tuning run is an error on all;
-3. :meth:`Agreement.gather_agreed` (one all-gather of every site's per-config statistic) and
-   :meth:`Agreement.verdicts`: the agreed vector (``reduce`` over ranks, ``inf`` where a config failed
-   on any rank), the winner (argmin, ties to the lowest index), :class:`SiteResult` per site; every
+3. :meth:`Agreement.gather_agreed` (one all-gather of every site's per-config statistic, and of each
+   measurement a measured objective reads, :mod:`disttune.measures`) and :meth:`Agreement.verdicts`: the
+   agreed vector (``reduce`` over ranks, ``inf`` where a config failed on any rank), the winner (argmin,
+   ties to the lowest index; a measured objective's lowest score), :class:`SiteResult` per site; every
    config failing is :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
 4. :meth:`Agreement.final_run_status` (one all-gather after the final run): an error or a split
    winner failing on any rank in the final run; :meth:`Agreement.drop_failed_winners` scores
@@ -39,8 +40,9 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 from .comm import CollectiveTimeout, Communicator, PeerFailed
 from .compat import config_text
 from .logs import RankLog
+from .measures import EXTRA, Measurements, choose, measured
 from .options import describe_value
-from .sites import AllConfigsFailed, Site, Statistic, SiteId, agree, winner_index
+from .sites import AllConfigsFailed, Site, Statistic, SiteId, agree, agree_measure, winner_index
 from .store import StoreWarning
 
 INF = float("inf")
@@ -71,6 +73,11 @@ class SiteResult:
     winner: int
     source: str  # "tuned", "cached", "store" or "pinned"
     split: bool = False  # configs were divided among the ranks (see above)
+    #: with a measured objective (:mod:`disttune.measures`): each config's agreed Measurements, its score
+    #: (the winner has the lowest) and, for a Pareto option, the configs on the front
+    measurements: tuple = ()
+    scores: tuple = ()
+    front: tuple = ()
 
     @property
     def config(self) -> Any:
@@ -155,8 +162,12 @@ def _raise_rank_errors(message: str, errors: list[tuple[int, str]], local: Optio
 class Agreement:
     """The collectives of one tuner over ``comm``; ``name`` (the wrapped function's) heads every error."""
 
-    def __init__(self, comm: Communicator, name: str, reduce: str = "max", statistic: Statistic = "median") -> None:
+    def __init__(self, comm: Communicator, name: str, reduce: str = "max", statistic: Statistic = "median",
+                 objective: Any = "launch") -> None:
         self.comm, self.name, self.reduce, self.statistic = comm, name, reduce, statistic
+        self.objective = objective
+        #: what each gathered vector carries per site beside the times (the same names on every rank)
+        self.extra = EXTRA if measured(objective) else ()
         self.channel = f"{name}#{next(_CALLS[name])}"
         watch = getattr(comm, "watch", None)
         if watch is not None:
@@ -272,21 +283,30 @@ class Agreement:
             raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
 
     def gather_agreed(self, tuned: Sequence[Site], step: str) -> list[tuple]:
-        """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site.
+        """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site."""
+        return [(per_rank, agreed) for per_rank, agreed, _ in self.gather_measured(tuned, step)]
 
-        The vector starts with a status flag: a statistic that raises or gives no number on any rank is
-        the same TuningError on all (a second all-gather, of the reasons, only then).
+    def gather_measured(self, tuned: Sequence[Site], step: str) -> list[tuple]:
+        """One all-gather of every site's per-config statistic and, with a measured objective, of each
+        measurement in :attr:`extra`; (per-rank matrix, agreed vector, ``{name: (per-rank, agreed)}``) per site.
+
+        The vector (the same length on every rank: a slot per site x config x (time + extra)) starts with
+        a status flag: a statistic that raises or gives no number on any rank is the same TuningError on
+        all (a second all-gather, of the reasons, only then).
         """
         if not tuned:
             return []
         local: list[float] = []
         problems = []
+        width = 1 + len(self.extra)
         try:
             for site in tuned:
                 local.extend(checked_times(site, self.statistic))
+                for name in self.extra:
+                    local.extend(site.local_measures(name, self.statistic))
         except Exception as err:  # the user's statistic: its error goes to every rank
             problems.append(f"statistic {describe_value(self.statistic)} failed: {type(err).__name__}: {err}")
-            local = [math.nan] * sum(len(site.configs) for site in tuned)
+            local = [math.nan] * sum(width * len(site.configs) for site in tuned)
         gathered = self._together(step, problems,
                                   lambda: self.comm.all_gather_floats([1.0 if problems else 0.0] + local, step))
         if gathered[:, 0].any():
@@ -297,25 +317,46 @@ class Agreement:
         gathered = gathered[:, 1:]
         out, offset = [], 0
         for site in tuned:
-            per_rank = gathered[:, offset : offset + len(site.configs)]
-            offset += len(site.configs)
-            out.append((per_rank, agree(per_rank, self.reduce, split=site.split)))
+            n = len(site.configs)
+            per_rank = gathered[:, offset : offset + n]
+            extra = {}
+            for position, name in enumerate(self.extra, start=1):
+                readings = gathered[:, offset + position * n : offset + (position + 1) * n]
+                extra[name] = (readings, agree_measure(readings, self.reduce))
+            offset += width * n
+            out.append((per_rank, agree(per_rank, self.reduce, split=site.split), extra))
         return out
 
     def verdicts(self, tuned: Sequence[Site], log: Optional[RankLog] = None) -> list[SiteResult]:
         """The agreement proper: each tuned site's agreed times and winner (logged per rank when ``log``)."""
         results, dead = [], []
-        for site, (per_rank, agreed) in zip(tuned, self.gather_agreed(tuned, "agreement")):
+        for site, (per_rank, agreed, extra) in zip(tuned, self.gather_measured(tuned, "agreement")):
             per_rank, agreed = site.with_screening(per_rank, agreed)  # screened-out configs: screening times
             winner = winner_index([agreed[c] if c in site.active else INF for c in range(len(agreed))])
+            rows, choice = (), None
+            if self.extra:
+                rows = tuple(Measurements(float(agreed[c]), **{name: _known(extra[name][1][c]) for name in self.extra})
+                             for c in range(len(agreed)))
+                try:
+                    choice = choose(self.objective, rows, site.active)
+                except ValueError as err:  # computed from agreed values: the same on every rank
+                    raise TuningError(f"disttune: {self.name}: objective {describe_value(self.objective)} for "
+                                      f"{site.id.describe()}: {err}") from err
+                winner = choice.winner
             if log is not None:
                 for index, samples in enumerate(site.samples):
                     for iteration, (ms, at) in enumerate(zip(samples, site.sample_times[index])):
                         log.measure(site.id.kernel, site.id.key, index, config_text(site.configs[index]), iteration,
                                     ms, at)
                 for c, config in enumerate(site.configs):
+                    measures = None
+                    if choice is not None:
+                        measures = {"agreed": {name: getattr(rows[c], name) for name in self.extra},
+                                    "per_rank": {name: [_known(v) for v in readings[:, c]]
+                                                 for name, (readings, _) in extra.items()},
+                                    "score": choice.scores[c], "front": c in choice.front}
                     log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, config_text(config),
-                                      list(per_rank[:, c]), float(agreed[c]), site.failures.get(c))
+                                      list(per_rank[:, c]), float(agreed[c]), site.failures.get(c), measures)
             if winner is None:
                 dead.append(site)
                 continue
@@ -323,7 +364,8 @@ class Agreement:
                 log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, config_text(site.configs[winner]),
                            float(agreed[winner]), "tuned")
             results.append(SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in per_rank),
-                                      tuple(map(float, agreed)), winner, "tuned", site.split))
+                                      tuple(map(float, agreed)), winner, "tuned", site.split, rows,
+                                      choice.scores if choice else (), choice.front if choice else ()))
         if dead:
             self.raise_all_failed(dead)
         return results
@@ -396,6 +438,11 @@ class Agreement:
                        agreed[winner], "tuned")
             results[i] = replace(old, agreed_ms=tuple(agreed), winner=winner)
         return results
+
+
+def _known(value: float) -> Optional[float]:
+    """A gathered measurement as the objective sees it: None where it was not read."""
+    return None if math.isnan(value) else float(value)
 
 
 def settled_results(sites: Sequence[Site], log: Optional[RankLog] = None) -> list[SiteResult]:

@@ -11,7 +11,8 @@ The walk of one tuning call, step by step (:meth:`ContextualAutotuner._tuning_ca
 4. **timed**: ``longest * (n_warmup + n_repeat)`` tuning runs, each site trying the config the
    rank-independent schedule gives it (:class:`~disttune.sites.Schedule`) under the Timer, each run
    ended by a one-float all-gather that turns an error on any rank into an error on all;
-5. **agreed**: one all-gather of a fixed-length vector (a slot per site x config), reduced over ranks;
+5. **agreed**: one all-gather of a fixed-length vector (a slot per site x config, x measurement with a
+   measured objective), reduced over ranks;
    the same winners everywhere;
 6. **final**: the winners go into each kernel's ``Autotuner.cache`` and the per-rank log; a final run
    with the winners gives the caller its result, ended by a status all-gather (an error on any rank is
@@ -43,7 +44,9 @@ from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .objective import step_stages
 from .phases import Phases
-from .options import AGREED, check_common, check_count, check_directory, check_objective, check_path, describe_options
+from .measures import Objective, Probe, ProbingTimer, default_probe, measured
+from .options import (AGREED, check_common, check_count, check_directory, check_objective, check_path,
+                      describe_options, describe_value)
 from .search import Search, SearchTrace, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .sweep import SweepRow, sweep_contextual
@@ -90,14 +93,15 @@ class Options:
     split: SplitSpec = False
     on_new_key: str = "tune"
     agree_every: int = DEFAULT_AGREE_EVERY
-    objective: str = "launch"
+    objective: Objective = "launch"
     flush_l2: bool = False
     check: CheckSpec = None
+    probe: Optional[Probe] = None
 
     def __post_init__(self) -> None:
         check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
         check_on_new_key(self.on_new_key, self.agree_every)
-        check_objective(self.objective)
+        check_objective(self.objective, self.search, self.split, self.early_stop)
         check_spec(self.check)
         if self.objective == "step" and (self.early_stop or self.split or self.search not in (None, "exhaustive")):
             raise ValueError("disttune: objective='step' times whole runs; search, early_stop and split are for "
@@ -248,7 +252,7 @@ class ContextualAutotuner:
     def _entry(self, site: Site) -> stores.EntryId:
         """A site's identity in the winner store: winners of the step objective or of a checked tuning are their own."""
         o = self.options
-        kind = "kernel" + ("" if o.objective == "launch" else f" objective={o.objective}")
+        kind = "kernel" + ("" if o.objective == "launch" else f" objective={describe_value(o.objective)}")
         kind += " checked" if o.check else ""
         return engine.kernel_entry(site, kind)
 
@@ -292,7 +296,7 @@ class ContextualAutotuner:
         verify_threshold = verify.requested()
         comm = self._get_communicator()
         started = time.perf_counter()
-        agreement = Agreement(comm, name, o.reduce, o.statistic)
+        agreement = Agreement(comm, name, o.reduce, o.statistic, o.objective)
         threads = default_compile_threads() if o.compile_threads is None else o.compile_threads
         share = compile_share(comm) if o.compile_split and threads > 0 and comm.world_size > 1 else None
         compiles = CompilePool(threads, share) if threads > 0 else None
@@ -331,6 +335,8 @@ class ContextualAutotuner:
                 with span("compile wait"):
                     compiles.compile_rest(tuned)
             timer = o.timer or default_timer()
+            if measured(o.objective):
+                timer = ProbingTimer(timer, o.probe or default_probe())
             runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
                                o.verbose, compiles if overlap else None, phases)
             runs.check = make_check(o.check, result)  # the discovery run's result is the reference
@@ -451,6 +457,12 @@ def contextual_autotune(
     tuning run's result with the discovery run's (each site's first working config): a config whose
     result differs on any rank scores ``inf`` on every rank, named in the log and the report. Winners
     tuned with ``objective="step"`` or ``check`` are stored apart from plain launch-level ones.
+    ``objective`` may also be a callable over :class:`~disttune.measures.Measurements` (``time_ms``,
+    ``peak_memory_mb``, ``energy_mj``; lower score wins) or :func:`~disttune.pareto`: launches are timed
+    as with ``"launch"`` and also read by ``probe`` (default: the CUDA allocator's peak, and NVML's
+    energy counter where ``pynvml`` imports, at the cost of a device synchronisation and two NVML reads
+    per timed launch; nothing beside the time on the CPU), every measurement agreed over the ranks
+    (:mod:`disttune.measures`).
     """
 
     def decorate(fn: F) -> F:

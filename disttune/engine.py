@@ -25,6 +25,7 @@ from .compile import CompilePool
 from .handlers import Final, SiteLaunches, Tune
 from .intercept import intercept
 from .logs import RankLog
+from .measures import describe_measurements
 from .phases import Phases, span
 from .sites import Schedule, Site, SiteId, describe_config
 from .timing import Timer
@@ -208,6 +209,8 @@ def print_summary(name: str, report: Any, reduce: str, log: RankLog) -> None:
              f"({report.function_runs} runs of the function); log: {log.path}"]
     for r in report.results:
         agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({reduce})" if r.source == "tuned" else r.source
+        if r.measurements:  # a measured objective: what the score saw beside the time
+            agreed += f", {describe_measurements(r.measurements[r.winner])}, score {r.scores[r.winner]:.4g}"
         lines.append(f"  {r.site.describe()} -> {describe_config(r.config)}: {agreed}")
     print("\n".join(lines), file=sys.stdout, flush=True)
 

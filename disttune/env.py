@@ -6,6 +6,8 @@ everywhere and a bad value is one clear error:
 * :func:`timeout_s`: the per-collective timeout, ``timeout_s=`` else ``$DISTTUNE_TIMEOUT`` else 300 s;
   zero, negative or non-numeric is a :class:`DistEnvError` (a ``ValueError``) naming its source;
 * :func:`interpreting`: whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``);
+* :func:`cuda_devices_narrowed`: whether ``CUDA_VISIBLE_DEVICES`` renumbers CUDA's devices (the
+  energy probe then finds its GPU in NVML by UUID only);
 * :func:`detect`: the launcher and this process's rank, world size, local rank and local world size, for
   **torchrun** (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR/PORT``),
   **Open MPI** (``OMPI_COMM_WORLD_*``), **MPICH / Intel MPI Hydra** (``PMI_RANK``, ``PMI_SIZE``,
@@ -154,6 +156,11 @@ def triton_prints_autotuning() -> bool:
         return bool(knobs.autotuning.print)
     except (ImportError, AttributeError):  # a triton without knobs
         return os.environ.get("TRITON_PRINT_AUTOTUNING", "0") == "1"
+
+
+def cuda_devices_narrowed() -> bool:
+    """Whether ``CUDA_VISIBLE_DEVICES`` narrows CUDA's view (then CUDA's device numbers are not NVML's)."""
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def poison_buffers() -> bool:

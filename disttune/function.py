@@ -46,7 +46,8 @@ from . import store as stores
 from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
 from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
-from .options import check_common, check_objective, check_path, describe_options
+from .measures import Objective, Probe, ProbingTimer, default_probe, describe_measurements, measured, measures_of
+from .options import check_common, check_objective, check_path, describe_options, describe_value
 from .env import timeout_s as resolve_timeout
 from .search import Search, SearchTrace, describe_search, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
@@ -85,10 +86,11 @@ class FunctionAutotuner:
         search: Optional[Search] = None,
         on_new_key: str = "tune",
         agree_every: int = DEFAULT_AGREE_EVERY,
-        objective: str = "launch",
+        objective: Objective = "launch",
         flush_l2: bool = False,
         check: CheckSpec = None,
         pinned: Optional[str | os.PathLike] = None,
+        probe: Optional[Probe] = None,
     ) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
@@ -96,9 +98,9 @@ class FunctionAutotuner:
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
         check_common(n_warmup, n_repeat, reduce, statistic, timer)
         check_on_new_key(on_new_key, agree_every)
-        check_objective(objective)
+        check_objective(objective, search, split)
         check_spec(check)
-        self.objective, self.flush_l2, self.check = objective, bool(flush_l2), check
+        self.objective, self.flush_l2, self.check, self.probe = objective, bool(flush_l2), check, probe
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")
@@ -271,6 +273,8 @@ class FunctionAutotuner:
     def entry(self, key: Any, configs: list[dict]) -> stores.EntryId:
         """The store identity of ``key`` tuned over ``configs`` (a checked tuning's winners are stored apart)."""
         kind, name = "function checked" if self.check else "function", f"{self.fn.__module__}.{self.__qualname__}"
+        if measured(self.objective):  # winners of another score are stored apart
+            kind += f" objective={describe_value(self.objective)}"
         return stores.EntryId(kind, name, stores.function_source_key(self.fn), repr(key), 0,
                               tuple(_describe(c) for c in configs))
 
@@ -285,7 +289,7 @@ class FunctionAutotuner:
         winners_store = engine.open_store(self.use_store, self.cache_dir, comm, timeout_s=self.timeout_s)
         lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
         site.local_answer = None if lookup is None else lookup(site)
-        agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic)
+        agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic, self.objective)
         agreement.consensus([site], None, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
                                                            reduce=self.reduce, statistic=self.statistic,
                                                            split=self.split, search=describe_search(self.search),
@@ -307,21 +311,26 @@ class FunctionAutotuner:
             stage(Schedule(site.slots(), self.n_warmup, self.n_repeat), "tuning call")
         (result,) = agreement.verdicts([site])
         self.last_timings = {"configs": configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
-                             "agreed_ms": list(result.agreed_ms), "winner": result.winner}
+                             "agreed_ms": list(result.agreed_ms), "winner": result.winner,
+                             "measurements": list(result.measurements), "front": list(result.front)}
         save = None
         if winners_store is not None and comm.rank == 0:
             save = lambda: engine.save_winners(winners_store, [(entry, result)], self.__qualname__)  # noqa: E731
         if verbose and comm.rank == 0:
             for i, config in enumerate(configs):
                 mark = "  <- winner" if i == result.winner else ""
-                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms{mark}",
-                      file=sys.stdout, flush=True)
+                extra = (f", {describe_measurements(result.measurements[i])}, score {result.scores[i]:.4g}"
+                         if result.measurements else "")
+                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms"
+                      f"{extra}{mark}", file=sys.stdout, flush=True)
         return configs[result.winner], agreement, save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
                      comm: Communicator) -> None:
         """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``."""
         timer = self.timer or default_timer()
+        if measured(self.objective):
+            timer = ProbingTimer(timer, self.probe or default_probe())
         if self.flush_l2:
             timer = flushing(timer)
         check: Optional[OutputCheck] = None
@@ -341,7 +350,7 @@ class FunctionAutotuner:
                 else:
                     info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
                     read = timer.time(lambda: outcome.__setitem__("result", self.fn(*args, **kwargs, **config)), info)
-                    site.add_sample(index, read(), time.time())
+                    site.add_sample(index, read(), time.time(), measures_of(read))
             except Exception as err:  # scored inf on every rank through the agreement
                 site.record_failure(index, err)
                 continue
@@ -372,7 +381,10 @@ def autotune(
     ``on_new_key`` and ``agree_every``,
     ``pinned`` (a winners table, e.g. written by ``sweep``: its keys are served from it with no tuning and
     no collective, so deploy the same file to every rank; other keys follow ``on_new_key``),
-    ``objective`` (``"launch"`` or ``"step"``: the same here, each config is timed over whole calls),
+    ``objective`` (``"launch"`` or ``"step"``: the same here, each config is timed over whole calls; or a
+    callable over :class:`~disttune.measures.Measurements`, or :func:`~disttune.pareto`, scoring each
+    config by its agreed time, peak GPU memory and NVML energy, read around each timed call by
+    ``probe``, at the cost given in :mod:`disttune.measures`),
     ``flush_l2`` (evict the GPU's L2 before each timed call; see :mod:`disttune.timing`) and ``check``
     (``True`` or ``(reference, output) -> bool``: a config whose result differs from the first
     successful config's scores ``inf`` on every rank; see :mod:`disttune.checks`).

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 from . import triton_launch as triton
 from .compile import CompilePool
 from .intercept import triton_run
+from .measures import measures_of
 from .phases import Phases, span
 from .sites import Schedule, Site, SiteId
 from .timing import LaunchInfo, Timer
@@ -183,7 +184,7 @@ class Tune(SiteLaunches):
         """Read this run's timers into the sites' samples and check that every site launched."""
         now = time.time()
         for site, index, read in self.readers:
-            site.add_sample(index, read(), now)
+            site.add_sample(index, read(), now, measures_of(read))
         missing = [ident.describe() for ident in self.sites if ident not in self.launched]
         if missing:
             self.problems.append(

@@ -81,17 +81,26 @@ class RankLog:
 
     def config_result(
         self, site: str, key: tuple, occurrence: int, config_index: int, config: str,
-        per_rank_ms: list[float], agreed_ms: float, failure: Optional[str],
+        per_rank_ms: list[float], agreed_ms: float, failure: Optional[str], measures: Optional[dict] = None,
     ) -> None:
+        """One config's per-rank and agreed times; ``measures`` (a measured objective): ``{"agreed": {name:
+        value}, "per_rank": {name: [value per rank]}, "score": float, "front": bool}``, None where not read."""
         shown = ", ".join(f"r{r}={t:.4f}" for r, t in enumerate(per_rank_ms))
+        extra = {}
+        text = ""
+        if measures is not None:
+            extra = {"measures": measures["agreed"], "per_rank_measures": measures["per_rank"],
+                     "score": _json_ms(measures["score"]), "on_front": bool(measures["front"])}
+            text = " " + " ".join(f"{name}={value}" for name, value in measures["agreed"].items()) + \
+                f" score={measures['score']:.4f}" + (" on the Pareto front" if measures["front"] else "")
         self._add(
             "config",
             f"{site} key={key!r} occ={occurrence} config[{config_index}]={{{config}}} per-rank ms [{shown}] "
-            f"agreed={agreed_ms:.4f}" + (f" failed here: {failure}" if failure else ""),
+            f"agreed={agreed_ms:.4f}" + text + (f" failed here: {failure}" if failure else ""),
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
             per_rank_ms=[_json_ms(t) for t in per_rank_ms],
             failed_ranks=[r for r, t in enumerate(per_rank_ms) if math.isinf(t)],
-            agreed_ms=_json_ms(agreed_ms), failure=failure,
+            agreed_ms=_json_ms(agreed_ms), failure=failure, **extra,
         )
 
     def winner(

@@ -20,14 +20,27 @@ from .timing import Timer
 AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "search", "split", "compile_split", "on_new_key",
           "agree_every", "objective", "flush_l2", "check")
 
-#: What a tuning may minimise (see :mod:`disttune.objective`).
+#: What a tuning may minimise by name (see :mod:`disttune.objective`); :mod:`disttune.measures` adds a
+#: callable over the measurements and :func:`disttune.pareto`.
 OBJECTIVES = ("launch", "step")
 
 
-def check_objective(objective: Any) -> None:
-    """``objective=`` of either tuner: one of :data:`OBJECTIVES`; a ValueError naming them otherwise."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"disttune: objective must be one of {OBJECTIVES}, got {objective!r}")
+def check_objective(objective: Any, search: Any = None, split: Any = False, early_stop: bool = False) -> None:
+    """``objective=`` of either tuner: one of :data:`OBJECTIVES`, a callable over
+    :class:`~disttune.measures.Measurements` or a :func:`~disttune.pareto` option; a ValueError otherwise.
+
+    A measured objective times launches (as ``"launch"``) and picks from the full exhaustive timing:
+    ``search``, ``early_stop`` and ``split`` cannot be combined with it."""
+    from .measures import Pareto, measured
+
+    named = isinstance(objective, str) and objective in OBJECTIVES
+    if isinstance(objective, type) or not (named or measured(objective)):
+        raise ValueError(f"disttune: objective must be one of {OBJECTIVES}, a callable over disttune.Measurements "
+                         f"or disttune.pareto(...), got {objective!r}")
+    if measured(objective) and (early_stop or split or search not in (None, "exhaustive")):
+        kind = "pareto(...)" if isinstance(objective, Pareto) else "a callable objective"
+        raise ValueError(f"disttune: {kind} scores every config's full timing; search, early_stop and split "
+                         "cannot be combined with it")
 
 
 def check_count(name: str, value: Any, minimum: int) -> None:
@@ -78,6 +91,14 @@ def describe_value(value: Any) -> str:
         return type(value).__name__
 
 
+def describe_objective(objective: Any) -> str:
+    """``objective=`` as text for the consensus: a function's name and the line it starts on, so that two
+    lambdas of one module given on different ranks differ."""
+    code = getattr(objective, "__code__", None)
+    return describe_value(objective) + (f" (line {code.co_firstlineno})" if code is not None else "")
+
+
 def describe_options(**options: Any) -> dict[str, str]:
     """``{name: text}`` for the consensus: equal texts mean equal settings on every rank."""
-    return {name: describe_value(value) for name, value in options.items()}
+    return {name: describe_objective(value) if name == "objective" else describe_value(value)
+            for name, value in options.items()}

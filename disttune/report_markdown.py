@@ -54,20 +54,49 @@ def failure_text(site: SiteSummary, row: ConfigRow, present: Iterable[int]) -> s
     return "; ".join(parts)
 
 
+#: the measurements a measured objective logs beside the time, as the report's columns name them
+_MEASURE_COLUMNS = {"peak_memory_mb": "peak memory MB", "energy_mj": "energy mJ"}
+
+
+def format_measure(value: object) -> str:
+    return "n/a" if value is None else f"{float(value):.4g}"  # type: ignore[arg-type]
+
+
 def format_site_table(site: SiteSummary, present: Iterable[int]) -> str:
-    """The configs x ranks table of one site, winner marked."""
+    """The configs x ranks table of one site, winner marked; with a measured objective, the agreed
+    measurements and the score beside the agreed time."""
     present = list(present)
     reduce = site.reduce or "?"
+    measured = any(row.measures for row in site.configs)
+    extra = [f"agreed {label} ({reduce})" for label in _MEASURE_COLUMNS.values()] + ["score"] if measured else []
     header = (["#", "config"] + [f"rank {r} ms" + ("" if r in present else " (no log)") for r in site.ranks]
-              + [f"agreed ms ({reduce})", "spread", "failures", "winner"])
+              + [f"agreed ms ({reduce})"] + extra + ["spread", "failures", "winner"])
     lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---:", "---"] + ["---:"] * len(site.ranks) + ["---:", "---:", "---", ":---:"]) + "|"]
+             "|" + "|".join(["---:", "---"] + ["---:"] * len(site.ranks) + ["---:"] * (1 + len(extra))
+                            + ["---:", "---", ":---:"]) + "|"]
     for row in site.configs:
         spread = "" if math.isnan(row.spread) else f"{100 * row.spread:.1f}%"
         mark = "**winner**" if row.index == site.winner else ""
+        measures = ([format_measure(row.measures.get(name)) for name in _MEASURE_COLUMNS]
+                    + [format_ms(row.score if row.score is not None else math.nan, failed="out")] if measured else [])
         cells = ([str(row.index), _code(row.label)] + [format_ms(t) for t in row.per_rank_ms]
-                 + [format_ms(row.agreed_ms), spread, _cell(failure_text(site, row, present)), mark])
+                 + [format_ms(row.agreed_ms)] + measures + [spread, _cell(failure_text(site, row, present)), mark])
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_front(site: SiteSummary) -> str:
+    """The Pareto front of a site tuned with ``objective=pareto(...)``: its configs and agreed measurements
+    (empty when no config is on a front)."""
+    front = [row for row in site.configs if row.on_front]
+    if not front:
+        return ""
+    lines = ["Pareto front (agreed measurements; no other config is as good in every one and better in one):", ""]
+    for row in front:
+        measures = ", ".join(f"{label} {format_measure(row.measures.get(name))}"
+                             for name, label in _MEASURE_COLUMNS.items())
+        mark = " (**picked**)" if row.index == site.winner else ""
+        lines.append(f"- config {row.index} {_code(row.label)}: {format_ms(row.agreed_ms)} ms, {measures}{mark}")
     return "\n".join(lines)
 
 
@@ -127,8 +156,12 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
     if not site.configs:
         lines.append("No tuning of this site in the logs (its winners came from the store or a pinned table).")
         return "\n".join(lines)
-    lines += [format_site_table(site, present), "", "Disagreement (what each rank would have picked alone):", "",
-              format_disagreement(site), ""]
+    lines += [format_site_table(site, present), ""]
+    front = format_front(site)
+    if front:
+        lines += [front, ""]
+    by_time = ", by time" if any(row.measures for row in site.configs) else ""
+    lines += [f"Disagreement (what each rank would have picked alone{by_time}):", "", format_disagreement(site), ""]
     diagnostics = format_diagnostics(site)
     if diagnostics:
         lines += [diagnostics, ""]

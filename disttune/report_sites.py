@@ -42,6 +42,11 @@ class ConfigRow:
     per_rank_ms: list[float]  # one per rank column (SiteSummary.ranks)
     agreed_ms: float
     failures: dict[int, str] = field(default_factory=dict)  # rank -> that rank's own failure message
+    #: with a measured objective: the agreed measurements beside the time ({name: value or None}), the
+    #: config's score and whether it is on the Pareto front; empty / None / False otherwise
+    measures: dict = field(default_factory=dict)
+    score: Optional[float] = None
+    on_front: bool = False
 
     @property
     def label(self) -> str:
@@ -259,7 +264,10 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
         not_timed = isinstance(first.get("failed_ranks"), list) and not first["failed_ranks"]
         agreed = _ms(first["agreed_ms"], failed=not not_timed) if "agreed_ms" in first else math.nan
         failures = {r: str(rec["failure"]) for r, rec in holders if rec.get("failure")}
-        rows.append(ConfigRow(index, holders[0][1]["config"], times, agreed, failures))
+        measures = first.get("measures") if isinstance(first.get("measures"), dict) else {}
+        score = _ms(first["score"]) if measures and "score" in first else None
+        rows.append(ConfigRow(index, first["config"], times, agreed, failures, measures, score,
+                              bool(first.get("on_front"))))
     with_winner = [(r, s) for r, s in sorted(per_rank.items()) if s.winner is not None]
     first = with_winner[0][1] if with_winner else None
     tuning = next((s.tuning for _, s in with_winner if s.tuning), None)

@@ -81,12 +81,17 @@ class Site:
     def __post_init__(self) -> None:
         self.samples = [[] for _ in self.configs]
         self.sample_times = [[] for _ in self.configs]  # when each sample was read (seconds since the epoch)
+        self.measures: dict[str, list] = {}  # name -> per config, what a probe read beside each sample (nan: none)
         self.active = list(range(len(self.configs)))
 
-    def add_sample(self, index: int, ms: float, at: float) -> None:
-        """One timed run of config ``index``: ``ms``, read at ``at`` (seconds since the epoch)."""
+    def add_sample(self, index: int, ms: float, at: float, measures: Optional[dict] = None) -> None:
+        """One timed run of config ``index``: ``ms``, read at ``at`` (seconds since the epoch), and what a
+        probe read beside it (``{name: value or None}``, see :mod:`disttune.measures`)."""
         self.samples[index].append(ms)
         self.sample_times[index].append(at)
+        for name, value in (measures or {}).items():
+            per_config = self.measures.setdefault(name, [[] for _ in self.configs])
+            per_config[index].append(NAN if value is None else float(value))
 
     def keep_only(self, survivors: list[int], per_rank: np.ndarray, agreed: np.ndarray) -> None:
         """After an agreed screening round: only ``survivors`` are tuned further; their samples restart."""
@@ -94,6 +99,7 @@ class Site:
         self.screen = (np.array(per_rank), np.array(agreed))
         self.samples = [[] for _ in self.configs]
         self.sample_times = [[] for _ in self.configs]
+        self.measures = {}
 
     def with_screening(self, per_rank: np.ndarray, agreed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Final times where screened-out configs keep their (agreed) screening times."""
@@ -128,6 +134,17 @@ class Site:
         return [
             INF if i in self.failures else float(reduce(samples)) if samples else unmeasured
             for i, samples in enumerate(self.samples)
+        ]
+
+    def local_measures(self, name: str, statistic: Statistic) -> list[float]:
+        """One value per config of measurement ``name``: the statistic of what was read beside its timed runs;
+        ``nan`` where nothing (or not every run) was read, or the config failed here."""
+        reduce = resolve_statistic(statistic)
+        per_config = self.measures.get(name, [[] for _ in self.configs])
+        return [
+            NAN if i in self.failures or not values or len(values) != len(self.samples[i])
+            or any(math.isnan(v) for v in values) else float(reduce(values))
+            for i, values in enumerate(per_config)
         ]
 
 
@@ -276,6 +293,15 @@ def agree(per_rank: np.ndarray, reduce: str, split: bool = False) -> np.ndarray:
         np.where(np.isfinite(per_rank), per_rank, 0.0), axis=0
     )
     return np.where(failed, INF, combined)
+
+
+def agree_measure(per_rank: np.ndarray, reduce: str) -> np.ndarray:
+    """Combine ``[world, n]`` per-rank readings of a measurement: ``nan`` (not read) on any rank is ``nan``
+    for everyone, otherwise max, mean or min over ranks (as :func:`agree` does for times)."""
+    per_rank = np.asarray(per_rank, dtype=np.float64)
+    missing = np.isnan(per_rank).any(axis=0)
+    combined = {"max": np.max, "mean": np.mean, "min": np.min}[reduce](np.where(missing, 0.0, per_rank), axis=0)
+    return np.where(missing, NAN, combined)
 
 
 def survivors(agreed: Sequence[float], keep: int) -> list[int]:

@@ -77,6 +77,21 @@ class TableTimer:
         return lambda: value
 
 
+class TableProbe:
+    """A fake measurement probe: reports ``table(info)`` (``{name: value or None}``) for each timed launch."""
+
+    def __init__(self, table: Callable[[LaunchInfo], dict]) -> None:
+        self.table = table
+        self.seen: list[LaunchInfo] = []
+
+    def start(self, info: LaunchInfo) -> Any:
+        return None
+
+    def stop(self, started: Any, info: LaunchInfo) -> dict:
+        self.seen.append(info)
+        return dict(self.table(info))
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
