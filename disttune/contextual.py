@@ -46,7 +46,7 @@ from .objective import step_stages
 from .phases import Phases
 from .measures import Objective, Probe, ProbingTimer, default_probe, measured
 from .options import (AGREED, check_common, check_count, check_directory, check_objective, check_path,
-                      describe_options, describe_value)
+                      describe_objective, describe_options)
 from .search import Search, SearchTrace, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .sweep import SweepRow, sweep_contextual
@@ -252,7 +252,7 @@ class ContextualAutotuner:
     def _entry(self, site: Site) -> stores.EntryId:
         """A site's identity in the winner store: winners of the step objective or of a checked tuning are their own."""
         o = self.options
-        kind = "kernel" + ("" if o.objective == "launch" else f" objective={describe_value(o.objective)}")
+        kind = "kernel" + ("" if o.objective == "launch" else f" objective={describe_objective(o.objective)}")
         kind += " checked" if o.check else ""
         return engine.kernel_entry(site, kind)
 

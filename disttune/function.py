@@ -47,7 +47,7 @@ from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
 from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
 from .measures import Objective, Probe, ProbingTimer, default_probe, describe_measurements, measured, measures_of
-from .options import check_common, check_objective, check_path, describe_options, describe_value
+from .options import check_common, check_objective, check_path, describe_objective, describe_options
 from .env import timeout_s as resolve_timeout
 from .search import Search, SearchTrace, describe_search, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
@@ -274,7 +274,7 @@ class FunctionAutotuner:
         """The store identity of ``key`` tuned over ``configs`` (a checked tuning's winners are stored apart)."""
         kind, name = "function checked" if self.check else "function", f"{self.fn.__module__}.{self.__qualname__}"
         if measured(self.objective):  # winners of another score are stored apart
-            kind += f" objective={describe_value(self.objective)}"
+            kind += f" objective={describe_objective(self.objective)}"
         return stores.EntryId(kind, name, stores.function_source_key(self.fn), repr(key), 0,
                               tuple(_describe(c) for c in configs))
 

@@ -169,7 +169,7 @@ def nccl_version() -> Optional[str]:
 class EntryId:
     """The identity of one stored site: same identity + same environment = valid entry."""
 
-    kind: str  # "kernel" (contextual sites) or "function" (disttune.autotune)
+    kind: str  # "kernel" (contextual sites) or "function" (disttune.autotune), then " objective=..." or " checked"
     name: str
     source_key: str
     key: str
@@ -372,8 +372,9 @@ def validate_record(record: Any, entry: Optional[EntryId], fingerprint: Optional
             return f"field {field!r} missing or not a {kind.__name__}"
     if not all(isinstance(config, str) for config in record["configs"]):
         return "field 'configs' holds something other than config texts"
-    if record.get("kind", "kernel") not in ("kernel", "function"):
-        return f"field 'kind' is {record.get('kind')!r}, not 'kernel' or 'function'"
+    kind = record.get("kind", "kernel")
+    if not isinstance(kind, str) or kind.split(" ", 1)[0] not in ("kernel", "function"):
+        return f"field 'kind' is {kind!r}, not 'kernel' or 'function' (with an objective or 'checked' after it)"
     if not _is_int(record.get("occurrence", 0)) or record.get("occurrence", 0) < 0:
         return "field 'occurrence' not an int, or negative"
     if not _is_int(record.get("winner")):

@@ -262,6 +262,18 @@ def test_pinned_table_round_trip_and_missing_entry(tmp_path):
         store.load_table(tmp_path / "bad.json")
 
 
+@pytest.mark.parametrize("kind", ["kernel checked", "function objective='step'", "function checked"])
+def test_a_table_of_checked_or_objective_winners_loads(tmp_path, kind):
+    entry = store.EntryId(kind, "k", "source", repr((64,)), 0, ("A", "B"), "digest")
+    store.write_table(tmp_path / "t.json", [store.make_record(entry, 1, [2.0, 1.0], {})])
+    (record,) = store.load_table(tmp_path / "t.json")["entries"]
+    assert record["kind"] == kind and record["winner"] == 1
+    bad = store.EntryId("kernels", "k", "source", repr((64,)), 0, ("A", "B"), "digest")
+    store.write_table(tmp_path / "bad.json", [store.make_record(bad, 1, [2.0, 1.0], {})])
+    with pytest.raises(store.PinnedTableError, match="field 'kind' is 'kernels'"):
+        store.load_table(tmp_path / "bad.json")
+
+
 # -- several ranks ------------------------------------------------------------------------------------------
 
 def launch_cases(tmp_path: Path, world: int, cases: list[str], store_dir: Path, expect_errors: bool = False,
