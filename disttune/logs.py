@@ -61,10 +61,11 @@ class RankLog:
         self.host = socket.gethostname()
         self._lines: list[str] = []
 
-    def _add(self, event: str, text: str, at: Optional[float] = None, **fields: Any) -> None:
-        """Buffer one event; ``at`` is when it happened (seconds since the epoch), default now."""
+    def _add(self, event: str, line: str, /, at: Optional[float] = None, **fields: Any) -> None:
+        """Buffer one event: ``line`` for people, ``fields`` in its JSON record; ``at`` is when it happened
+        (seconds since the epoch), default now."""
         stamp = _utc(at)
-        self._lines.append(f"{stamp} rank={self.rank} host={self.host} {event}: {text}")
+        self._lines.append(f"{stamp} rank={self.rank} host={self.host} {event}: {line}")
         record = {"event": event, "rank": self.rank, "host": self.host, "time": stamp, "function": self.function,
                   **fields}
         self._lines.append(json.dumps(record, default=str))
@@ -176,14 +177,24 @@ class RankLog:
 def read_records(path: str | os.PathLike) -> list[dict]:
     """The JSON records of one rank log, skipping readable lines and lines that do not parse.
 
-    Bytes that are not UTF-8 are replaced, so a damaged file still yields its good records.
+    Bytes that are not UTF-8 are replaced, so a damaged file still yields its good records. A path
+    that is not a regular file (a FIFO, say) raises :class:`files.NotRegularFile` instead of blocking.
     """
     records = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            if line.startswith("{"):
-                try:
-                    records.append(json.loads(line))
-                except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
-                    continue
+    for line in read_lines(path):
+        if line.startswith("{"):
+            try:
+                records.append(json.loads(line))
+            except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
+                continue
     return records
+
+
+def read_lines(path: str | os.PathLike) -> list[str]:
+    """A rank log's lines (split as text-mode ``open`` splits them, undecodable bytes replaced).
+
+    Never blocks on a FIFO: anything but a regular file raises :class:`files.NotRegularFile`.
+    Links are followed. Reads the whole file at once.
+    """
+    text = files.read_regular(path, follow=True).decode("utf-8", errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")

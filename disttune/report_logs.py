@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .logs import read_records
+from .logs import read_lines, read_records
 
 _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
 _READABLE_LINE = re.compile(r"^\d{4}-\d{2}-\d{2}T\S+ rank=-?\d+ ")
@@ -67,7 +67,7 @@ def find_rank_logs(log_dir: str | os.PathLike) -> dict[int, Path]:
     found = {}
     for entry in directory.iterdir():
         match = _RANK_LOG.match(entry.name)
-        if match and not entry.is_dir():
+        if match and entry.is_file():  # a regular file (through a link): never a FIFO that would block
             found[int(match.group(1))] = entry
     if not found:
         raise FileNotFoundError(
@@ -80,28 +80,26 @@ def scan_log_lines(path: Path, label: str) -> list[str]:
     """Problems with the lines of one log: neither a readable line nor parsable JSON. One pass over the file."""
     problems: list[str] = []
     bad = 0
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            text = line.rstrip("\r\n")
-            if not text.strip():
+    for number, text in enumerate(read_lines(path), 1):
+        if not text.strip():
+            continue
+        if text.startswith("{"):
+            try:
+                json.loads(text)
                 continue
-            if text.startswith("{"):
-                try:
-                    json.loads(text)
-                    continue
-                except json.JSONDecodeError as err:
-                    end = len(text.rstrip())
-                    cut = err.pos >= end - 1 or err.msg.startswith("Unterminated string")
-                    what = "truncated JSON" if cut else f"invalid JSON ({err.msg})"
-                except (RecursionError, ValueError):
-                    what = "invalid JSON (nested too deeply, or a number too long)"
-            elif _READABLE_LINE.match(text):
-                continue
-            else:
-                what = "not a disttune log line"
-            bad += 1
-            if bad <= _MAX_LINE_PROBLEMS:
-                problems.append(f"{label} line {number}: {what}, skipped: {clip(text)}")
+            except json.JSONDecodeError as err:
+                end = len(text.rstrip())
+                cut = err.pos >= end - 1 or err.msg.startswith("Unterminated string")
+                what = "truncated JSON" if cut else f"invalid JSON ({err.msg})"
+            except (RecursionError, ValueError):
+                what = "invalid JSON (nested too deeply, or a number too long)"
+        elif _READABLE_LINE.match(text):
+            continue
+        else:
+            what = "not a disttune log line"
+        bad += 1
+        if bad <= _MAX_LINE_PROBLEMS:
+            problems.append(f"{label} line {number}: {what}, skipped: {clip(text)}")
     if bad > _MAX_LINE_PROBLEMS:
         problems.append(f"{label}: {bad - _MAX_LINE_PROBLEMS} more bad line(s) not listed")
     return problems

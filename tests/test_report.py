@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import triton
 
 from disttune.logs import RankLog
+from disttune.logs import read_records as read_rank_records
 from disttune.report import build_report
 from disttune.sites import describe_config
 from helpers import failure, read_records, run_cases
@@ -191,6 +193,22 @@ def test_a_rank_log_nested_too_deeply_is_a_problem_not_a_crash(tmp_path):
     problems = "\n".join(report.problems)
     assert "rank-1.log line 1" in problems and "nested too deeply" in problems
     assert report.sites[0].winner == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_rank_log_is_missing_not_a_hang_and_a_note_is_a_record(tmp_path):
+    """A FIFO named like a rank log would block a reader: the report skips it. A note is a valid record."""
+    write_tuning(tmp_path, 0, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    log = RankLog(tmp_path, 0, "step")
+    log.note("new keys", "tuning the new keys failed, they stay on their fallback")
+    log.flush()
+    os.mkfifo(tmp_path / "rank-1.log")
+    report = build_report(tmp_path, tmp_path / "out")
+    problems = "\n".join(report.problems)
+    assert "rank-1.log is missing" in problems and "line" not in problems, problems
+    assert report.sites[0].winner == 0
+    (note,) = [r for r in read_rank_records(tmp_path / "rank-0.log") if r["event"] == "note"]
+    assert note["topic"] == "new keys" and note["text"].startswith("tuning the new keys failed")
 
 
 def test_appended_runs_report_the_last_tuning(tmp_path):
