@@ -230,7 +230,7 @@ class Agreement:
         differing = describe_option_mismatch([d["options"] for d in everyone])
         if differing:
             raise TuningError(f"disttune: {self.name}: ranks set different tuning options (every rank must pass "
-                              f"the same):\n  {differing}")
+                              f"the same, and set the same $DISTTUNE_VERIFY):\n  {differing}")
         mismatch = describe_mismatch([d["sites"] for d in everyone])
         if mismatch:
             raise TuningError(f"disttune: {self.name}: ranks disagree on what to tune: {mismatch}")

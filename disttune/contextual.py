@@ -319,13 +319,15 @@ class ContextualAutotuner:
             with span("discovery run"):
                 result, error = engine.run_once(self.fn, discover, args, kwargs)
             error = setup_error or error
-            overlap = compiles is not None and share is None and env.compile_overlap()
+            # the step objective's runs do not wait config by config: every compile finishes first
+            overlap = compiles is not None and share is None and env.compile_overlap() and o.objective != "step"
             if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
                 with span("compile wait"):
                     compiles.finish()
             found = list(sites.values())
             with span("collectives"):
-                agreement.consensus(found, error, o.agreed(), [bool(self._splits(s)) for s in found],
+                agreed = {**o.agreed(), "DISTTUNE_VERIFY": repr(verify_threshold)}  # verify adds runs: all or none
+                agreement.consensus(found, error, agreed, [bool(self._splits(s)) for s in found],
                                     None if table is None else stores.table_digest(table), o.pinned)
             tuned = [s for s in found if s.preset is None and s.decided is None]
             for site in tuned:
@@ -340,8 +342,12 @@ class ContextualAutotuner:
             runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
                                o.verbose, compiles if overlap else None, phases)
             runs.check = make_check(o.check, result)  # the discovery run's result is the reference
+            if verify_threshold is not None and o.objective == "step":
+                verify_threshold = None
+                verify.not_for_the_step_objective(log, name)
             verified = 0 if verify_threshold is None else verify.verify_decided(
-                found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold, o.verbose)
+                found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold,
+                self._entry, o.verbose)
             function_runs = 1 + verified
             with span("tuning runs"):
                 if o.objective == "step":

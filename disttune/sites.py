@@ -79,10 +79,14 @@ class Site:
         return -(-len(self.active) // self.share[1])
 
     def __post_init__(self) -> None:
-        self.samples = [[] for _ in self.configs]
-        self.sample_times = [[] for _ in self.configs]  # when each sample was read (seconds since the epoch)
-        self.measures: dict[str, list] = {}  # name -> per config, what a probe read beside each sample (nan: none)
+        self.clear_samples()
         self.active = list(range(len(self.configs)))
+
+    def clear_samples(self) -> None:
+        """Forget every sample (and what probes read beside them), keeping failures and the active configs."""
+        self.samples = [[] for _ in self.configs]
+        self.sample_times: list[list[float]] = [[] for _ in self.configs]  # when each sample was read (epoch s)
+        self.measures: dict[str, list] = {}  # name -> per config, what a probe read beside each sample (nan: none)
 
     def add_sample(self, index: int, ms: float, at: float, measures: Optional[dict] = None) -> None:
         """One timed run of config ``index``: ``ms``, read at ``at`` (seconds since the epoch), and what a

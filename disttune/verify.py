@@ -28,9 +28,10 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import env
 from . import store as stores
@@ -56,10 +57,10 @@ def requested() -> Optional[float]:
     return threshold
 
 
-def recorded_ms(site: Site, winners_store: Optional[stores.WinnerStore], table: Optional[dict]) -> Optional[float]:
-    """The agreed time recorded with ``site``'s decided winner: its pinned table entry's or its store record's."""
-    from .engine import kernel_entry
-
+def recorded_ms(site: Site, winners_store: Optional[stores.WinnerStore], table: Optional[dict],
+                entry: Callable[[Site], stores.EntryId]) -> Optional[float]:
+    """The agreed time recorded with ``site``'s decided winner: its pinned table entry's, or the record that
+    ``entry(site)`` (the tuner's store identity, which carries its objective) names in the store."""
     record = None
     if site.decided_by == "pinned" and table is not None:
         configs = tuple(config_text(c) for c in site.configs)
@@ -67,26 +68,39 @@ def recorded_ms(site: Site, winners_store: Optional[stores.WinnerStore], table: 
                                                           tuple(r["configs"])) == (site.id.kernel, repr(site.id.key),
                                                                                    site.id.occurrence, configs)), None)
     elif winners_store is not None:
-        record = winners_store.load(kernel_entry(site))
+        record = winners_store.load(entry(site))
     times = record.get("agreed_ms") if isinstance(record, dict) else None
     if not isinstance(times, list) or not 0 <= site.decided < len(times) or times[site.decided] is None:  # type: ignore[operator]
         return None
     return float(times[site.decided])  # type: ignore[index]
 
 
+def not_for_the_step_objective(log: Any, name: str) -> None:
+    """Say, in a warning and the rank log, that ``objective="step"`` winners are not verified."""
+    text = (f"{VERIFY} is set, but {name} tunes with objective='step': its recorded times are whole-run "
+            "times and verify times each launch, so its winners are not verified")
+    log.note("verify", text)
+    warnings.warn(f"disttune: {text}", RuntimeWarning, stacklevel=3)
+
+
 def verify_decided(sites: Sequence[Site], runs: Any, agreement: Any, n_warmup: int, n_repeat: int,
                    winners_store: Optional[stores.WinnerStore], table: Optional[dict], log: Any, threshold: float,
-                   verbose: bool = True) -> int:
-    """Time every decided site's winner in place, agree, compare with the recorded times; returns the runs made."""
+                   entry: Callable[[Site], stores.EntryId], verbose: bool = True) -> int:
+    """Time every decided site's winner in place, agree, compare with the recorded times; returns the runs made.
+
+    ``entry`` maps a site to its identity in ``winners_store`` (the tuner's, with its objective and check)."""
     decided = [s for s in sites if s.decided is not None]
     if not decided:
         return 0
     for site in decided:
         site.active = [site.decided]
     made = runs.stage(Schedule(1, n_warmup, n_repeat), "verify run")
+    for site in sites:
+        if site.decided is None:  # still to be tuned: the verify runs timed its first config, keep no extra samples
+            site.clear_samples()
     fresh = agreement.gather_agreed(decided, "verify agreement")
     comm = agreement.comm
-    recorded = comm.all_gather_objects([recorded_ms(s, winners_store, table) for s in decided],
+    recorded = comm.all_gather_objects([recorded_ms(s, winners_store, table, entry) for s in decided],
                                        "verify (recorded times)")[0]
     lines = []
     for site, (_, agreed), before in zip(decided, fresh, recorded):
@@ -131,18 +145,22 @@ class Verified:
 
 
 def read_verified(log_dir: str | os.PathLike, since: Optional[datetime.datetime] = None) -> list[Verified]:
-    """The ``verify`` records of ``log_dir`` (from the lowest rank that has each site), at or after ``since``."""
+    """The ``verify`` records of ``log_dir`` at or after ``since``: each site's latest, from the lowest rank
+    that has it."""
     seen: dict[tuple, Verified] = {}
-    for rank, path in find_rank_logs(log_dir).items():
+    for rank, path in sorted(find_rank_logs(log_dir).items()):
+        latest: dict[tuple, Verified] = {}  # rank logs are appended across runs: a later record replaces an earlier
         for record in load_rank_log(rank, path).records:
             if record.get("event") != "verify":
                 continue
             if since is not None and datetime.datetime.fromisoformat(record["time"]) < since:
                 continue
             key = (record.get("function"), record["kernel"], record["key"], record["occurrence"])
-            seen.setdefault(key, Verified(f"{record['kernel']} key={record['key']} occurrence={record['occurrence']}",
-                                          record["config"], record.get("recorded_ms"), record.get("fresh_ms"),
-                                          float(record.get("threshold", DEFAULT_THRESHOLD)), bool(record["regressed"])))
+            latest[key] = Verified(f"{record['kernel']} key={record['key']} occurrence={record['occurrence']}",
+                                   record["config"], record.get("recorded_ms"), record.get("fresh_ms"),
+                                   float(record.get("threshold", DEFAULT_THRESHOLD)), bool(record["regressed"]))
+        for key, found in latest.items():
+            seen.setdefault(key, found)
     return list(seen.values())
 
 

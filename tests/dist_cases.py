@@ -193,10 +193,16 @@ def case_keys_differ(ctx):
 
 @cases.case
 def case_options_differ(ctx):
-    """Rank 1 asks for another reduce and statistic: one error naming both options and every rank's value."""
+    """Rank 1 asks for another reduce and statistic, and alone sets DISTTUNE_VERIFY (verify runs would pair
+    with the others' tuning runs): one error naming the three and every rank's value."""
     odd = ctx.rank % 2 == 1
-    return _tune_once(ctx, "options_differ", make_kernel(), torch.randn(64, device=ctx.device),
-                      reduce="min" if odd else "max", statistic="mean" if odd else "median")
+    if odd:
+        os.environ["DISTTUNE_VERIFY"] = "0.1"
+    try:
+        return _tune_once(ctx, "options_differ", make_kernel(), torch.randn(64, device=ctx.device),
+                          reduce="min" if odd else "max", statistic="mean" if odd else "median")
+    finally:
+        os.environ.pop("DISTTUNE_VERIFY", None)
 
 
 @cases.case

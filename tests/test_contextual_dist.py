@@ -120,7 +120,8 @@ def test_mismatched_config_list_is_an_error_on_every_rank(gloo2):
 
 def test_options_that_differ_between_ranks_are_named_with_every_ranks_value(gloo2):
     check_error(gloo2[0]["options_differ"], "TuningError", "different tuning options",
-                "reduce: rank 0: 'max', rank 1: 'min'", "statistic: rank 0: 'median', rank 1: 'mean'")
+                "reduce: rank 0: 'max', rank 1: 'min'", "statistic: rank 0: 'median', rank 1: 'mean'",
+                "DISTTUNE_VERIFY: rank 0: None, rank 1: 0.1")
 
 
 def test_rank_dependent_keys_are_named_in_the_error(gloo2):
