@@ -301,8 +301,10 @@ class FunctionAutotuner:
             return configs[site.decided], agreement, None
         if self.split:
             site.share = (comm.rank, comm.world_size)
+        reference: dict[str, OutputCheck] = {}  # one check reference for every stage of the search
+
         def stage(schedule: Schedule, label: str) -> int:
-            self._timed_calls(site, schedule, key, args, kwargs, comm)
+            self._timed_calls(site, schedule, key, args, kwargs, comm, reference)
             return schedule.runs
 
         _, self.search_trace, full_timing = narrow([site], self.search, self.n_warmup, self.n_repeat, stage,
@@ -326,14 +328,16 @@ class FunctionAutotuner:
         return configs[result.winner], agreement, save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
-                     comm: Communicator) -> None:
-        """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``."""
+                     comm: Communicator, reference: dict[str, OutputCheck]) -> None:
+        """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``.
+
+        ``reference`` holds the output check, made from the first successful call of the first stage and
+        kept for the later ones (a search's batches), so that every config is compared with the same result."""
         timer = self.timer or default_timer()
         if measured(self.objective):
             timer = ProbingTimer(timer, self.probe or default_probe())
         if self.flush_l2:
             timer = flushing(timer)
-        check: Optional[OutputCheck] = None
         per_config = self.n_warmup + self.n_repeat
         for run in range(schedule.runs):
             slot, phase = divmod(run, per_config)
@@ -355,8 +359,9 @@ class FunctionAutotuner:
                 site.record_failure(index, err)
                 continue
             if self.check:  # the first successful call's result is the reference
+                check = reference.get("check")
                 if check is None:
-                    check = make_check(self.check, outcome["result"])
+                    reference["check"] = make_check(self.check, outcome["result"])  # type: ignore[assignment]
                 elif not check.matches(outcome["result"]):
                     blame({site.id: site}, {site.id: index})
 

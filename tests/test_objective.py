@@ -9,6 +9,7 @@ import triton.language as tl
 
 import disttune
 from disttune.objective import STEP
+from disttune.search import ModelSearch
 from disttune.timing import HostTimer, L2FlushingTimer, flushing
 from tiny_kernels import DEV, TableTimer, grid, launch_add, make_kernel, tuner
 
@@ -148,6 +149,33 @@ def test_function_tuner_check_and_step_objective(tmp_path):
     assert copy.last_timings["agreed_ms"][1] == float("inf")
     with pytest.raises(ValueError, match="objective must be one of"):
         disttune.autotune([{"a": 1}], key_fn=lambda: 0, objective="wall")(lambda *, a: a)
+
+
+@pytest.mark.parametrize("search", ["screen", ModelSearch(initial=2, batch=3, budget=1.0, patience=10)],
+                         ids=["screen", "model"])
+def test_function_tuner_checks_every_search_stage_against_one_reference(search):
+    """Whichever stage or batch a wrong config falls in, it is compared with the first successful call's result
+    (a wrong config called first would be the reference itself, as the check documents)."""
+    later = 0
+    for wrong in range(8):
+        calls = []
+
+        @disttune.autotune([{"c": c} for c in range(8)], key_fn=lambda x: x.numel(), n_warmup=0, n_repeat=1,
+                           timer=TableTimer(lambda info: 0.5 if info.config["c"] == wrong
+                                            else 5.0 - info.config["c"] / 10),
+                           store=False, check=True, search=search)
+        def scale(x, *, c):
+            calls.append(c)
+            return x * (2 if c == wrong else 1)
+
+        x = torch.randn(8)
+        y = scale(x)
+        if calls[0] == wrong:
+            continue
+        later += 1
+        assert torch.equal(y, x), f"config {wrong} (wrong) won; calls {calls}"
+        assert scale.last_timings["agreed_ms"][wrong] == float("inf")
+    assert later >= 6, "the wrong config should be called after the reference in most cases"
 
 
 def test_l2_flush_runs_before_each_timing_and_is_off_by_default(tmp_path):
