@@ -273,16 +273,17 @@ class ContextualAutotuner:
         """The plan's fallback for keys it was not tuned for, and its countdown to the next agreement.
 
         A world of one with ``on_new_key="tune"`` keeps the simplest rule: the launch runs its first config
-        and the next call tunes (no peer can be left waiting).
+        and the next call tunes (no peer can be left waiting). A tuner with a pinned table never tunes: a
+        key the table lacks stays on its fallback, as with ``"nearest"``.
         """
         o, comm = self.options, self._get_communicator()
-        if o.on_new_key == "tune" and comm.world_size == 1:
+        if o.on_new_key == "tune" and comm.world_size == 1 and not o.pinned:
             return None, NEVER
         if self._new_keys is None:
             table = stores.load_table(o.pinned) if o.pinned else None
             self._new_keys = NewKeys(self.__qualname__, o.on_new_key, table, self._log_fallback)
         self._new_keys.remember(self._winners)
-        return self._new_keys, o.agree_every if o.on_new_key == "tune" else NEVER
+        return self._new_keys, o.agree_every if o.on_new_key == "tune" and not o.pinned else NEVER
 
     def _log_fallback(self, ident: SiteId, config: Any, source: str) -> None:
         log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
@@ -451,6 +452,8 @@ def contextual_autotune(
     point (one one-float all-gather every ``agree_every`` calls), up to ``agree_every`` calls later and
     not in the call that met them; ``"nearest"`` never tunes in traffic (with ``pinned=``, sites the
     table lacks take its nearest entry); ``"error"`` raises :class:`~disttune.unseen.UnseenKeyError`.
+    A tuner with ``pinned=`` never tunes after its first call: under ``"tune"`` too, a key the table
+    lacks stays on its fallback.
     A world of one with ``"tune"`` runs the first config and tunes on the next call. ``fallbacks``
     and the rank log name each key served by a fallback and which one.
 

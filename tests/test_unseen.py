@@ -82,6 +82,22 @@ def test_nearest_with_a_pinned_table_serves_keys_the_table_lacks(tmp_path):
         _step(tmp_path, make_kernel(), pinned=table, on_new_key="error")(torch.randn(100, device=DEV))
 
 
+def test_a_pinned_tuner_keeps_a_key_the_table_lacks_on_its_fallback_under_tune(tmp_path):
+    """A pinned table is never re-tuned: with the default on_new_key="tune" a new key stays on its fallback."""
+    kernel = make_kernel(blocks=(16, 32, 64))
+    _step(tmp_path, kernel, cache_dir=tmp_path / "store")(torch.randn(64, device=DEV))
+    table = tmp_path / "table.json"
+    assert stores.export_table(table, tmp_path / "store") == 1
+    served = _step(tmp_path, make_kernel(blocks=(16, 32, 64)), pinned=table,
+                   timer=TableTimer(lambda i: pytest.fail("a pinned deployment never times")))
+    x = torch.randn(64, device=DEV)
+    assert torch.equal(served(x), x + 32)
+    for _ in range(3):  # the same new key, again and again: served, never tuned, never an error
+        z = torch.randn(100, device=DEV)
+        assert torch.equal(served(z), z + 32) and served.tuned
+    assert "nearest tuned key (64," in next(iter(served.fallbacks.values()))
+
+
 @pytest.mark.parametrize("bad", [{"on_new_key": "guess"}, {"agree_every": 0}, {"agree_every": True}])
 def test_bad_new_key_options_are_refused(tmp_path, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
