@@ -34,3 +34,11 @@ def test_is_dist_without_a_process_group_says_what_to_do():
     step = disttune.contextual_autotune(is_dist=True)(lambda: None)
     with pytest.raises(RuntimeError, match=r"disttune\.dist\.init\(\)"):
         step()
+
+
+def test_check_off_reads_the_same_whether_none_or_false():
+    """Ranks that leave check= at its default and ranks that pass False set the same option."""
+    from disttune.options import describe_options
+
+    assert describe_options(check=None) == describe_options(check=False) != describe_options(check=True)
+    assert describe_options(check=len) != describe_options(check=True)
