@@ -470,7 +470,7 @@ def leftover_files(cache_dir: Optional[str | os.PathLike] = None) -> Iterator[Pa
             if match is None:
                 continue
             lock = Path(folder.path) / (match.group("entry") + ".lock")
-            if files.is_link(None, lock):
+            if files.is_link(None, lock) or not os.path.lexists(lock):  # a writer takes the lock before its temp file
                 yield Path(folder.path) / name
                 continue
             try:
