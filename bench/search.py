@@ -111,7 +111,7 @@ def main() -> int:
     if rank == 0:
         best = next((r["winner_ms"] for r in rows if r["search"] == "exhaustive"), None)
         runs_all = next((r["runs"] for r in rows if r["search"] == "exhaustive"), None)
-        print(f"\n| search | runs of the step | configs timed | tuning s | winner | winner ms | vs exhaustive |")
+        print("\n| search | runs of the step | configs timed | tuning s | winner | winner ms | vs exhaustive |")
         print("|---|---:|---:|---:|---|---:|---:|")
         for row in rows:
             gap = f"{100 * (row['winner_ms'] / best - 1):+.1f} %" if best else "-"

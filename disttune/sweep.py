@@ -12,8 +12,9 @@ sets) global rank 0 writes every winner the sweep saw as a pinned winners table 
 sweep returns. Deploy it with ``pinned=`` and ``on_new_key="nearest"``.
 
 Cost: one tuning call per case (``2 + C * (n_warmup + n_repeat)`` runs of the function when
-something is new, 2 when the store or the kernels' caches answer for every site; for a function
-tuner ``C * (n_warmup + n_repeat) + 1`` calls, none when its key is known).
+something is new, 2 when the store answers for every site, 1 when the kernels' own caches do; for a
+function tuner ``C * (n_warmup + n_repeat)`` calls of the function when its key is new, none when
+it is known).
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ The trade-off: a key every rank meets in the same call is tuned up to ``agree_ev
 later, not in that call, since only a collective in every call could tell a rank that its peers
 met the key too; until then it runs on its fallback, the same on every rank. Cost on the fast
 path: one counter per call; one one-float all-gather per ``agree_every`` calls (``"tune"`` with
-more than one rank only; over NCCL it waits for the GPU's queue, as every collective of the tuner does); a launch on a fallback costs a dict lookup over the planned launch, and
-the first one per key the nearest search and a line in the rank log.
+more than one rank only; over NCCL it waits for the GPU's queue, as every collective of the tuner
+does); a launch on a fallback costs a dict lookup over the planned launch, and the first one per
+key the nearest search and a line in the rank log.
 """
 
 from __future__ import annotations
