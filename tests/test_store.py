@@ -274,6 +274,18 @@ def test_a_table_of_checked_or_objective_winners_loads(tmp_path, kind):
         store.load_table(tmp_path / "bad.json")
 
 
+def test_looking_for_leftover_temp_files_writes_nothing(tmp_path):
+    """A temp file whose entry has no lock is abandoned; finding it must not create that lock."""
+    root = tmp_path / "store"
+    entry = store.EntryId("kernel", "pkg.kernel", "src", "(64,)", 0, ("a", "b"))
+    folder = store.WinnerStore(root, {"env": 1}).save(entry, 1, [2.0, 1.0]).parent
+    orphan = folder / ".lost-0.json.0123456789ab.tmp"
+    orphan.write_text("{")
+    before = sorted(os.listdir(folder))
+    assert list(store.leftover_files(root)) == [orphan]
+    assert sorted(os.listdir(folder)) == before
+
+
 # -- several ranks ------------------------------------------------------------------------------------------
 
 def launch_cases(tmp_path: Path, world: int, cases: list[str], store_dir: Path, expect_errors: bool = False,
