@@ -37,11 +37,13 @@ class OutputMismatch(RuntimeError):
     """A config's result differed from the reference config's (``check=``)."""
 
 
-def check_spec(check: Any) -> None:
-    """``check=`` must be True, False/None or a callable ``(reference, output) -> bool``."""
+def check_spec(check: Any) -> CheckSpec:
+    """``check=`` checked and made canonical: True, False (also for None) or a callable
+    ``(reference, output) -> bool``, so that ranks passing None and False agree on it."""
     if not (check is None or isinstance(check, bool) or callable(check)):
         raise TypeError(f"disttune: check must be True, False or a callable (reference, output) -> bool, "
                         f"got {type(check).__name__}")
+    return check if callable(check) else bool(check)
 
 
 def snapshot(value: Any) -> Any:

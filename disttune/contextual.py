@@ -102,7 +102,7 @@ class Options:
         check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
         check_on_new_key(self.on_new_key, self.agree_every)
         check_objective(self.objective, self.search, self.split, self.early_stop)
-        check_spec(self.check)
+        object.__setattr__(self, "check", check_spec(self.check))
         if self.objective == "step" and (self.early_stop or self.split or self.search not in (None, "exhaustive")):
             raise ValueError("disttune: objective='step' times whole runs; search, early_stop and split are for "
                              "objective='launch'")

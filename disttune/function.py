@@ -99,8 +99,7 @@ class FunctionAutotuner:
         check_common(n_warmup, n_repeat, reduce, statistic, timer)
         check_on_new_key(on_new_key, agree_every)
         check_objective(objective, search, split)
-        check_spec(check)
-        self.objective, self.flush_l2, self.check, self.probe = objective, bool(flush_l2), check, probe
+        self.objective, self.flush_l2, self.check, self.probe = objective, bool(flush_l2), check_spec(check), probe
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")

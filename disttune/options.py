@@ -100,11 +100,5 @@ def describe_objective(objective: Any) -> str:
 
 def describe_options(**options: Any) -> dict[str, str]:
     """``{name: text}`` for the consensus: equal texts mean equal settings on every rank."""
-    def text(name: str, value: Any) -> str:
-        if name == "objective":
-            return describe_objective(value)
-        if name == "check" and not callable(value):
-            return describe_value(bool(value))  # check=None and check=False are the same setting
-        return describe_value(value)
-
-    return {name: text(name, value) for name, value in options.items()}
+    return {name: describe_objective(value) if name == "objective" else describe_value(value)
+            for name, value in options.items()}

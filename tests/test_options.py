@@ -38,7 +38,11 @@ def test_is_dist_without_a_process_group_says_what_to_do():
 
 def test_check_off_reads_the_same_whether_none_or_false():
     """Ranks that leave check= at its default and ranks that pass False set the same option."""
-    from disttune.options import describe_options
+    def agreed(**options):
+        return disttune.contextual_autotune(**options)(lambda: None).options.agreed()
 
-    assert describe_options(check=None) == describe_options(check=False) != describe_options(check=True)
-    assert describe_options(check=len) != describe_options(check=True)
+    assert agreed(check=None) == agreed(check=False) != agreed(check=True)
+    assert agreed(check=len) != agreed(check=True)
+    function_checks = [disttune.autotune([{"a": 1}], key_fn=lambda: 0, check=c)(lambda *, a: a).check
+                       for c in (None, False, True)]
+    assert function_checks == [False, False, True]
