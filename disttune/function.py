@@ -300,10 +300,11 @@ class FunctionAutotuner:
             return configs[site.decided], agreement, None
         if self.split:
             site.share = (comm.rank, comm.world_size)
-        reference: dict[str, OutputCheck] = {}  # one check reference for every stage of the search
+        check: Optional[OutputCheck] = None  # one reference for every stage of the search
 
         def stage(schedule: Schedule, label: str) -> int:
-            self._timed_calls(site, schedule, key, args, kwargs, comm, reference)
+            nonlocal check
+            check = self._timed_calls(site, schedule, key, args, kwargs, comm, check)
             return schedule.runs
 
         _, self.search_trace, full_timing = narrow([site], self.search, self.n_warmup, self.n_repeat, stage,
@@ -327,11 +328,11 @@ class FunctionAutotuner:
         return configs[result.winner], agreement, save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
-                     comm: Communicator, reference: dict[str, OutputCheck]) -> None:
+                     comm: Communicator, check: Optional[OutputCheck]) -> Optional[OutputCheck]:
         """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``.
 
-        ``reference`` holds the output check, made from the first successful call of the first stage and
-        kept for the later ones (a search's batches), so that every config is compared with the same result."""
+        ``check``: the output check of an earlier stage (None: made from this stage's first successful
+        call); returned for the next stage (a search's batches), so every config meets the same reference."""
         timer = self.timer or default_timer()
         if measured(self.objective):
             timer = ProbingTimer(timer, self.probe or default_probe())
@@ -358,11 +359,11 @@ class FunctionAutotuner:
                 site.record_failure(index, err)
                 continue
             if self.check:  # the first successful call's result is the reference
-                check = reference.get("check")
                 if check is None:
-                    reference["check"] = make_check(self.check, outcome["result"])  # type: ignore[assignment]
+                    check = make_check(self.check, outcome["result"])
                 elif not check.matches(outcome["result"]):
                     blame({site.id: site}, {site.id: index})
+        return check
 
 
 def autotune(
