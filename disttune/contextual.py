@@ -277,13 +277,14 @@ class ContextualAutotuner:
         key the table lacks stays on its fallback, as with ``"nearest"``.
         """
         o, comm = self.options, self._get_communicator()
-        if o.on_new_key == "tune" and comm.world_size == 1 and not o.pinned:
+        tunes_new_keys = o.on_new_key == "tune" and not o.pinned
+        if tunes_new_keys and comm.world_size == 1:
             return None, NEVER
         if self._new_keys is None:
             table = stores.load_table(o.pinned) if o.pinned else None
             self._new_keys = NewKeys(self.__qualname__, o.on_new_key, table, self._log_fallback)
         self._new_keys.remember(self._winners)
-        return self._new_keys, o.agree_every if o.on_new_key == "tune" and not o.pinned else NEVER
+        return self._new_keys, o.agree_every if tunes_new_keys else NEVER
 
     def _log_fallback(self, ident: SiteId, config: Any, source: str) -> None:
         log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
