@@ -78,6 +78,18 @@ def test_pinned_winners_in_one_process_and_the_logs_only_check(tmp_path, monkeyp
     assert "1.0000 ms now, 1.0000 ms recorded (+0.0 %, threshold 5 %): ok" in out and "REGRESSED" not in out
 
 
+def test_nothing_verified_is_a_failure_and_a_bad_threshold_a_clear_error(tmp_path, monkeypatch, capsys):
+    step = tuned_step(make_kernel(), TableTimer(lambda i: 1.0), log_dir=tmp_path / "logs", store=False)
+    monkeypatch.setenv(verify.VERIFY, "0.1")
+    step(torch.randn(64, device=DEV))  # nothing stored: it tunes, nothing to verify
+    assert main(["verify", "--logs", str(tmp_path / "logs")]) == 1
+    assert "nothing was verified" in capsys.readouterr().err
+    monkeypatch.setenv(verify.VERIFY, "ten percent")
+    with pytest.raises(ValueError, match="DISTTUNE_VERIFY must be a threshold"):
+        tuned_step(make_kernel(), TableTimer(lambda i: 1.0), log_dir=tmp_path / "logs", store=False)(
+            torch.randn(64, device=DEV))
+
+
 def same_shape(reference, output) -> bool:  # the tiny kernel adds its block size: a stricter check scores out configs
     return reference.shape == output.shape
 
