@@ -21,11 +21,11 @@ collective. In the order a tuning call meets them:
    winner failing on any rank in the final run; :meth:`Agreement.drop_failed_winners` scores
    such winners ``inf`` and takes the next best.
 
-Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`). A rank that
-brings an error of its own to a collective also posts it as a note (:meth:`TorchComm.post_note`),
-so a peer held up elsewhere (inside the function's own collective) still hears of it: any
-collective here that breaks, times out or is left for a peer's note is one :class:`TuningError`
-naming every error the ranks posted, on every rank. Notes live on one channel per tuning call.
+Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`), and so is every wait
+for the GPU (:meth:`Agreement.wait_for_device`). A rank that brings an error of its own to a collective
+also posts it on the tuning call's channel, so a peer held up elsewhere (inside the function's own
+collective, or behind it on the GPU) still hears of it: any wait here that breaks, times out or is
+left for a peer's post ends in the one verdict of :mod:`disttune.ending`, the same on every rank.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from .comm import CollectiveTimeout, Communicator, PeerFailed
+from . import device
+from .comm import CollectiveTimeout, Communicator, PeerFailed, wait_until
 from .compat import config_text
+from .ending import Ending
+from .errors import TuningError
 from .logs import RankLog
 from .measures import EXTRA, Measurements, choose, measured
 from .options import describe_value
@@ -50,10 +53,6 @@ T = TypeVar("T")
 
 #: Tuning calls so far per tuner name: each call's note channel (the same count on every rank of an SPMD job).
 _CALLS: defaultdict[str, itertools.count] = defaultdict(itertools.count)
-
-
-class TuningError(RuntimeError):
-    """Tuning could not complete; raised with the same message on every rank."""
 
 
 @dataclass(frozen=True)
@@ -169,35 +168,52 @@ class Agreement:
         #: what each gathered vector carries per site beside the times (the same names on every rank)
         self.extra = EXTRA if measured(objective) else ()
         self.channel = f"{name}#{next(_CALLS[name])}"
-        watch = getattr(comm, "watch", None)
-        if watch is not None:
-            watch(self.channel)
+        #: how this call ends on every rank if it fails on some (enter it around the call: it runs the watcher)
+        self.ending = Ending(comm, name, self.channel)
+        self._device_waits = 0
 
     def _together(self, step: str, own: Sequence[str], collective: Callable[[], T]) -> T:
         """Run one collective of this tuning call; ``own`` is this rank's errors, if it brings any.
 
-        Those are posted as a note first. When the collective breaks, times out or is left for a peer's
-        note, every error the ranks posted is one TuningError (the same text on every rank that reached
-        the same step); a rank leaving without an error of its own posts an empty note, so that peers
-        still waiting on it leave too. Without any posted error the collective's own exception stands.
+        Those are posted on the call's channel first. When the collective breaks, times out or is left
+        for a peer's post, the ranks settle on one verdict (:mod:`disttune.ending`). Without a rendezvous
+        store (MPI), this rank's own errors and the collective's exception make the TuningError.
         """
+        self.ending.check(step)
         lines = [f"rank {self.comm.rank}: {msg}" for msg in own]
-        post = getattr(self.comm, "post_note", None)
-        if lines and post is not None:
-            post(self.channel, {"step": step, "lines": lines})
+        self.ending.post_errors(step, lines)
         try:
             return collective()
         except (CollectiveTimeout, PeerFailed) as err:
-            notes = getattr(self.comm, "peer_notes", lambda channel: {})(self.channel)
-            posted = {**notes, self.comm.rank: {"lines": lines}}
-            every = [line for rank in sorted(posted) for line in posted[rank]["lines"]]
-            if not every:
+            if self.ending.plane is not None:
+                raise self.ending.settle(err, step) from err
+            if not lines:
                 raise
-            if not lines and post is not None:
-                post(self.channel, {"step": step, "lines": []})
-            # the text check_run and gather_agreed give when the collective completes: the same on every rank
-            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  "
-                              + "\n  ".join(every)) from err
+            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines)) from err
+
+    def wait_for_device(self, step: str) -> None:
+        """Wait until this rank's GPU has done the work queued so far, through the communicator's wait loop:
+        the collectives' deadline, and a peer's post ends it (the same verdict as a collective's).
+
+        A wait that times out names the ranks that had not reached this point. Every rank calls it at the
+        same points of a tuning call (it counts them). Nothing without CUDA."""
+        marker = device.marker()
+        if marker is None:
+            return
+        self.ending.check(step)
+        self._device_waits += 1
+        count, plane = self._device_waits, self.ending.plane
+        behind = None
+        if plane is not None:
+            plane.note_progress(self.channel, count)
+            behind = lambda: [r for r, reached in plane.progress(self.channel).items() if reached < count]  # noqa: E731
+        try:
+            if plane is not None:
+                plane.wait_until(marker.query, step, behind=behind)
+            else:
+                wait_until(self.comm, marker.query, step)
+        except (CollectiveTimeout, PeerFailed) as err:
+            raise self.ending.settle(err, step) from err
 
     def consensus(self, sites: Sequence[Site], error: Optional[tuple], options: dict[str, str],
                   split: Sequence[bool], table: Optional[str] = None, pinned: Any = None) -> None:
@@ -230,7 +246,7 @@ class Agreement:
         differing = describe_option_mismatch([d["options"] for d in everyone])
         if differing:
             raise TuningError(f"disttune: {self.name}: ranks set different tuning options (every rank must pass "
-                              f"the same, and set the same $DISTTUNE_VERIFY):\n  {differing}")
+                              f"the same, and set the same DISTTUNE_* variables):\n  {differing}")
         mismatch = describe_mismatch([d["sites"] for d in everyone])
         if mismatch:
             raise TuningError(f"disttune: {self.name}: ranks disagree on what to tune: {mismatch}")

@@ -51,7 +51,7 @@ from .search import Search, SearchTrace, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
 from .sweep import SweepRow, sweep_contextual
 from .timing import Timer, default_timer, flushing
-from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, check_on_new_key, pinned_or_nearest
+from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, NewKeyVotes, check_on_new_key, pinned_or_nearest
 
 __all__ = ["ContextualAutotuner", "Options", "SiteResult", "TuningError", "TuningReport", "contextual_autotune"]
 
@@ -97,6 +97,8 @@ class Options:
     flush_l2: bool = False
     check: CheckSpec = None
     probe: Optional[Probe] = None
+    #: a bad ``$DISTTUNE_TIMEOUT`` (``timeout_s`` then holds the default): raised on every rank at the consensus
+    env_error: Optional[Exception] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
@@ -107,7 +109,9 @@ class Options:
             raise ValueError("disttune: objective='step' times whole runs; search, early_stop and split are for "
                              "objective='launch'")
         object.__setattr__(self, "flush_l2", bool(self.flush_l2))
-        object.__setattr__(self, "timeout_s", env.timeout_s(self.timeout_s))
+        timeout, env_error = env.timeout_or_error(self.timeout_s)
+        object.__setattr__(self, "timeout_s", timeout)
+        object.__setattr__(self, "env_error", env_error)
         if not self.is_dist and self.group is not None and not is_comm(self.group):
             raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
         if self.store_check not in stores.CHECKS:
@@ -148,6 +152,7 @@ class ContextualAutotuner:
         self._known_winners: dict[SiteId, Any] = {}
         self._new_keys: Optional[NewKeys] = None  # keys met after tuning (see disttune.unseen)
         self._saved_call: Optional[tuple[int, tuple, dict]] = None  # (position, args, kwargs) of a call that met one
+        self._votes: Optional[NewKeyVotes] = None  # the agreement points on new keys
         # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
         # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
         self.__dict__ = dict(self.__dict__)
@@ -165,6 +170,7 @@ class ContextualAutotuner:
         self._winners = {}
         self._plan = None
         self._known_sites, self._known_winners, self._new_keys, self._saved_call = {}, {}, None, None
+        self._votes = None
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -224,18 +230,19 @@ class ContextualAutotuner:
             self._saved_call = (self.options.agree_every - plan.countdown, args, kwargs)
 
     def _agree_on_new_keys(self) -> None:
-        """Every ``agree_every`` calls, on every rank: one all-gather of the position of each rank's first call
-        that met a pending key; the same position everywhere tunes that call's keys (see :mod:`disttune.unseen`)."""
+        """Every ``agree_every`` calls, on every rank: each rank gives the position of its first call of the
+        period that met a pending key; a period whose position is the same everywhere has that call's keys
+        tuned at the next point (see :mod:`disttune.unseen`). Never waits for the peers at the point."""
         plan, saved = self._plan, self._saved_call
         plan.countdown = self.options.agree_every  # type: ignore[union-attr]
         self._saved_call = None
-        comm = self._get_communicator()
-        position = -1.0 if saved is None else float(saved[0])
-        positions = comm.all_gather_floats([position], "agreement on new keys")
-        if saved is None or not (positions == position).all():
+        if self._votes is None:
+            self._votes = NewKeyVotes(self.__qualname__)
+        due = self._votes.point(self._get_communicator(), saved)
+        if due is None:
             return  # some rank met none, or met them in another call: they stay on their fallback
         try:
-            self._tuning_call(saved[1], saved[2])
+            self._tuning_call(due[1], due[2])
         except (TuningError, AllConfigsFailed) as err:  # agreed on every rank: the keys keep their fallback
             log = RankLog(self.options.log_dir, engine.global_rank(comm), self.__qualname__)
             log.note("new keys", f"tuning the new keys failed, they stay on their fallback: {err}")
@@ -306,93 +313,96 @@ class ContextualAutotuner:
         log = RankLog(o.log_dir, engine.global_rank(comm), name)
         winners_store, table, setup_error = None, None, None
         try:  # what fails here on one rank reaches the others in the consensus, after a paired discovery run
+            if o.env_error is not None:
+                raise o.env_error
             check_directory("log_dir (resolved)", log.path.parent)
             winners_store = engine.open_store(o.store, o.cache_dir, comm, o.store_check, o.timeout_s)
             table = stores.load_table(o.pinned) if o.pinned else None
         except Exception as err:
             setup_error = (err, f"before the discovery run: {type(err).__name__}: {err}")
-        phases = Phases()
-        span = phases.span
-        try:
-            lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune, self._entry), {}
-            if table is not None and o.on_new_key == "nearest":
-                lookup = pinned_or_nearest(lookup, table, from_nearest)
-            discover = Discover(sites, o.always_tune, lookup, compiles, phases)
-            with span("discovery run"):
-                result, error = engine.run_once(self.fn, discover, args, kwargs)
-            error = setup_error or error
-            # the step objective's runs do not wait config by config: every compile finishes first
-            overlap = compiles is not None and share is None and env.compile_overlap() and o.objective != "step"
-            if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
-                with span("compile wait"):
-                    compiles.finish()
-            found = list(sites.values())
-            with span("collectives"):
-                agreed = {**o.agreed(), "DISTTUNE_VERIFY": repr(verify_threshold)}  # verify adds runs: all or none
-                agreement.consensus(found, error, agreed, [bool(self._splits(s)) for s in found],
-                                    None if table is None else stores.table_digest(table), o.pinned)
-            tuned = [s for s in found if s.preset is None and s.decided is None]
-            for site in tuned:
-                if comm.world_size > 1 and self._splits(site):
-                    site.share = (comm.rank, comm.world_size)
-            if compiles is not None and share is not None:  # every rank finished its share: the peers' are cached
-                with span("compile wait"):
-                    compiles.compile_rest(tuned)
-            timer = o.timer or default_timer()
-            if measured(o.objective):
-                timer = ProbingTimer(timer, o.probe or default_probe())
-            runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
-                               o.verbose, compiles if overlap else None, phases)
-            runs.check = make_check(o.check, result)  # the discovery run's result is the reference
-            if verify_threshold is not None and o.objective == "step":
-                verify_threshold = None
-                verify.not_for_the_step_objective(log, name)
-            verified = 0 if verify_threshold is None else verify.verify_decided(
-                found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold,
-                self._entry, o.verbose)
-            function_runs = 1 + verified
-            with span("tuning runs"):
-                if o.objective == "step":
-                    function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
-                else:
-                    searched, self.search_trace, full_timing = narrow(
-                        tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
-                        comm.all_gather_objects)
-                    function_runs += searched
-                    if full_timing:
-                        longest = max((s.slots() for s in tuned), default=0)
-                        function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
-            if overlap:
-                with span("compile wait"):
-                    compiles.finish()  # type: ignore[union-attr]  # a config never launched may still fail here
-            with span("collectives"):
-                results = agreement.verdicts(tuned, log) + settled_results(found, log)
-            diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
-            winners = self._commit(sites, results)
-            for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
-                self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
-                log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
-            if any(s.preset is None for s in found):
-                result, results, final_runs = runs.final(results, winners, log, lambda r: self._commit(sites, r))
-                function_runs += final_runs
-            if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
-                with span("store"):
-                    engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
-            wall_s = time.perf_counter() - started
-            self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
-                                       phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})
-            log.tuning(name, wall_s, function_runs, len(tuned), comm.world_size, o.reduce, str(o.statistic))
-            self._tuned = True
-            if o.verbose and comm.rank == 0:
-                engine.print_summary(name, self.report, o.reduce, log)
-            if env.triton_prints_autotuning():
-                engine.print_triton_style(self.report, comm.rank)
-            return result
-        finally:
-            if compiles is not None:
-                compiles.shutdown()
-            if setup_error is None:
-                log.flush()
+        with agreement.ending:  # the same ending on every rank, wherever a peer's failure finds this one
+            phases = Phases()
+            span = phases.span
+            try:
+                lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune, self._entry), {}
+                if table is not None and o.on_new_key == "nearest":
+                    lookup = pinned_or_nearest(lookup, table, from_nearest)
+                discover = Discover(sites, o.always_tune, lookup, compiles, phases)
+                with span("discovery run"):
+                    result, error = engine.run_once(self.fn, discover, args, kwargs)
+                error = setup_error or error
+                # the step objective's runs do not wait config by config: every compile finishes first
+                overlap = compiles is not None and share is None and env.compile_overlap() and o.objective != "step"
+                if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
+                    with span("compile wait"):
+                        compiles.finish()
+                found = list(sites.values())
+                with span("collectives"):
+                    agreed = {**o.agreed(), "DISTTUNE_VERIFY": repr(verify_threshold)}  # verify adds runs: all or none
+                    agreement.consensus(found, error, agreed, [bool(self._splits(s)) for s in found],
+                                        None if table is None else stores.table_digest(table), o.pinned)
+                tuned = [s for s in found if s.preset is None and s.decided is None]
+                for site in tuned:
+                    if comm.world_size > 1 and self._splits(site):
+                        site.share = (comm.rank, comm.world_size)
+                if compiles is not None and share is not None:  # every rank finished its share: the peers' are cached
+                    with span("compile wait"):
+                        compiles.compile_rest(tuned)
+                timer = o.timer or default_timer()
+                if measured(o.objective):
+                    timer = ProbingTimer(timer, o.probe or default_probe())
+                runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
+                                   o.verbose, compiles if overlap else None, phases)
+                runs.check = make_check(o.check, result)  # the discovery run's result is the reference
+                if verify_threshold is not None and o.objective == "step":
+                    verify_threshold = None
+                    verify.not_for_the_step_objective(log, name)
+                verified = 0 if verify_threshold is None else verify.verify_decided(
+                    found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold,
+                    self._entry, o.verbose)
+                function_runs = 1 + verified
+                with span("tuning runs"):
+                    if o.objective == "step":
+                        function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
+                    else:
+                        searched, self.search_trace, full_timing = narrow(
+                            tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
+                            comm.all_gather_objects)
+                        function_runs += searched
+                        if full_timing:
+                            longest = max((s.slots() for s in tuned), default=0)
+                            function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+                if overlap:
+                    with span("compile wait"):
+                        compiles.finish()  # type: ignore[union-attr]  # a config never launched may still fail here
+                with span("collectives"):
+                    results = agreement.verdicts(tuned, log) + settled_results(found, log)
+                diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
+                winners = self._commit(sites, results)
+                for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
+                    self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
+                    log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
+                if any(s.preset is None for s in found):
+                    result, results, final_runs = runs.final(results, winners, log, lambda r: self._commit(sites, r))
+                    function_runs += final_runs
+                if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
+                    with span("store"):
+                        engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
+                wall_s = time.perf_counter() - started
+                self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
+                                           phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})
+                log.tuning(name, wall_s, function_runs, len(tuned), comm.world_size, o.reduce, str(o.statistic))
+                self._tuned = True
+                if o.verbose and comm.rank == 0:
+                    engine.print_summary(name, self.report, o.reduce, log)
+                if env.triton_prints_autotuning():
+                    engine.print_triton_style(self.report, comm.rank)
+                return result
+            finally:
+                if compiles is not None:
+                    compiles.shutdown()
+                if setup_error is None:
+                    log.flush()
 
 
 def contextual_autotune(

@@ -18,8 +18,13 @@ process group once:
 The launcher's variables are read by :mod:`disttune.env`; this module turns them into a process group.
 The backend is ``nccl`` when every local rank can have a GPU of its own and ``gloo`` otherwise; with CUDA
 each rank is pinned to ``cuda:(local_rank % device_count)`` *before* the group
-is created. Every collective's timeout comes from ``timeout_s``, else
-``$DISTTUNE_TIMEOUT`` (seconds), else 300 s.
+is created. The tuner's timeout comes from ``timeout_s``, else ``$DISTTUNE_TIMEOUT`` (seconds), else
+300 s; the process group's own timeout (NCCL's watchdog, gloo's wait) is that plus
+:data:`GROUP_TIMEOUT_MARGIN_S`, so that a stalled rank ends in the tuner's :class:`~disttune.comm.CollectiveTimeout`
+naming it, before the watchdog tears the process down with no cause.
+
+:func:`init` registers :func:`destroy` to run at exit, so a script that never calls it still leaves
+its group cleanly (a process group left to the interpreter's exit can abort the process).
 
 Cost: the first :func:`init` costs one rendezvous (a TCP round trip per rank,
 plus NCCL communicator set-up with CUDA, typically well under a second on one
@@ -28,6 +33,7 @@ node); later calls return the cached :class:`DistInfo` at once.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import inspect
@@ -36,12 +42,18 @@ from typing import Any
 
 import torch
 
+from . import device
+from .ending import abort_process_groups
 from .env import DistEnvError, LaunchEnv, Launcher, check_mpi_agrees, detect, mpi_comm_world
 from .env import timeout_s as timeout_seconds
 
 __all__ = ["DistInfo", "DistEnvError", "init", "destroy", "mpi_comm_world", "is_initialized"]
 
 _LOOPBACK = "127.0.0.1"
+#: How much longer than the tuner's timeout the process group's own timeout is (see the module doc).
+GROUP_TIMEOUT_MARGIN_S = 30.0
+#: How long :func:`destroy` gives the GPU to finish before it aborts the group instead of destroying it.
+DRAIN_AT_EXIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,7 @@ class DistInfo:
 
 _INFO: DistInfo | None = None
 _STORE: Any = None  # the TCPStore we created, kept alive as long as the group
+_EXIT_HOOKED: list = []  # once registered, destroy() runs at exit
 
 
 # --------------------------------------------------------------------------- rendezvous
@@ -163,8 +176,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     """Initialise the default ``torch.distributed`` process group from the launcher's environment.
 
     ``backend``: ``None`` picks ``nccl`` with CUDA devices, else ``gloo``; any string
-    ``init_process_group`` accepts is passed on. ``timeout_s``: per-collective timeout,
-    default ``$DISTTUNE_TIMEOUT`` or 300 s.
+    ``init_process_group`` accepts is passed on. ``timeout_s``: the tuner's per-collective timeout,
+    default ``$DISTTUNE_TIMEOUT`` or 300 s; the group's own is :data:`GROUP_TIMEOUT_MARGIN_S` longer.
 
     Idempotent: if a default group already exists (ours or the caller's) this returns
     its :class:`DistInfo` without touching it. Cost of the first call: a rendezvous
@@ -183,7 +196,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
             _INFO = _info_from_group(detect())
         return _INFO
 
-    timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s) + GROUP_TIMEOUT_MARGIN_S)
     launch = detect()
     device_count = _cuda_device_count()
     if backend is None:
@@ -211,6 +224,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         store = _make_store(launch, timeout)
         kwargs["store"] = store
     dist.init_process_group(**kwargs)
+    if not _EXIT_HOOKED:
+        atexit.register(_destroy_at_exit)
+        _EXIT_HOOKED.append(True)
     # Connect every rank now: NCCL otherwise builds its communicator inside the first collective,
     # which blocks without a timeout if a peer never arrives.
     dist.barrier()
@@ -228,11 +244,24 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
 
 
 def destroy() -> None:
-    """Destroy the default process group if it exists (frees communicators; no collective)."""
+    """Destroy the default process group if it exists (frees communicators; no collective).
+
+    Waits up to :data:`DRAIN_AT_EXIT_S` for this GPU's queued work (polled); a GPU still busy then
+    (stuck behind a collective a peer never entered) has its group aborted instead, which cannot hang."""
     global _INFO, _STORE
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        if device.drained(DRAIN_AT_EXIT_S):
+            dist.destroy_process_group()
+        else:
+            abort_process_groups()
     _INFO = None
     _STORE = None
+
+
+def _destroy_at_exit() -> None:
+    try:
+        destroy()
+    except Exception:  # noqa: BLE001 - at exit there is nobody left to tell
+        pass

@@ -72,6 +72,8 @@ class Runs:
         for run in range(schedule.runs):
             handler = Tune(self.sites, schedule, run, self.timer, comm.rank, self.compiles, self.phases)
             result, error = run_once(self.fn, handler, self.args, self.kwargs)
+            # the timers and the output check read the GPU's results: wait for them as for a collective
+            self.agreement.wait_for_device(f"{label} {run + 1}/{schedule.runs} (on the GPU)")
             problems = handler.finish() + ([error[1]] if error else [])
             if self.check is not None and error is None and not self.check.matches(result):
                 blame(self.sites, scheduled_configs(self.sites.values(), schedule, run))

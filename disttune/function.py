@@ -48,11 +48,12 @@ from .comm import Communicator, is_comm, make_communicator
 from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
 from .measures import Objective, Probe, ProbingTimer, default_probe, describe_measurements, measured, measures_of
 from .options import check_common, check_objective, check_path, describe_objective, describe_options
-from .env import timeout_s as resolve_timeout
+from .env import timeout_or_error
 from .search import Search, SearchTrace, describe_search, narrow, resolve_search
 from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
 from .sweep import SweepRow, sweep_function
-from .unseen import DEFAULT_AGREE_EVERY, NEVER, UnseenKeyError, check_on_new_key, choose, table_candidates
+from .unseen import (DEFAULT_AGREE_EVERY, NEVER, NewKeyVotes, UnseenKeyError, check_on_new_key, choose,
+                     table_candidates)
 from .timing import LaunchInfo, Timer, default_timer, flushing
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
@@ -111,7 +112,8 @@ class FunctionAutotuner:
         self.n_warmup, self.n_repeat = n_warmup, n_repeat
         self.timer, self.reduce, self.statistic = timer, reduce, statistic
         self.group = group if group is not None else comm
-        self.timeout_s = resolve_timeout(timeout_s)
+        # a bad $DISTTUNE_TIMEOUT is raised on every rank by the first tuning's consensus
+        self.timeout_s, self._env_error = timeout_or_error(timeout_s)
         check_path("cache_dir", cache_dir)
         self.cache_dir, self.use_store = cache_dir, store
         self.split = bool(split)
@@ -123,6 +125,7 @@ class FunctionAutotuner:
         self.fallbacks: dict[Any, tuple[dict, str]] = {}  # key -> (config, source): keys served without tuning
         self._countdown = NEVER  # calls to the next agreement on new keys (multi-rank "tune" only)
         self._saved_call: Optional[tuple[int, Any, tuple, dict]] = None  # (position, key, args, kwargs)
+        self._votes = NewKeyVotes(self.__qualname__)  # the agreement points on new keys
         self.last_timings: Optional[dict] = None
 
     def __call__(self, *args: Any, autotune: bool = True, autotune_verbose: bool = False, autotune_pg: Any = None,
@@ -155,8 +158,9 @@ class FunctionAutotuner:
             if comm.world_size == 1 or not tunes_now:
                 raise
             # Nothing tuned yet, so every peer is tuning too and waits in the consensus: join it with the error.
-            Agreement(comm, self.__qualname__).consensus([], (err, f"before tuning: {type(err).__name__}: {err}"),
-                                                         {}, [])
+            agreement = Agreement(comm, self.__qualname__)
+            with agreement.ending:
+                agreement.consensus([], (err, f"before tuning: {type(err).__name__}: {err}"), {}, [])
             raise  # not reached: the consensus raised the error on every rank
         served = self.fallbacks.get(key)
         if served is None and self.pinned is not None:
@@ -179,15 +183,17 @@ class FunctionAutotuner:
                      verbose: bool) -> Any:
         """Tuning (or the stored winner) and the call with the winner, whose result it returns; an error on
         one rank in the call is the same TuningError on every rank."""
-        config, agreement, save = self._tune(key, configs, args, kwargs, comm, verbose)
-        if comm.world_size == 1:
-            result = self.fn(*args, **kwargs, **config)
-        else:
-            try:
-                result, error = self.fn(*args, **kwargs, **config), None
-            except Exception as err:
-                result, error = None, (err, f"{type(err).__name__}: {err}")
-            agreement.final_run_status([], error, {}, "final call (with the winner)")
+        agreement = self._agreement(comm)
+        with agreement.ending:  # the same ending on every rank (disttune.ending)
+            config, save = self._tune(key, configs, args, kwargs, agreement, verbose)
+            if comm.world_size == 1:
+                result = self.fn(*args, **kwargs, **config)
+            else:
+                try:
+                    result, error = self.fn(*args, **kwargs, **config), None
+                except Exception as err:
+                    result, error = None, (err, f"{type(err).__name__}: {err}")
+                agreement.final_run_status([], error, {}, "final call (with the winner)")
         if save is not None:
             save()
         self.cache[key] = config
@@ -233,13 +239,14 @@ class FunctionAutotuner:
         self._countdown = self.agree_every
         saved, self._saved_call = self._saved_call, None
         comm = self._communicator(group)
-        position = -1.0 if saved is None else float(saved[0])
-        positions = comm.all_gather_floats([position], "agreement on new keys")
-        if saved is None or not (positions == position).all():
+        due = self._votes.point(comm, saved)
+        if due is None:
             return
-        _, key, args, kwargs = saved
+        _, key, args, kwargs = due
         try:
-            config, _, save = self._tune(key, self._pruned(args, kwargs), args, kwargs, comm, verbose)
+            agreement = self._agreement(comm)
+            with agreement.ending:
+                config, save = self._tune(key, self._pruned(args, kwargs), args, kwargs, agreement, verbose)
             if save is not None:
                 save()
             self.cache[key] = config
@@ -277,34 +284,41 @@ class FunctionAutotuner:
         return stores.EntryId(kind, name, stores.function_source_key(self.fn), repr(key), 0,
                               tuple(_describe(c) for c in configs))
 
-    def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
-              verbose: bool) -> tuple[dict, Agreement, Optional[Callable[[], None]]]:
+    def _agreement(self, comm: Communicator) -> Agreement:
+        """The collectives of one tuning call over ``comm`` (enter its ``ending`` around the call)."""
+        return Agreement(comm, self.__qualname__, self.reduce, self.statistic, self.objective)
+
+    def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, agreement: Agreement,
+              verbose: bool) -> tuple[dict, Optional[Callable[[], None]]]:
         """Consensus, the scheduled whole calls and the agreement: the contextual tuner's walk.
-        Returns the winner, the agreement (for the final call's status) and what writes the winner to
-        the store once that call has run on every rank (None: nothing to write here)."""
+        Returns the winner and what writes it to the store once the call with it has run on every rank
+        (None: nothing to write here)."""
+        comm = agreement.comm
         name = f"{self.fn.__module__}.{self.__qualname__}"
         entry = self.entry(key, configs)
         site = Site(SiteId(name, (repr(key),), 0), None, configs)
         winners_store = engine.open_store(self.use_store, self.cache_dir, comm, timeout_s=self.timeout_s)
         lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
         site.local_answer = None if lookup is None else lookup(site)
-        agreement = Agreement(comm, self.__qualname__, self.reduce, self.statistic, self.objective)
-        agreement.consensus([site], None, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
+        env_error = self._env_error
+        error = None if env_error is None else (env_error, f"{type(env_error).__name__}: {env_error}")
+        agreement.consensus([site], error, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
                                                            reduce=self.reduce, statistic=self.statistic,
                                                            split=self.split, search=describe_search(self.search),
                                                            check=self.check, flush_l2=self.flush_l2,
                                                            objective=self.objective, on_new_key=self.on_new_key,
-                                                           agree_every=self.agree_every),
+                                                           agree_every=self.agree_every,
+                                                           timeout_s=self.timeout_s),
                             [self.split])
         if site.decided is not None:
-            return configs[site.decided], agreement, None
+            return configs[site.decided], None
         if self.split:
             site.share = (comm.rank, comm.world_size)
         check: Optional[OutputCheck] = None  # one reference for every stage of the search
 
         def stage(schedule: Schedule, label: str) -> int:
             nonlocal check
-            check = self._timed_calls(site, schedule, key, args, kwargs, comm, check)
+            check = self._timed_calls(site, schedule, key, args, kwargs, agreement, check)
             return schedule.runs
 
         _, self.search_trace, full_timing = narrow([site], self.search, self.n_warmup, self.n_repeat, stage,
@@ -325,10 +339,10 @@ class FunctionAutotuner:
                          if result.measurements else "")
                 print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms"
                       f"{extra}{mark}", file=sys.stdout, flush=True)
-        return configs[result.winner], agreement, save
+        return configs[result.winner], save
 
     def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
-                     comm: Communicator, check: Optional[OutputCheck]) -> Optional[OutputCheck]:
+                     agreement: Agreement, check: Optional[OutputCheck]) -> Optional[OutputCheck]:
         """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``.
 
         ``check``: the output check of an earlier stage (None: made from this stage's first successful
@@ -338,26 +352,32 @@ class FunctionAutotuner:
             timer = ProbingTimer(timer, self.probe or default_probe())
         if self.flush_l2:
             timer = flushing(timer)
+        comm = agreement.comm
         per_config = self.n_warmup + self.n_repeat
         for run in range(schedule.runs):
             slot, phase = divmod(run, per_config)
             comm.barrier(f"function autotune config slot {slot} run {phase}")
             position, timed = schedule.slot(run, len(site.active), site.share)
             index = None if position is None else site.active[position]
+            outcome: dict = {}
+            read = None
+            if index is not None and index not in site.failures:
+                config = site.configs[index]
+                try:
+                    if not timed:
+                        outcome["result"] = self.fn(*args, **kwargs, **config)
+                    else:
+                        info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
+                        read = timer.time(lambda: outcome.__setitem__("result", self.fn(*args, **kwargs, **config)),
+                                          info)
+                except Exception as err:  # scored inf on every rank through the agreement
+                    site.record_failure(index, err)
+            # every rank, every call: the timer and the check read the GPU's results
+            agreement.wait_for_device(f"function autotune config slot {slot} run {phase} (on the GPU)")
             if index is None or index in site.failures:
                 continue
-            config = site.configs[index]
-            outcome: dict = {}
-            try:
-                if not timed:
-                    outcome["result"] = self.fn(*args, **kwargs, **config)
-                else:
-                    info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
-                    read = timer.time(lambda: outcome.__setitem__("result", self.fn(*args, **kwargs, **config)), info)
-                    site.add_sample(index, read(), time.time(), measures_of(read))
-            except Exception as err:  # scored inf on every rank through the agreement
-                site.record_failure(index, err)
-                continue
+            if read is not None:
+                site.add_sample(index, read(), time.time(), measures_of(read))
             if self.check:  # the first successful call's result is the reference
                 if check is None:
                     check = make_check(self.check, outcome["result"])

@@ -173,7 +173,9 @@ def sweep_function(tuner: Any, cases: Iterable[Any], table: Optional[PathLike] =
                 source = "cached"
             else:
                 tuner.last_timings = None
-                config, _, save = tuner._tune(key, configs, args, kwargs, comm, False)
+                agreement = tuner._agreement(comm)
+                with agreement.ending:
+                    config, save = tuner._tune(key, configs, args, kwargs, agreement, False)
                 if save is not None:
                     save()
                 tuner.cache[key] = config

@@ -1,0 +1,228 @@
+"""How a tuning call that fails on some rank ends on every rank: the same error, within seconds, no stuck GPU.
+
+A rank can fail where its peers are elsewhere: inside the user's own collective, behind it on the
+GPU, or in a collective of the tuner. Every rank then ends with the same exception, decided once:
+
+1. **Posting.** A rank that brings an error posts it on the tuning call's channel
+   (:meth:`~disttune.comm.ControlPlane.post`). A peer waiting anywhere in the tuner (a collective,
+   a wait on the GPU) reads the post within 0.1 s and leaves its wait.
+2. **Settling.** Each rank then says whether its GPU has finished its work (``drained``: it does
+   within :data:`DRAIN_S`) or not (``stuck``: queued behind a collective some peer never entered),
+   and waits up to :data:`SETTLE_S` for every rank to say so. A rank whose main thread is held up
+   elsewhere (blocked in the user's code, say) cannot answer; its *watcher* thread, which reads the
+   channel's posts while a tuning call runs, answers ``blocked`` for it once a peer's post has stood
+   for :data:`GRACE_S`.
+3. **The verdict.** Any rank that is not ``drained``, or did not answer, means the job's process
+   groups can never complete their next collective: they are aborted on every rank
+   (``torch.distributed``'s ``_abort_process_group``; NCCL's own watchdog would abort them minutes
+   later with no cause). The first rank to settle writes the verdict (exception type, text, abort or
+   not) into the rendezvous store; every rank raises exactly that one. A rank that arrives late (a
+   stalled rank, a rank freed by the abort) raises the verdict standing there.
+
+Cost: nothing while nothing fails, but a watcher thread per tuning call that reads one store counter
+every 0.1 s. On failure: up to :data:`DRAIN_S` for the GPU, up to :data:`SETTLE_S` for the peers.
+MPI and a world of one have no rendezvous store: their errors are left as the collectives give them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+from . import device
+from .comm import CollectiveTimeout, Communicator, ControlPlane, MalformedMessage, PeerFailed
+from .errors import TuningError
+from .sites import AllConfigsFailed
+
+#: How long a peer's post stands before the watcher answers for a main thread held up elsewhere.
+GRACE_S = 1.0
+#: How long a settling rank gives its GPU to finish before it calls itself stuck.
+DRAIN_S = 1.0
+#: How long a settling rank waits for every rank to settle.
+SETTLE_S = 2.5
+#: What a verdict that aborted the process groups adds to its text.
+ABORTED = ("\nThe job's process groups were aborted on every rank: a GPU waited for a collective that a peer never "
+           "entered, or a rank could not reach the tuner. Create the process group again "
+           "(disttune.dist.init, or torch.distributed.init_process_group) before its next collective, or end the job.")
+
+_KINDS = {"TuningError": TuningError, "CollectiveTimeout": CollectiveTimeout, "AllConfigsFailed": AllConfigsFailed}
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process (frees a GPU stream stuck behind a collective, and closes
+    the sockets a peer's gloo collective waits on); nothing when none exists."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+    except ImportError:
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    try:
+        abort() if abort is not None else dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - an abort that fails leaves the groups to NCCL's watchdog, as before
+        pass
+
+
+class Ending:
+    """The ending of one tuning call of ``name`` on ``channel`` over ``comm`` (see the module doc).
+
+    Use as a context manager around the call: it runs the watcher, and an exception leaving the call
+    leaves it as the verdict (:meth:`conclude`). :meth:`settle` turns an exception into the one every
+    rank raises; :meth:`check` raises the verdict if the watcher has already settled.
+    """
+
+    def __init__(self, comm: Communicator, name: str, channel: str) -> None:
+        self.plane: Optional[ControlPlane] = comm if isinstance(comm, ControlPlane) and comm.world_size > 1 else None
+        self.name, self.channel = name, channel
+        self._lock = threading.Lock()
+        self._state: Optional[str] = None  # "settling" (the main thread), or "blocked" (the watcher answered)
+        self._verdict: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "Ending":
+        if self.plane is not None:
+            self.plane.watch(self.channel)
+            self._watcher = threading.Thread(target=self._watch, name="disttune-watcher", daemon=True)
+            self._watcher.start()
+        return self
+
+    def __exit__(self, kind: Any, err: Optional[BaseException], traceback: Any) -> None:
+        """Stop the watcher; an exception leaving the call becomes the verdict (:meth:`conclude`)."""
+        ended = self.conclude(err) if err is not None else None
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        if self.plane is not None:
+            self.plane.watch(None)
+        if ended is not None and ended is not err:
+            raise ended from err
+
+    # -- posting ---------------------------------------------------------------------------------------------
+
+    def post_errors(self, step: str, lines: list[str]) -> None:
+        """Post this rank's ``lines`` (each ``"rank r: ..."``) on the channel, for peers waiting anywhere."""
+        if self.plane is not None and lines and self._state is None:
+            self.plane.post(self.channel, "note", {"step": step, "lines": lines})
+
+    def posted_lines(self) -> list[str]:
+        """Every error line posted on the channel so far, in rank order (a post that is not disttune's plain data
+        is one line naming the rank that sent it)."""
+        if self.plane is None:
+            return []
+        notes = self.plane.posted(self.channel, "note")
+        lines = []
+        for rank in sorted(notes):
+            note = notes[rank]
+            if isinstance(note, dict) and isinstance(note.get("lines"), list):
+                lines.extend(str(line) for line in note["lines"])
+            else:
+                lines.append(str(note) if isinstance(note, MalformedMessage) else
+                             f"disttune: rank {rank} posted a note that is not disttune's ({type(note).__name__})")
+        return lines
+
+    # -- the verdict ---------------------------------------------------------------------------------------------
+
+    def check(self, step: Optional[str] = None) -> None:
+        """Raise the verdict now if the watcher answered for this rank: what the main thread would bring to the
+        next collective is a consequence of the abort, not news."""
+        if self._state == "blocked" and self.plane is not None:
+            posters = sorted(set(self.plane.posted(self.channel, "note")) | set(self.plane.posted(self.channel, "settle"))
+                             - {self.plane.rank})
+            raise self.settle(PeerFailed("held up while a peer failed", posters), step)
+
+    def conclude(self, err: BaseException) -> BaseException:
+        """What the tuning call raises for ``err`` on this rank: the verdict, or ``err`` itself where there is none
+        to settle (no rendezvous store, one rank). A ``KeyboardInterrupt`` is posted for the peers and kept here."""
+        if self.plane is None:
+            return err
+        if not isinstance(err, Exception):  # Ctrl-C, SystemExit: the peers hear of it and settle without this rank
+            self.post_errors("interrupted", [f"rank {self.plane.rank}: {type(err).__name__}"])
+            with self._lock:
+                answer, self._state = self._state is None, self._state or "settling"
+            if answer:
+                self.plane.post(self.channel, "settle", "interrupted")
+            abort_process_groups()
+            return err
+        if not isinstance(err, (TuningError, AllConfigsFailed, CollectiveTimeout, PeerFailed)):
+            self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"])
+        return self.settle(err)
+
+    def settle(self, err: BaseException, step: Optional[str] = None) -> BaseException:
+        """The exception every rank raises for ``err`` (met at ``step``): settle, decide once, abort if due."""
+        if self.plane is None or self._verdict is not None:
+            return self._verdict or err
+        plane = self.plane
+        with self._lock:
+            answer = self._state is None
+            if answer:
+                self._state = "settling"
+        if answer:
+            plane.post(self.channel, "settle", "drained" if device.drained(DRAIN_S) else "stuck")
+        entries = self._settled(plane)
+        abort = len(entries) < plane.world_size or any(state != "drained" for state in entries.values())
+        verdict = plane.decide(self.channel, "verdict", {**self._describe(err, step), "abort": abort})
+        if verdict.get("abort"):
+            abort_process_groups()
+        kind = _KINDS.get(verdict.get("type"), TuningError)
+        text = str(verdict.get("text")) + (ABORTED if verdict.get("abort") else "")
+        self._verdict = kind(text)
+        self._verdict.__cause__ = err
+        return self._verdict
+
+    def _settled(self, plane: ControlPlane) -> dict[int, Any]:
+        """Every rank's settle answer, waiting up to :data:`SETTLE_S` for the missing ones."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            entries = plane.posted(self.channel, "settle")
+            if len(entries) >= plane.world_size or time.monotonic() > deadline:
+                return entries
+            time.sleep(0.01)
+
+    def _describe(self, err: BaseException, step: Optional[str]) -> dict[str, str]:
+        """This rank's candidate verdict. An error every rank computed alike (from a completed collective) stands
+        as it is; otherwise every error the ranks posted, and the timeout if one ended the wait."""
+        if isinstance(err, (TuningError, AllConfigsFailed)):
+            return {"type": type(err).__name__, "text": str(err)}
+        timeout = ""
+        if isinstance(err, CollectiveTimeout):
+            timeout = str(err).replace("disttune: ", "", 1)
+        lines = self.posted_lines()
+        if lines:
+            where = f"{step} failed" if step else "the tuning call failed"
+            return {"type": "TuningError", "text": f"disttune: {self.name}: {where} on some rank(s):\n  "
+                                                   + "\n  ".join(lines + ([timeout] if timeout else []))}
+        if timeout:
+            return {"type": "CollectiveTimeout", "text": f"disttune: {self.name}: {timeout}"}
+        if isinstance(err, PeerFailed):
+            return {"type": "TuningError", "text": f"disttune: {self.name}: rank(s) {list(err.ranks)} left the "
+                                                   f"tuning call at step '{step}' with no error posted"}
+        return {"type": "TuningError", "text": f"disttune: {self.name}: {type(err).__name__}: {err}"}
+
+    # -- the watcher ------------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        plane, first_seen = self.plane, None
+        assert plane is not None
+        while not self._stop.wait(0.1):
+            try:
+                posted = plane.peers_posted(self.channel)
+            except Exception:  # noqa: BLE001 - the store is gone: the main thread's waits time out
+                return
+            if not posted:
+                continue
+            first_seen = first_seen or time.monotonic()
+            if time.monotonic() - first_seen < GRACE_S:
+                continue
+            with self._lock:
+                if self._state is not None:
+                    return  # the main thread is settling
+                self._state = "blocked"
+            try:
+                plane.post(self.channel, "settle", "blocked")
+            finally:
+                abort_process_groups()  # frees this rank's host if it is stuck in a CUDA call behind the GPU
+            return

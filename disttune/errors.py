@@ -1,0 +1,7 @@
+"""The errors a tuning call raises with the same text on every rank."""
+
+from __future__ import annotations
+
+
+class TuningError(RuntimeError):
+    """Tuning could not complete; raised with the same message on every rank."""
