@@ -11,22 +11,25 @@ says what happens instead:
   same fallback from the same agreed table. The key is never tuned in traffic.
 * ``"tune"`` (the default): served the same way, and remembered as pending. Every ``agree_every``
   calls (SPMD code calls the wrapper as often on every rank, so that call is a point all ranks
-  share) the ranks all-gather one number each: the position, within the last ``agree_every``
-  calls, of the first call that met a pending key (``-1``: none). When every rank names the same
-  call, every rank met new keys in that call: each re-runs a normal tuning call with that call's
-  arguments (kept until then), and the keys are tuned as the first call tunes. Otherwise they stay
-  on their fallback, and the next period tries again. A world of one needs no agreement: there
-  the launch runs its first config and the next call tunes (no peer can be left waiting).
+  share) each rank gives one number: the position, within the period of ``agree_every`` calls just
+  ended, of the first call that met a pending key (``-1``: none). The gather of those numbers waits
+  for nobody (:class:`NewKeyVotes`): each rank sets its number at one point and reads its peers' at
+  the next. When every rank named the same call, every rank met new keys in that call: each re-runs
+  a normal tuning call with that call's arguments (kept until then), and the keys are tuned as the
+  first call tunes. Otherwise they stay on their fallback, and a later period tries again. A world
+  of one needs no agreement: there the launch runs its first config and the next call tunes (no
+  peer can be left waiting).
 * ``"error"``: :class:`UnseenKeyError` on the rank that meets the key, before it launches (a
   pinned deployment that must never run an untuned config).
 
-The trade-off: a key every rank meets in the same call is tuned up to ``agree_every`` calls
-later, not in that call, since only a collective in every call could tell a rank that its peers
-met the key too; until then it runs on its fallback, the same on every rank. Cost on the fast
-path: one counter per call; one one-float all-gather per ``agree_every`` calls (``"tune"`` with
-more than one rank only; over NCCL it waits for the GPU's queue, as every collective of the tuner
-does); a launch on a fallback costs a dict lookup over the planned launch, and the first one per
-key the nearest search and a line in the rank log.
+The trade-off: a key every rank meets in the same call is tuned between ``agree_every`` and
+``2 * agree_every`` calls later, not in that call, since only a collective in every call could
+tell a rank that its peers met the key too; until then it runs on its fallback, the same on every
+rank. Cost on the fast path: one counter per call; per ``agree_every`` calls (``"tune"`` with more
+than one rank only), three or four operations on the rendezvous store and no wait for the peers,
+unless one is a whole period behind (never a wait on the GPU); a launch on a fallback costs a dict
+lookup over the planned launch, and the first one per key the nearest search and a line in the
+rank log.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from . import triton_launch as triton
+from .comm import Communicator, start_gather_floats
 from .compat import config_text
 from .nearest import nearest_key, parse_key
 from .sites import SiteId, describe_config
@@ -152,6 +156,34 @@ class NewKeys:
         for tuned, text in table_candidates(self.table, ident.kernel, ident.occurrence).items():
             candidates.setdefault(tuned, text)
         return choose(key, configs, candidates)
+
+
+class NewKeyVotes:
+    """The agreement on new keys of one tuner (``on_new_key="tune"`` with several ranks), a point every
+    ``agree_every`` calls; see the module doc.
+
+    :meth:`point` finishes the gather started at the previous point and starts this period's: the
+    ranks never wait for each other at a point (a peer a whole period behind is waited for, bounded
+    by the communicator's timeout).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.channel = f"{name}:new keys"
+        self._pending: Optional[tuple[Callable[[], Any], Optional[tuple]]] = None
+
+    def point(self, comm: Communicator, saved: Optional[tuple]) -> Optional[tuple]:
+        """``saved``: this period's first call that met a pending key (its position first), or None.
+        Returns the saved call of the previous period when every rank named that same call: the call to tune
+        now, on every rank."""
+        due = None
+        if self._pending is not None:
+            finish, earlier = self._pending
+            positions = finish()
+            if earlier is not None and bool((positions == float(earlier[0])).all()):
+                due = earlier
+        position = -1.0 if saved is None else float(saved[0])
+        self._pending = (start_gather_floats(comm, [position], "agreement on new keys", self.channel), saved)
+        return due
 
 
 def pinned_or_nearest(lookup: Callable[[Any], Optional[int]], table: dict,
