@@ -36,7 +36,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
     "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
-    "compile_overlap",
+    "compile_overlap", "timeout_or_error", "tuning_settings",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -80,6 +80,23 @@ def timeout_s(value: Optional[float] = None, environ: Mapping[str, str] = os.env
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise DistEnvError(f"disttune: timeout_s must be a positive number of seconds, got {value!r} ({source})")
     return float(value)
+
+
+def timeout_or_error(value: Optional[float] = None) -> tuple[float, Optional[DistEnvError]]:
+    """:func:`timeout_s`, but a bad ``$DISTTUNE_TIMEOUT`` comes back as the error beside the default, for the
+    tuner to raise on every rank through its consensus (a bad ``value`` argument still raises here)."""
+    if value is not None:
+        return timeout_s(value), None
+    try:
+        return timeout_s(None), None
+    except DistEnvError as err:
+        return DEFAULT_TIMEOUT_S, err
+
+
+def tuning_settings() -> dict[str, str]:
+    """The ``DISTTUNE_*`` settings that change how a tuning call runs, as text every rank must share
+    (the consensus compares them; ``DISTTUNE_VERIFY`` and ``DISTTUNE_TIMEOUT`` come with the options)."""
+    return {ALWAYS_TUNE: repr(always_tune()), COMPILE_OVERLAP: repr(compile_overlap())}
 
 
 def interpreting() -> bool:

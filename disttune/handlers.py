@@ -41,7 +41,16 @@ class SiteLaunches:
 
     def launch(self, autotuner: Any, args: tuple, kwargs: dict) -> Any:
         if not triton.has_choice(autotuner):
-            return triton_run(autotuner, *args, **kwargs)
+            try:
+                return triton_run(autotuner, *args, **kwargs)
+            except TypeError as err:  # a missing argument: say where it comes from when the list was empty
+                if triton.empty_config_list(autotuner):
+                    raise ValueError(
+                        f"disttune: {triton.kernel_name(autotuner)} was given an empty config list "
+                        "(triton.autotune(configs=[])), so Triton launches it with one empty Config and its "
+                        f"meta-parameters are missing ({err}); give triton.autotune at least one triton.Config"
+                    ) from err
+                raise
         key = triton.tuning_key(autotuner, args, kwargs)
         name = triton.kernel_name(autotuner)
         occurrence = self.occurrences.get((name, key), 0)

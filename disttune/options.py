@@ -2,9 +2,10 @@
 
 Options that change the schedule (``n_warmup``, ``n_repeat``, ``search``, ``split``,
 ``compile_split``, ``on_new_key``, ``agree_every``, ``objective``, ``flush_l2``) or the verdict (``reduce``,
-``statistic``, ``check``) must be the same on every rank: the
-consensus (:meth:`disttune.agreement.Agreement.consensus`) compares :func:`describe_options` of
-each rank's and names the option and every rank's value where they differ.
+``statistic``, ``check``, ``timeout_s``), and the ``DISTTUNE_*`` settings that do the same
+(``DISTTUNE_ALWAYS_TUNE``, ``DISTTUNE_COMPILE_OVERLAP``, ``DISTTUNE_VERIFY``, ``DISTTUNE_TIMEOUT``), must be
+the same on every rank: the consensus (:meth:`disttune.agreement.Agreement.consensus`) compares
+:func:`describe_options` of each rank's and names the option and every rank's value where they differ.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .timing import Timer
 
 #: The options that change the schedule or the verdict (compared across ranks by the consensus).
 AGREED = ("n_warmup", "n_repeat", "reduce", "statistic", "search", "split", "compile_split", "on_new_key",
-          "agree_every", "objective", "flush_l2", "check")
+          "agree_every", "objective", "flush_l2", "check", "timeout_s")
 
 #: What a tuning may minimise by name (see :mod:`disttune.objective`); :mod:`disttune.measures` adds a
 #: callable over the measurements and :func:`disttune.pareto`.
@@ -99,6 +100,9 @@ def describe_objective(objective: Any) -> str:
 
 
 def describe_options(**options: Any) -> dict[str, str]:
-    """``{name: text}`` for the consensus: equal texts mean equal settings on every rank."""
-    return {name: describe_objective(value) if name == "objective" else describe_value(value)
-            for name, value in options.items()}
+    """``{name: text}`` for the consensus, with the ``DISTTUNE_*`` settings that change a tuning call
+    (:func:`disttune.env.tuning_settings`): equal texts mean equal settings on every rank."""
+    from .env import tuning_settings
+
+    return {**{name: describe_objective(value) if name == "objective" else describe_value(value)
+               for name, value in options.items()}, **tuning_settings()}

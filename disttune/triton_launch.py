@@ -24,6 +24,12 @@ def has_choice(autotuner: Autotuner) -> bool:
     return len(autotuner.configs) > 1
 
 
+def empty_config_list(autotuner: Autotuner) -> bool:
+    """Whether the autotuner holds only the one empty ``Config`` Triton makes for ``triton.autotune(configs=[])``
+    (no meta-parameters at all: a kernel with constexpr arguments cannot launch with it)."""
+    return len(autotuner.configs) == 1 and not autotuner.configs[0].kwargs
+
+
 def tuning_key(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
     """The key Triton's ``Autotuner.run`` caches under: the ``key`` arguments, then every tensor's dtype."""
     nargs = dict(zip(autotuner.arg_names, args))

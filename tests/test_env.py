@@ -77,13 +77,17 @@ def test_timeout_defaults_to_300_seconds_and_an_explicit_value_wins(monkeypatch)
 
 
 def test_both_tuners_reject_a_zero_timeout(monkeypatch):
+    """A bad DISTTUNE_TIMEOUT is raised by the first tuning call's consensus (on every rank alike, not only on
+    the rank that has it); a bad timeout_s argument at once."""
     import disttune
 
     monkeypatch.setenv("DISTTUNE_TIMEOUT", "0")
-    with pytest.raises(ValueError, match="DISTTUNE_TIMEOUT"):
-        disttune.contextual_autotune()(lambda: None)
-    with pytest.raises(ValueError, match="DISTTUNE_TIMEOUT"):
-        disttune.autotune([{"a": 1}], key_fn=lambda: 0)(lambda *, a: a)
+    step = disttune.contextual_autotune(verbose=False)(lambda: None)
+    with pytest.raises(disttune.TuningError, match=r"DistEnvError: .*\(DISTTUNE_TIMEOUT\)"):
+        step()
+    pick = disttune.autotune([{"a": 1}, {"a": 2}], key_fn=lambda: 0)(lambda *, a: a)
+    with pytest.raises(disttune.TuningError, match=r"DistEnvError: .*\(DISTTUNE_TIMEOUT\)"):
+        pick()
     monkeypatch.delenv("DISTTUNE_TIMEOUT")
     with pytest.raises(ValueError, match="timeout_s must be a positive"):
         disttune.autotune([{"a": 1}], key_fn=lambda: 0, timeout_s=0)(lambda *, a: a)
