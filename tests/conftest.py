@@ -44,7 +44,9 @@ def isolated_outputs(tmp_path, monkeypatch):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from fault_tally import TALLY, summary_line
+    from fault_tally import GPU_TALLY, TALLY, gpu_label, summary_line
 
     if TALLY["trials"]:
         terminalreporter.write_line(summary_line())
+    if GPU_TALLY["trials"]:
+        terminalreporter.write_line(summary_line(GPU_TALLY, gpu_label()))

@@ -344,6 +344,89 @@ def case_bad_inputs(ctx):
     return {"attempts": seen}
 
 
+@cases.case
+def case_settings_on_one_rank(ctx):
+    """A DISTTUNE_* setting that changes the tuning, set on rank 1 only: the same error on every rank, at once."""
+    kernel = make_kernel()
+
+    def contextual(case: str):
+        return lambda: tune(store_step(ctx, case, kernel, timeout_s=None))
+
+    seen = {}
+    for name, value in (("DISTTUNE_ALWAYS_TUNE", "1"), ("DISTTUNE_TIMEOUT", "abc"), ("DISTTUNE_COMPILE_OVERLAP", "0")):
+        call = contextual(f"settings_{name}")
+        started = time.monotonic()
+        ended = attempt(lambda: _with_env(name, value, call) if ctx.rank == FAULTY_RANK else call())
+        seen[name] = {**ended, "seconds": time.monotonic() - started}
+    return {"settings": seen}
+
+
+class _Bomb:
+    """Unpickling this runs ``Path.touch`` on its path: what a malicious note would do if notes were pickles."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+@cases.case(breaks_group=True, default=False)
+def case_pickle_bomb_note(ctx):
+    """Rank 1 writes a pickle into its note on the tuning call's channel (as any process that reaches the store's
+    port could): no rank unpickles it; every rank raises the same error naming rank 1."""
+    import pickle
+
+    from torch.distributed import distributed_c10d
+
+    touched = Path(ctx.work_dir) / "pickle-bomb-went-off"
+    kernel = make_kernel()
+    runs = {"n": 0}
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**tuner_options(ctx, "pickle_bomb", store=False))
+    def step():
+        runs["n"] += 1
+        if ctx.rank == FAULTY_RANK and runs["n"] == 1:
+            store = distributed_c10d._get_default_store()
+            channel = f"disttune/all/{step.__qualname__}#0"
+            store.set(f"{channel}/note/{ctx.rank}", pickle.dumps(_Bomb(str(touched))))
+            store.add(f"{channel}/posts", 1)
+            time.sleep(1.0)  # rank 0 is waiting in the consensus: it reads the note there
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    ended = _timed_attempt(lambda: tune(step))
+    return {**ended, "went_off": touched.exists()}
+
+
+@cases.case(breaks_group=True, default=False)
+def case_keyboard_interrupt(ctx):
+    """Rank 1 gets a KeyboardInterrupt in a tuning run (Ctrl-C in its terminal): it leaves with it; rank 0
+    hears of it and raises a TuningError naming it, at once rather than at its timeout."""
+    kernel = make_kernel()
+    runs = {"n": 0}
+    x = torch.randn(64, device=ctx.device)
+
+    @disttune.contextual_autotune(**tuner_options(ctx, "interrupt", store=False))
+    def step():
+        runs["n"] += 1
+        if ctx.rank == FAULTY_RANK and runs["n"] == 3:
+            raise KeyboardInterrupt
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    started = time.monotonic()
+    try:
+        step()
+        ended = {"returned": True}
+    except BaseException as err:  # noqa: BLE001 - the record says what each rank saw, KeyboardInterrupt too
+        ended = {"raised": type(err).__name__, "error": str(err)}
+    return {**ended, "seconds": time.monotonic() - started}
+
+
 # -- a store lock held by another process ---------------------------------------------------------------------
 
 HOLD_LOCK = """

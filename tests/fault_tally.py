@@ -13,9 +13,13 @@ what it meant to cause. The columns:
 * ``torn_files``: store files left behind (regular files, not planted links) that do not decode or validate;
 * ``link_writes``: targets of planted symbolic links whose bytes changed;
 * ``tracebacks``: a Python traceback where a clear error was due: a rank's error that is not one of
-  disttune's own (``disttune...`` messages), or ``Traceback`` in a launch's stderr.
+  disttune's own (``disttune...`` messages), or ``Traceback`` in a launch's stderr;
+* ``timeout_waits``: ranks that ended only after waiting out a timeout although a rank's error was
+  known (posted) long before it.
 
-Each helper returns what it counted, so a test can also assert on it.
+Each helper returns what it counted, so a test can also assert on it. ``TALLY`` is the CPU suite's;
+the fault suite under NCCL (``test_stranded.py``, on GPUs) keeps its own, :data:`GPU_TALLY`, and prints
+its own line with the GPUs it ran on.
 """
 
 from __future__ import annotations
@@ -24,21 +28,43 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-COLUMNS = ("trials", "faults", "hangs", "split_endings", "disagreements", "torn_files", "link_writes", "tracebacks")
+COLUMNS = ("trials", "faults", "hangs", "split_endings", "disagreements", "torn_files", "link_writes", "tracebacks",
+           "timeout_waits")
 TALLY = dict.fromkeys(COLUMNS, 0)
+GPU_TALLY = dict.fromkeys(COLUMNS, 0)
 TRACEBACK = "Traceback (most recent call last)"
 
 
-def summary_line() -> str:
-    return ("fault injection: {trials} trials, {faults} faults injected, {hangs} hangs, {split_endings} split endings, "
+def summary_line(tally: dict = TALLY, label: str = "fault injection") -> str:
+    return (label + ": {trials} trials, {faults} faults injected, {hangs} hangs, {split_endings} split endings, "
             "{disagreements} disagreements, {torn_files} torn files, {link_writes} writes through links, "
-            "{tracebacks} tracebacks".format(**TALLY))
+            "{tracebacks} tracebacks, {timeout_waits} timeout waits".format(**tally))
 
 
-def faults_seen(count: int) -> int:
+#: The GPU counts the fault suite under NCCL ran at (its line names them).
+GPU_WORLDS: set = set()
+
+
+def gpu_label() -> str:
+    """The NCCL suite's label: ``fault injection under NCCL on 2 and 4 x <GPU model>``."""
+    import torch
+
+    model = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    worlds = " and ".join(str(w) for w in sorted(GPU_WORLDS))
+    return f"fault injection under NCCL on {worlds} x {model}"
+
+
+def faults_seen(count: int, tally: dict = TALLY) -> int:
     """Add ``count`` faults whose effect the caller checked."""
-    TALLY["faults"] += count
+    tally["faults"] += count
     return count
+
+
+def timeout_waits(ended_after_s: Sequence[float], timeout_s: float, tally: dict = TALLY) -> int:
+    """Count the ranks that ended ``timeout_s`` or more after a fault whose error was posted at once."""
+    waited = sum(seconds >= timeout_s for seconds in ended_after_s)
+    tally["timeout_waits"] += waited
+    return waited
 
 
 def is_clear_error(record: dict) -> bool:
@@ -47,14 +73,14 @@ def is_clear_error(record: dict) -> bool:
 
 
 def endings(per_rank: Sequence[dict], *fields: str, ok: str = "ok", error: str = "error_message",
-            message: str = "") -> dict:
+            message: str = "", tally: dict = TALLY) -> dict:
     """One trial's ending over its ranks: counts a trial, a split ending, a disagreement and tracebacks.
 
     ``per_rank``: each rank's outcome; ``ok`` names its success flag (a missing flag: success when it
     has no ``error``), ``fields`` what the successful ranks must agree on, ``error`` what the failed
     ranks must agree on, ``message`` (default: ``error``) the text that must be a clear error.
     """
-    TALLY["trials"] += 1
+    tally["trials"] += 1
     message = message or error
     succeeded = [r for r in per_rank if r.get(ok, message not in r)]
     failed = [r for r in per_rank if not r.get(ok, message not in r)]
@@ -62,16 +88,16 @@ def endings(per_rank: Sequence[dict], *fields: str, ok: str = "ok", error: str =
     disagree = (len({json.dumps([r.get(f) for f in fields], default=str) for r in succeeded}) > 1
                 or len({str(r.get(error)) for r in failed}) > 1)
     stray = sum(not str(r.get(message, "")).startswith("disttune") for r in failed)
-    TALLY["split_endings"] += split
-    TALLY["disagreements"] += disagree
-    TALLY["tracebacks"] += stray
+    tally["split_endings"] += split
+    tally["disagreements"] += disagree
+    tally["tracebacks"] += stray
     return {"split": split, "disagree": disagree, "tracebacks": stray}
 
 
-def tracebacks_in(text: str) -> int:
+def tracebacks_in(text: str, tally: dict = TALLY) -> int:
     """Tracebacks printed in a launch's stderr (where every failure was due to be a clear error)."""
     found = text.count(TRACEBACK)
-    TALLY["tracebacks"] += found
+    tally["tracebacks"] += found
     return found
 
 
@@ -95,5 +121,5 @@ def link_writes(changed: Iterable[str]) -> list[str]:
     return changed
 
 
-def hang() -> None:
-    TALLY["hangs"] += 1
+def hang(tally: dict = TALLY) -> None:
+    tally["hangs"] += 1

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_tally import endings, faults_seen, hang, tracebacks_in
+from fault_tally import TALLY, endings, faults_seen, hang, timeout_waits, tracebacks_in
 from helpers import CommandTimeout, describe, failure, read_records, run_launch
 
 CASES = Path(__file__).with_name("ending_cases.py")
@@ -144,19 +144,22 @@ def test_a_local_error_before_a_collective_reaches_the_peers_at_once(tmp_path):
 
 @pytest.mark.parametrize("case", ["raise_before_collective", "raise_before_collective_in_discovery"])
 def test_user_code_raising_before_the_steps_own_collective_is_named_on_every_rank(tmp_path, case):
-    """Rank 1 raises before the all_reduce that rank 0 waits in (in a tuning run, in the discovery run):
-    disttune cannot end that wait, but the error posted through the process group's store is named in
-    every rank's message. The group is unusable afterwards, so each case has a launch of its own."""
+    """Rank 1 raises before the all_reduce that rank 0 waits in (in a tuning run, in the discovery run): rank 0's
+    watcher hears of the error and answers for it, every rank aborts the group (which frees rank 0 from gloo's
+    wait at once, not at gloo's timeout), and every message names the error. The group is unusable afterwards,
+    so each case has a launch of its own."""
     (per_rank,) = launch(tmp_path, [case]).values()
     # the case itself raises, so its record is the ending; each message adds what its own rank saw of the wait
     ending = endings(per_rank, error="error_type", message="error_message")
     planted = "rank 1: RuntimeError: injected fault before the collective"
     faults_seen(all(planted in str(r.get("error_message")) for r in per_rank))
     assert not any(ending.values()), (ending, per_rank)
+    timeout_waits([r["elapsed_s"] for r in per_rank], 6.0)  # the case's own timeout_s
     for record in per_rank:
         assert record["error_type"] == "TuningError", failure(record)
         assert planted in record["error_message"], record
-        assert record["elapsed_s"] < TIMEOUT_S, "ended by the tuner's own timeout (6 s), not the group's"
+        assert "process groups were aborted" in record["error_message"], record
+        assert record["elapsed_s"] < 6.0, "ended at once, not by the tuner's timeout (6 s) or gloo's"
 
 
 def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
@@ -172,8 +175,8 @@ def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
         "timeout_s 0": ("DistEnvError", "timeout_s must be a positive number"),
         "timeout_s -1": ("DistEnvError", "timeout_s must be a positive number"),
         "function timeout_s 0": ("DistEnvError", "timeout_s must be a positive number"),
-        "DISTTUNE_TIMEOUT text": ("DistEnvError", "DISTTUNE_TIMEOUT='soon' is not a number"),
-        "DISTTUNE_TIMEOUT 0": ("DistEnvError", "(DISTTUNE_TIMEOUT)"),
+        "DISTTUNE_TIMEOUT text": ("TuningError", "DistEnvError: disttune: DISTTUNE_TIMEOUT='soon' is not a number"),
+        "DISTTUNE_TIMEOUT 0": ("TuningError", "(DISTTUNE_TIMEOUT)"),
         "key_fn unhashable": ("TuningError", "returned an unhashable list"),
         "statistic gives nan": ("TuningError", "it gave nan for config[0]"),
     }
@@ -187,6 +190,48 @@ def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
             assert seen[what].get("raised") == error_type and says in seen[what]["error"], (rank, what, seen[what])
             assert seen[what]["seconds"] < TIMEOUT_S / 4, (rank, what, seen[what])
         assert not any(ending.values()), (what, ending, calls)
+
+
+def test_a_tuning_setting_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
+    """DISTTUNE_ALWAYS_TUNE, a bad DISTTUNE_TIMEOUT and DISTTUNE_COMPILE_OVERLAP set on rank 1 only: agreed in
+    the consensus (or raised there), never a peer left waiting or a setting silently ignored."""
+    (per_rank,) = launch(tmp_path, ["settings_on_one_rank"]).values()
+    for record in per_rank:
+        assert record["ok"], failure(record)
+    says = {"DISTTUNE_ALWAYS_TUNE": "DISTTUNE_ALWAYS_TUNE: rank 0: False, rank 1: True",
+            "DISTTUNE_TIMEOUT": "rank 1: before the discovery run: DistEnvError: disttune: DISTTUNE_TIMEOUT='abc'",
+            "DISTTUNE_COMPILE_OVERLAP": "DISTTUNE_COMPILE_OVERLAP: rank 0: True, rank 1: False"}
+    for name, text in says.items():
+        calls = [r["settings"][name] for r in per_rank]
+        ending = endings(calls, error="error", message="error")
+        faults_seen(named_everywhere(text, calls))
+        assert not any(ending.values()), (name, ending, calls)
+        for call in calls:
+            assert call.get("raised") == "TuningError" and text in call["error"], (name, call)
+            assert call["seconds"] < TIMEOUT_S / 4, (name, call)
+
+
+def test_a_pickled_note_is_refused_and_named(tmp_path):
+    (per_rank,) = launch(tmp_path, ["pickle_bomb_note"]).values()
+    calls = [call_ending(r) for r in per_rank]
+    ending = endings(calls, error="ending", message="error")
+    refused = "rank 1 sent a message for 'note'"
+    faults_seen(not any(r["went_off"] for r in per_rank) and named_everywhere(refused, calls))
+    assert not any(ending.values()), (ending, calls)
+    for record, call in zip(per_rank, calls):
+        assert not record["went_off"], "a note was unpickled: the bomb's file exists"
+        assert call["raised"] == "TuningError" and refused in call["error"] and "not disttune's plain data" in call["error"]
+
+
+def test_a_keyboard_interrupt_on_one_rank_reaches_its_peer(tmp_path):
+    (per_rank,) = launch(tmp_path, ["keyboard_interrupt"]).values()
+    waiting, interrupted = per_rank
+    TALLY["trials"] += 1
+    faults_seen(interrupted.get("raised") == "KeyboardInterrupt" and "rank 1: KeyboardInterrupt" in waiting["error"])
+    timeout_waits([waiting["seconds"]], TIMEOUT_S)
+    assert interrupted.get("raised") == "KeyboardInterrupt", interrupted
+    assert waiting.get("raised") == "TuningError" and "rank 1: KeyboardInterrupt" in waiting["error"], waiting
+    assert waiting["seconds"] < TIMEOUT_S / 4, waiting
 
 
 def test_a_held_store_lock_is_waited_for_within_the_tuners_timeout(tmp_path):
