@@ -446,6 +446,13 @@ class Bench:
         return p["x_all"]
 
     # -- output -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the CUDA graphs of part b, which captured NCCL collectives, while their communicators live:
+        NCCL cannot destroy a communicator that a live graph still uses, and the process would not exit."""
+        self._graphs = []
+        if self.gpu:
+            torch.cuda.synchronize()
+
     def write(self) -> None:
         """Rank 0 appends the rows to ``--out`` (nothing without it)."""
         written = benchmark.append_rows(self.o.out, self.rows, meta=self.meta)
@@ -454,6 +461,7 @@ class Bench:
 
 
 def main() -> int:
+    benchmark.stacks_on_termination()
     o = parse_args()
     b = Bench(o)
     started = time.perf_counter()
@@ -466,6 +474,7 @@ def main() -> int:
     b.write()
     if b.rank == 0:
         print(f"total {time.perf_counter() - started:.1f} s")
+    b.close()
     dist.barrier()
     dt_dist.destroy()
     return 0

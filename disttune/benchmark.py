@@ -16,6 +16,8 @@ Every helper works on a GPU and on a CPU, in one process and over ``torch.distri
 * :func:`environment` and :func:`append_rows` -- the metadata of a result row (device, world size,
   versions, date) and JSON lines appended on rank 0, only to a path the user asked for.
 * :func:`rel_error` -- relative Frobenius error of a result against a reference.
+* :func:`stacks_on_termination` -- a rank that a launcher terminates (a time limit, a hang) prints where
+  each of its threads was first.
 
 The timing helpers return this rank's median; reduce it with :func:`max_over_ranks` where a
 distributed step is only as fast as its slowest rank. Every rank must call the distributed
@@ -54,6 +56,7 @@ __all__ = [
     "one_call_ms",
     "rank",
     "rel_error",
+    "stacks_on_termination",
     "steady_ms",
     "sync",
 ]
@@ -218,11 +221,21 @@ def host_and_wall_us(fns: Mapping[str, Step], *, calls: int = 200, rounds: int =
     return samples
 
 
+def stacks_on_termination() -> None:
+    """On SIGTERM (what torchrun and ``timeout`` send), print every thread's Python stack to stderr, then end as
+    SIGTERM would: a benchmark that hangs, at its end or anywhere, says where. Costs nothing until then."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+
 def capture_graph(fn: Step) -> "torch.cuda.CUDAGraph":
     """``fn`` captured once in a CUDA graph; ``graph.replay()`` then reruns its kernels (and captured
     NCCL collectives) for a few µs of host. Two warm-up calls on a side stream first (lazy
     initialisation must not be captured), then a barrier when distributed, so every rank captures in
-    the same order. Keep the graph alive as long as its replays are used (it owns their memory).
+    the same order. Keep the graph alive as long as its replays are used (it owns their memory), and
+    drop it before the process group is destroyed (NCCL waits for graphs that use its communicators).
     GPU only: raises RuntimeError elsewhere."""
     if not on_gpu():
         raise RuntimeError("capture_graph: CUDA graphs need a CUDA GPU (and Triton outside its interpreter)")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: the GPU checks and every benchmark in bench/, in one call.
-# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|tests|gputests|moetests|all ...]
+# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|plane|stephost|tests|gputests|
+#                                                   moetests|all ...]
 # NPROC defaults to the GPU count; OUT to a new temporary directory. Each step has its own time limit
 # and logs to $OUT/<step>.log, so one failing step does not hide the others; the last lines of each
 # log are echoed. The benchmarks append their JSON rows to $OUT/<bench>.jsonl.
@@ -45,6 +46,12 @@ if want tuning; then
 fi
 if want tuning_moe; then
     run tuning_cost_moe 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost_moe.jsonl" --workload moe
+fi
+if want plane; then  # the control plane: µs per collective through the rendezvous store, and on the group
+    TAIL=14 run control_plane 120 "${launch[@]}" bench/control_plane.py --out "$OUT/control_plane.jsonl"
+fi
+if want stephost; then  # host µs per call of the tuned AG + GEMM 8192^3 step, wrapped vs plain
+    TAIL=10 run step_host 240 "${launch[@]}" bench/step_host.py --out "$OUT/step_host.jsonl"
 fi
 if want fast; then
     TAIL=20 run fast_path 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/fast_path.py --out "$OUT/fast_path.jsonl"
