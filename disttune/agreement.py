@@ -45,7 +45,7 @@ from .errors import TuningError
 from .logs import RankLog
 from .measures import EXTRA, Measurements, choose, measured
 from .options import describe_value
-from .sites import AllConfigsFailed, Site, Statistic, SiteId, agree, agree_measure, winner_index
+from .sites import AllConfigsFailed, Site, SiteId, Statistic, agree, agree_measure, describe_config, winner_index
 from .store import StoreWarning
 
 INF = float("inf")
@@ -95,6 +95,19 @@ class TuningReport:
     phases: dict = field(default_factory=dict)
     #: seconds of work beside the call (compile threads): ``compile busy``, ``compile span``
     background: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """A table people read: per site, its key with names, the winner, its agreed time and where it came from."""
+        lines = [f"tuning call: {len(self.results)} site(s) over {self.world_size} rank(s), {self.function_runs} "
+                 f"runs of the function, {self.wall_s:.3f} s", "",
+                 "| kernel | key | winner | agreed ms | from |", "| --- | --- | --- | ---: | --- |"]
+        for r in self.results:
+            agreed = f"{r.agreed_ms[r.winner]:.4f}" if r.agreed_ms and 0 <= r.winner < len(r.agreed_ms) else ""
+            config = describe_config(r.config) if 0 <= r.winner < len(r.configs) else "(the kernel's cached one)"
+            lines.append(f"| {r.site.kernel} | {r.site.key_text()} | {config} | {agreed} | {r.source} |")
+        if self.phases:
+            lines += ["", "time: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in self.phases.items())]
+        return "\n".join(lines)
 
 
 def describe_mismatch(per_rank_sites: list[list[tuple]]) -> Optional[str]:
@@ -171,6 +184,7 @@ class Agreement:
         #: how this call ends on every rank if it fails on some (enter it around the call: it runs the watcher)
         self.ending = Ending(comm, name, self.channel)
         self._device_waits = 0
+        self.run: Optional[str] = None  # the job's run, rank 0's (set by the consensus)
 
     def _together(self, step: str, own: Sequence[str], collective: Callable[[], T]) -> T:
         """Run one collective of this tuning call; ``own`` is this rank's errors, if it brings any.
@@ -216,12 +230,14 @@ class Agreement:
             raise self.ending.settle(err, step) from err
 
     def consensus(self, sites: Sequence[Site], error: Optional[tuple], options: dict[str, str],
-                  split: Sequence[bool], table: Optional[str] = None, pinned: Any = None) -> None:
+                  split: Sequence[bool], table: Optional[str] = None, pinned: Any = None,
+                  run: Optional[str] = None) -> None:
         """One all-gather of what each rank found; the same verdict on every rank, applied to ``sites``.
 
         ``error``: this rank's discovery error as ``(exception, message)``; ``options``: a stable text
         per option that changes the schedule or the verdict; ``split``: per site, whether it is split;
-        ``table``: the pinned table's digest (``pinned`` names it in errors). Sites cached on some ranks
+        ``table``: the pinned table's digest (``pinned`` names it in errors); ``run``: this rank's run
+        (:func:`disttune.env.run_id`), rank 0's becomes :attr:`run` on every rank. Sites cached on some ranks
         only are tuned everywhere; rank 0's stored or pinned answer decides a site for every rank, unless
         that config failed on some rank in the discovery run (its own answer there, or a config it tried):
         a stored winner is then tuned again on every rank (the failing ranks score it ``inf``), and a
@@ -236,10 +252,12 @@ class Agreement:
             "failures": [dict(s.failures) for s in sites],
             "table": table,
             "split": list(split),
+            "run": run,
         }
         step = "consensus (site digest)"
         everyone = self._together(step, [error[1]] if error else [],
                                   lambda: self.comm.all_gather_objects(mine, step))
+        self.run = everyone[0].get("run")
         failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if failed:
             _raise_rank_errors(f"disttune: {self.name}: the discovery run raised", failed, error)

@@ -102,7 +102,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import build_report
 
-    report = build_report(resolve_log_dir(args.log_dir), args.out, history=args.all)  # OSError: no logs, or unwritable
+    report = build_report(resolve_log_dir(args.log_dir), args.out, history=args.all,
+                          all_runs=args.all_runs)  # OSError: no logs, or unwritable
     print(f"report: {report.markdown_path}")
     for plot in report.plots:
         print(f"plot: {plot}")
@@ -229,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="report directory (default: LOG_DIR/report)")
     report.add_argument("--all", action="store_true",
                         help="every tuning call of each site, oldest first (default: the last of each)")
+    report.add_argument("--all-runs", action="store_true",
+                        help="every run (job) that logged into the folder, each in its own section (default: the latest)")
     report.set_defaults(run=cmd_report, parser=report)
 
     check = sub.add_parser(

@@ -269,8 +269,8 @@ class ContextualAutotuner:
             self._communicator = make_communicator(o.is_dist, o.group, o.comm, o.timeout_s)
         return self._communicator
 
-    def _commit(self, sites: dict[SiteId, Site], results: list[SiteResult]) -> dict[SiteId, Any]:
-        self._winners = engine.commit(sites, results)
+    def _commit(self, sites: dict[SiteId, Site], results: list[SiteResult], wall_s: float = 0.0) -> dict[SiteId, Any]:
+        self._winners = engine.commit(sites, results, wall_s)
         self._known_sites.update(sites)
         self._known_winners.update(self._winners)
         self._plan = FastPlan(self._known_sites, self._known_winners, *self._unseen_policy())
@@ -340,7 +340,10 @@ class ContextualAutotuner:
                 with span("collectives"):
                     agreed = {**o.agreed(), "DISTTUNE_VERIFY": repr(verify_threshold)}  # verify adds runs: all or none
                     agreement.consensus(found, error, agreed, [bool(self._splits(s)) for s in found],
-                                        None if table is None else stores.table_digest(table), o.pinned)
+                                        None if table is None else stores.table_digest(table), o.pinned, log.run)
+                log.run = agreement.run or log.run
+                for site in found:
+                    log.label_key(site.id.kernel, site.id.key, site.id.key_text())
                 tuned = [s for s in found if s.preset is None and s.decided is None]
                 for site in tuned:
                     if comm.world_size > 1 and self._splits(site):
@@ -378,12 +381,12 @@ class ContextualAutotuner:
                 with span("collectives"):
                     results = agreement.verdicts(tuned, log) + settled_results(found, log)
                 diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
-                winners = self._commit(sites, results)
+                winners = self._commit(sites, results, time.perf_counter() - started)
                 for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
                     self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
                     log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
                 if any(s.preset is None for s in found):
-                    result, results, final_runs = runs.final(results, winners, log, lambda r: self._commit(sites, r))
+                    result, results, final_runs = runs.final(results, winners, log, lambda r: self._commit(sites, r, time.perf_counter() - started))
                     function_runs += final_runs
                 if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
                     with span("store"):
@@ -459,10 +462,11 @@ def contextual_autotune(
     call after tuning does with a key it was not tuned for (:mod:`disttune.unseen`): it never enters a
     collective, so a size that only some ranks meet never stalls them. It runs at once on the winner of
     the nearest tuned key (:mod:`disttune.nearest`; the first config when none is a candidate), the same
-    on every rank; ``"tune"`` then tunes keys that every rank met in the same call at the next agreement
-    point (one one-float all-gather every ``agree_every`` calls), up to ``agree_every`` calls later and
-    not in the call that met them; ``"nearest"`` never tunes in traffic (with ``pinned=``, sites the
-    table lacks take its nearest entry); ``"error"`` raises :class:`~disttune.unseen.UnseenKeyError`.
+    on every rank; ``"tune"`` then tunes keys that every rank met in the same call, one agreement point
+    later (every ``agree_every`` calls each rank sets one number in the rendezvous store and reads its
+    peers' from the point before: no wait), so between ``agree_every`` and ``2 * agree_every`` calls
+    later and not in the call that met them; ``"nearest"`` never tunes in traffic (with ``pinned=``, sites
+    the table lacks take its nearest entry); ``"error"`` raises :class:`~disttune.unseen.UnseenKeyError`.
     A tuner with ``pinned=`` never tunes after its first call: under ``"tune"`` too, a key the table
     lacks stays on its fallback.
     A world of one with ``"tune"`` runs the first config and tunes on the next call. ``fallbacks``

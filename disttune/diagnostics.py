@@ -234,21 +234,21 @@ def format_diagnostics(site: Any) -> str:
     spreads = [noise_of(r, facts.get(r.index)) for r in (winner, runner) if r is not None]
     known = [s for s in spreads if s is not None]
     noise = max(known) if known else None
-    rank_spread = "n/a" if math.isnan(winner.spread) else f"{100 * winner.spread:.1f} %"
+    rank_spread = "n/a" if math.isnan(winner.rank_spread) else f"{100 * winner.rank_spread:.1f} %"
     sample_text = "unknown (one sample)" if noise is None else f"{100 * noise:.1f} %"
-    lines.append(f"- winner's agreed time: spread across ranks {rank_spread}; across samples {sample_text} "
-                 "(worst rank, (max - min) / median, winner and runner-up)")
+    lines.append(f"- winner's agreed time: rank spread {rank_spread}; noise {sample_text} "
+                 "(the worst rank's, of the winner and the runner-up)")
     if runner is None:
         lines.append("- no runner-up: the winner is the only config with a finite time")
     else:
         verdict = (f"**not distinguishable** from the runner-up config {runner.index} {_code(runner.label)}"
                    if noise is None or margin <= noise else f"ahead of the runner-up config {runner.index} "
                    f"{_code(runner.label)} by more than the noise")
-        basis = "no sample spread to compare with" if noise is None else f"noise {100 * noise:.1f} %"
+        basis = "no noise to compare with" if noise is None else f"noise {100 * noise:.1f} %"
         lines.append(f"- margin over the runner-up: {100 * margin:.1f} % ({basis}): the winner is {verdict}")
     where = diag.device if diag is not None and diag.device else "?"
     lines += ["", f"Compiler facts (device budget: {where}); `unknown` where no compiler ran (interpreter):", "",
-              "| config | registers | spills | shared B | occupancy (blocks/SM) | samples spread | why it lost |",
+              "| config | registers | spills | shared B | occupancy (blocks/SM) | noise | why it lost |",
               "|---|---:|---:|---:|---|---:|---|"]
     winner_facts = facts.get(winner.index)
     ordered = sorted(site.configs, key=lambda r: (r.index != winner.index, _sort_time(r.agreed_ms), r.index))
@@ -259,11 +259,12 @@ def format_diagnostics(site: Any) -> str:
         def show(value: Any) -> str:
             return "unknown" if not known or value is None else str(value)
 
-        occ = (f"{f.blocks_per_sm} ({f.occupancy_limit})" if known and f.blocks_per_sm is not None else "unknown")
-        spread = f"{100 * f.sample_spread:.1f} %" if f is not None and f.sample_spread is not None else "n/a"
+        occupancy = (f"{f.blocks_per_sm} ({f.occupancy_limit})" if known and f.blocks_per_sm is not None
+                     else "unknown")
+        config_noise = f"{100 * f.sample_spread:.1f} %" if f is not None and f.sample_spread is not None else "n/a"
         why = "the winner" if row.index == winner.index else _cell(loser_line(row, winner, f, winner_facts, noise))
         lines.append(f"| {row.index}: {_code(row.label)} | {show(f and f.n_regs)} | {show(f and f.n_spills)} | "
-                     f"{show(f and f.shared_bytes)} | {occ} | {spread} | {why} |")
+                     f"{show(f and f.shared_bytes)} | {occupancy} | {config_noise} | {why} |")
     return "\n".join(lines)
 
 

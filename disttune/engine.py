@@ -12,8 +12,11 @@ none decides a winner by itself.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from . import env
 from . import store as stores
@@ -109,9 +112,10 @@ class Runs:
             winners = commit(results)
 
 
-def commit(sites: dict[SiteId, Site], results: Sequence[SiteResult]) -> dict[SiteId, Any]:
-    """Each site's winner into its kernel's own cache (later launches, inside or outside, use it); returns
-    the winners by site. A kernel's cache holds one config per key: its first occurrence's."""
+def commit(sites: dict[SiteId, Site], results: Sequence[SiteResult], wall_s: float = 0.0) -> dict[SiteId, Any]:
+    """Each site's winner into its kernel's own cache (later launches, inside or outside, use it), with what
+    ``triton.autotune`` sets after benchmarking (:func:`keep_triton_attributes`); returns the winners by site.
+    A kernel's cache holds one config per key: its first occurrence's."""
     winners, committed = {}, set()
     for result in sorted(results, key=lambda r: r.site.occurrence):
         site = sites[result.site]
@@ -120,7 +124,27 @@ def commit(sites: dict[SiteId, Site], results: Sequence[SiteResult]) -> dict[Sit
         if (id(site.autotuner), result.site.key) not in committed:
             committed.add((id(site.autotuner), result.site.key))
             site.autotuner.cache[result.site.key] = config
+            keep_triton_attributes(site, result, config, wall_s)
     return winners
+
+
+def keep_triton_attributes(site: Site, result: SiteResult, config: Any, wall_s: float) -> None:
+    """What Triton's ``Autotuner.run`` leaves on the kernel after benchmarking, so code that reads it after
+    ``triton.autotune`` keeps working: ``best_config``, ``bench_time`` (the tuning call's seconds) and, for a
+    site tuned here, ``configs_timings``: per config, ``[agreed ms, 20th, 80th percentile of this rank's
+    samples]`` (Triton's median, 20th and 80th percentile; ``inf`` for a config that failed, ``nan`` where
+    this rank took no sample)."""
+    autotuner = site.autotuner
+    autotuner.best_config = config
+    autotuner.bench_time = wall_s
+    if result.source != "tuned" or not result.agreed_ms:
+        return
+    timings = {}
+    for index, candidate in enumerate(result.configs):
+        samples = site.samples[index] if index < len(site.samples) else []
+        low, high = (np.percentile(samples, [20, 80]).tolist() if samples else [math.nan, math.nan])
+        timings[candidate] = [float(result.agreed_ms[index]), float(low), float(high)]
+    autotuner.configs_timings = timings
 
 
 # -- the persistent store ----------------------------------------------------------------------------------
@@ -213,7 +237,8 @@ def print_summary(name: str, report: Any, reduce: str, log: RankLog) -> None:
         agreed = f"{r.agreed_ms[r.winner]:.4f} ms agreed ({reduce})" if r.source == "tuned" else r.source
         if r.measurements:  # a measured objective: what the score saw beside the time
             agreed += f", {describe_measurements(r.measurements[r.winner])}, score {r.scores[r.winner]:.4g}"
-        lines.append(f"  {r.site.describe()} -> {describe_config(r.config)}: {agreed}")
+        lines.append(f"  {r.site.kernel} {r.site.key_text()} (occurrence {r.site.occurrence}) -> "
+                     f"{describe_config(r.config)}: {agreed}")
     print("\n".join(lines), file=sys.stdout, flush=True)
 
 

@@ -27,6 +27,7 @@ Reading costs a dictionary lookup or two; nothing is cached, so a test can chang
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import re
@@ -36,7 +37,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
     "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
-    "compile_overlap", "timeout_or_error", "tuning_settings",
+    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -97,6 +98,15 @@ def tuning_settings() -> dict[str, str]:
     """The ``DISTTUNE_*`` settings that change how a tuning call runs, as text every rank must share
     (the consensus compares them; ``DISTTUNE_VERIFY`` and ``DISTTUNE_TIMEOUT`` come with the options)."""
     return {ALWAYS_TUNE: repr(always_tune()), COMPILE_OVERLAP: repr(compile_overlap())}
+
+
+_STARTED = datetime.datetime.now(datetime.timezone.utc)
+
+
+def run_id() -> str:
+    """This process's run: when it imported disttune (UTC, to the second) and its pid, ``2026-11-26T12:00:00Z-4242``.
+    A tuning call logs rank 0's on every rank, so the records of one job share it and sort by start."""
+    return f"{_STARTED.strftime('%Y-%m-%dT%H:%M:%SZ')}-{os.getpid()}"
 
 
 def interpreting() -> bool:

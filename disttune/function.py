@@ -235,7 +235,7 @@ class FunctionAutotuner:
 
     def _agree_on_new_keys(self, group: Any, verbose: bool) -> None:
         """Every ``agree_every`` calls: the ranks' first calls with a new key; the same call on every rank is
-        tuned with its arguments (see :mod:`disttune.unseen`). One one-float all-gather."""
+        tuned with its arguments at the next point (see :mod:`disttune.unseen`); no wait for the peers."""
         self._countdown = self.agree_every
         saved, self._saved_call = self._saved_call, None
         comm = self._communicator(group)
@@ -417,9 +417,9 @@ def autotune(
     The first call tunes its key on every rank. After that a key the wrapper has no winner for never
     starts a collective (only some ranks may meet it): it runs on the winner of the nearest tuned key
     (:mod:`disttune.nearest`; the first config when none is a candidate), the same on every rank, and
-    ``fallbacks`` names it. With ``on_new_key="tune"`` (the default) every ``agree_every`` calls the
-    ranks all-gather one float, and a key every rank met in the same call is then tuned with that
-    call's arguments; ``"nearest"`` never tunes it; ``"error"`` raises
+    ``fallbacks`` names it. With ``on_new_key="tune"`` (the default) every ``agree_every`` calls each
+    rank gives one number (:class:`~disttune.unseen.NewKeyVotes`, no wait), and a key every rank met in
+    the same call is tuned with that call's arguments at the point after; ``"nearest"`` never tunes it; ``"error"`` raises
     :class:`~disttune.unseen.UnseenKeyError`. In a world of one, ``"tune"`` tunes every new key at
     once. Per call this adds one counter; the agreement assumes every rank calls the wrapper (with
     ``autotune=True``) as often, and uses the group of the call that reaches it.

@@ -80,6 +80,7 @@ class Discover(SiteLaunches):
         self.phases = phases
 
     def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        ident = SiteId(ident.kernel, key, ident.occurrence, triton.key_names(autotuner, args, kwargs))
         configs = triton.candidate_configs(autotuner, args, kwargs)
         for config in configs:
             triton.check_conflicts(autotuner, kwargs, config)

@@ -6,9 +6,11 @@ append at the end, keeping file I/O out of the timed runs; each record keeps the
 time of its own event (a ``measure`` record: when that sample was taken).
 
 JSON lines start with ``{`` and carry ``"event"`` (``measure``, ``config``,
-``winner``, ``tuning``, ``diagnostics``, ``verify``), ``rank``, ``host``, ``time`` (ISO 8601, UTC) and
-``function`` (the wrapped function's qualified name), so
-``disttune report`` can read them back with ``json.loads`` line by line.
+``winner``, ``tuning``, ``diagnostics``, ``verify``), ``rank``, ``host``, ``time`` (ISO 8601, UTC),
+``function`` (the wrapped function's qualified name) and ``run`` (the job's run: rank 0's process start and
+pid, the same on every rank, :func:`disttune.env.run_id`), so ``disttune report`` can read them back with
+``json.loads`` line by line and group them by run. A record about a site also has ``key_text``, the key with
+its argument names (``M=48 N=32 K=64 dtype=float16``).
 Times in ms are numbers, or ``null`` where there is none: a config that failed
 (or was pruned) on a rank, or one this rank did not time (a split site); a
 ``config`` record's ``failed_ranks`` tells the two apart.
@@ -59,16 +61,27 @@ class RankLog:
         self.rank = rank
         self.function = function
         self.host = socket.gethostname()
-        self._lines: list[str] = []
+        #: the job's run, the same on every rank (a tuning call sets rank 0's after its consensus)
+        self.run = env.run_id()
+        self.key_texts: dict[tuple[str, str], str] = {}  # (kernel, repr(key)) -> the key with its names
+        self._lines: list[Any] = []  # readable lines, and records made into JSON lines when flushed
+
+    def label_key(self, kernel: str, key: tuple, text: str) -> None:
+        """How records about ``kernel``'s ``key`` name it for people (``key_text``)."""
+        self.key_texts[(kernel, repr(key))] = text
 
     def _add(self, event: str, line: str, /, at: Optional[float] = None, **fields: Any) -> None:
         """Buffer one event: ``line`` for people, ``fields`` in its JSON record; ``at`` is when it happened
         (seconds since the epoch), default now."""
         stamp = _utc(at)
         self._lines.append(f"{stamp} rank={self.rank} host={self.host} {event}: {line}")
-        record = {"event": event, "rank": self.rank, "host": self.host, "time": stamp, "function": self.function,
-                  **fields}
-        self._lines.append(json.dumps(record, default=str))
+        self._lines.append({"event": event, "rank": self.rank, "host": self.host, "time": stamp,
+                            "function": self.function, **fields})
+
+    def _json(self, record: dict) -> str:
+        text = self.key_texts.get((record.get("kernel"), record.get("key")))
+        extra = {"run": self.run, **({"key_text": text} if text else {})}
+        return json.dumps({**record, **extra}, default=str)
 
     def measure(self, site: str, key: tuple, config_index: int, config: str, iteration: int, ms: float,
                 at: Optional[float] = None) -> None:
@@ -96,7 +109,7 @@ class RankLog:
                 f" score={measures['score']:.4f}" + (" on the Pareto front" if measures["front"] else "")
         self._add(
             "config",
-            f"{site} key={key!r} occ={occurrence} config[{config_index}]={{{config}}} per-rank ms [{shown}] "
+            f"{site} key={key!r} occurrence={occurrence} config[{config_index}]={{{config}}} per-rank ms [{shown}] "
             f"agreed={agreed_ms:.4f}" + text + (f" failed here: {failure}" if failure else ""),
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
             per_rank_ms=[_json_ms(t) for t in per_rank_ms],
@@ -110,7 +123,7 @@ class RankLog:
     ) -> None:
         self._add(
             "winner",
-            f"{site} key={key!r} occ={occurrence} -> config[{config_index}]={{{config}}} "
+            f"{site} key={key!r} occurrence={occurrence} -> config[{config_index}]={{{config}}} "
             f"agreed={agreed_ms:.4f} ms ({source})",
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
             agreed_ms=_json_ms(agreed_ms), source=source,
@@ -130,7 +143,8 @@ class RankLog:
         """What explains a config's time (``scope="config"``) or a site's verdict (``"site"``); see
         :mod:`disttune.diagnostics` for the fields."""
         shown = " ".join(f"{name}={value}" for name, value in facts.items() if name != "config")
-        self._add("diagnostics", f"{site} key={key!r} occ={occurrence} {scope}: {shown}", kernel=site, key=repr(key),
+        self._add("diagnostics", f"{site} key={key!r} occurrence={occurrence} {scope}: {shown}", kernel=site,
+                  key=repr(key),
                   occurrence=occurrence, scope=scope, **facts)
 
     def verify(self, site: str, key: tuple, occurrence: int, config_index: int, config: str,
@@ -139,7 +153,7 @@ class RankLog:
         recorded = "none" if recorded_ms is None else f"{recorded_ms:.4f}"
         self._add(
             "verify",
-            f"{site} key={key!r} occ={occurrence} config[{config_index}]={{{config}}} recorded={recorded} ms "
+            f"{site} key={key!r} occurrence={occurrence} config[{config_index}]={{{config}}} recorded={recorded} ms "
             f"fresh={fresh_ms:.4f} ms threshold={threshold} ({source})" + (" REGRESSED" if regressed else ""),
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
             recorded_ms=recorded_ms, fresh_ms=_json_ms(fresh_ms), threshold=threshold, regressed=regressed,
@@ -148,7 +162,7 @@ class RankLog:
 
     def fallback(self, site: str, key: tuple, occurrence: int, config: str, source: str) -> None:
         """A site met after tuning, served by a fallback (``on_new_key``) without tuning."""
-        self._add("fallback", f"{site} key={key!r} occ={occurrence} -> {{{config}}} served by the {source}",
+        self._add("fallback", f"{site} key={key!r} occurrence={occurrence} -> {{{config}}} served by the {source}",
                   kernel=site, key=repr(key), occurrence=occurrence, config=config, source=source)
 
     def note(self, topic: str, text: str) -> None:
@@ -162,7 +176,7 @@ class RankLog:
             return
         folder = files.open_dir(self.path.parent, create=True)
         try:
-            text = "\n".join(self._lines) + "\n"
+            text = "\n".join(line if isinstance(line, str) else self._json(line) for line in self._lines) + "\n"
             if files.append_no_follow(folder, self.path.name, text.encode("utf-8")):
                 warnings.warn(f"disttune: rank log {self.path} was a symbolic link; replaced by a file (its target "
                               "is left as it was)", LogWarning, stacklevel=2)

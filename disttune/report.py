@@ -1,11 +1,12 @@
 """Merge the per-rank tuning logs of one log directory into a Markdown report with plots.
 
     report = build_report("logs")            # writes logs/report/report.md and site-<n>-*.png
-    python -m disttune.report logs [OUT_DIR] [--all]
+    python -m disttune.report logs [OUT_DIR] [--all] [--all-runs]
 
 Each rank appends ``<log_dir>/rank-<r>.log`` (see :mod:`disttune.logs`). For every tuning site
 (function, kernel, key, occurrence) the report shows the *last* tuning call found in the logs
-(``history=True``, ``disttune report --all``: every tuning call, oldest first).
+(``history=True``, ``disttune report --all``: every tuning call, oldest first), of the latest run (job)
+that logged into the folder (``all_runs=True``, ``--all-runs``: every run, each in its own section).
 
 This module runs the steps and writes the files; each step has a module of its own:
 :mod:`disttune.report_logs` reads the rank logs, :mod:`disttune.report_sites` merges them into
@@ -32,7 +33,8 @@ from .logs import resolve_log_dir
 from .report_logs import find_rank_logs, load_rank_log
 from .report_markdown import format_markdown
 from .report_plots import agreed_figure, heatmap_figure
-from .report_sites import ConfigRow, SiteSummary, collect_sites, missing_rank_problems, world_size_of
+from .report_sites import (ConfigRow, SiteSummary, collect_sites, missing_rank_problems, of_run, runs_of,
+                           world_size_of)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -74,11 +76,13 @@ def plot_site(site: SiteSummary, out_dir: Path) -> list[Path]:
 
 
 def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None,
-                 history: bool = False) -> Report:
+                 history: bool = False, all_runs: bool = False) -> Report:
     """Merge ``<log_dir>/rank-<r>.log`` into ``<out_dir>/report.md`` plus two PNGs per tuned site.
 
-    The report covers each site's last tuning call; ``history=True`` covers every tuning call of
-    every site, oldest first (two PNGs per tuning).
+    Each job that logged into the folder is a *run* (its records share rank 0's start and pid); the
+    report covers the latest run, ``all_runs=True`` every run, each in a section of its own, oldest
+    first. Within a run it covers each site's last tuning call; ``history=True`` covers every tuning
+    call of every site, oldest first (two PNGs per tuning).
 
     ``out_dir`` defaults to ``<log_dir>/report`` (created; existing files of the same names are
     overwritten). Cost: reads every rank log three times (records, line scan, UTF-8 check),
@@ -95,8 +99,15 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
     problems = [p for data in logs for p in data.problems]
     world = world_size_of(logs)
     problems += missing_rank_problems(found, world, log_dir)
-    sites, site_found = collect_sites(logs, history)
-    problems += site_found
+    runs = runs_of(logs)
+    sites: list[SiteSummary] = []
+    for run in (runs if all_runs else runs[-1:]):
+        found_here, site_found = collect_sites(of_run(logs, run), history)
+        for site in found_here:
+            site.number += max((s.number for s in sites), default=0)
+            site.run = run
+        sites += found_here
+        problems += site_found
     attach_diagnostics(sites, logs)
     present = [d.rank for d in logs if d.records]
     plots: list[Path] = []
@@ -107,9 +118,11 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
             problems.append(f"{site.name.lower()}: plots failed: {type(err).__name__}: {err}")
         plots += site.plots
     markdown = out / REPORT_NAME
-    fallbacks = [r for data in logs for r in data.records if r["event"] == "fallback"]
-    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history, fallbacks),
-                        encoding="utf-8")
+    shown = set(runs if all_runs else runs[-1:])
+    fallbacks = [r for data in logs for r in data.records
+                 if r["event"] == "fallback" and str(r.get("run") or "") in shown]
+    markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history, fallbacks,
+                                        runs, all_runs), encoding="utf-8")
     return Report(markdown, plots, sites, problems)
 
 
@@ -118,9 +131,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("log_dir", nargs="?", default=None, help="the tuner's log_dir (default: ./logs)")
     parser.add_argument("out_dir", nargs="?", default=None, help="where to write (default: LOG_DIR/report)")
     parser.add_argument("--all", action="store_true", help="every tuning call of each site, not only the last")
+    parser.add_argument("--all-runs", action="store_true", help="every run (job) in the folder, not only the latest")
     options = parser.parse_args(argv)
     try:
-        report = build_report(resolve_log_dir(options.log_dir), options.out_dir, history=options.all)
+        report = build_report(resolve_log_dir(options.log_dir), options.out_dir, history=options.all,
+                              all_runs=options.all_runs)
     except OSError as err:  # FileNotFoundError: no rank logs there
         print(f"disttune report: {err}", file=sys.stderr)
         return 1

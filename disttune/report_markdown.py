@@ -15,7 +15,7 @@ import datetime
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .diagnostics import format_diagnostics
 from .report_logs import clip
@@ -70,17 +70,20 @@ def format_site_table(site: SiteSummary, present: Iterable[int]) -> str:
     measured = any(row.measures for row in site.configs)
     extra = [f"agreed {label} ({reduce})" for label in _MEASURE_COLUMNS.values()] + ["score"] if measured else []
     header = (["#", "config"] + [f"rank {r} ms" + ("" if r in present else " (no log)") for r in site.ranks]
-              + [f"agreed ms ({reduce})"] + extra + ["spread", "failures", "winner"])
+              + [f"agreed ms ({reduce})"] + extra + ["samples ms (20th-80th %)", "rank spread", "failures", "winner"])
     lines = ["| " + " | ".join(header) + " |",
              "|" + "|".join(["---:", "---"] + ["---:"] * len(site.ranks) + ["---:"] * (1 + len(extra))
-                            + ["---:", "---", ":---:"]) + "|"]
+                            + ["---:", "---:", "---", ":---:"]) + "|"]
     for row in site.configs:
-        spread = "" if math.isnan(row.spread) else f"{100 * row.spread:.1f}%"
+        spread = "" if math.isnan(row.rank_spread) else f"{100 * row.rank_spread:.1f}%"
+        band = row.sample_band
+        samples = "" if band is None else f"{band[0]:#.4g}-{band[2]:#.4g}"
         mark = "**winner**" if row.index == site.winner else ""
         measures = ([format_measure(row.measures.get(name)) for name in _MEASURE_COLUMNS]
                     + [format_ms(row.score if row.score is not None else math.nan, failed="out")] if measured else [])
         cells = ([str(row.index), _code(row.label)] + [format_ms(t) for t in row.per_rank_ms]
-                 + [format_ms(row.agreed_ms)] + measures + [spread, _cell(failure_text(site, row, present)), mark])
+                 + [format_ms(row.agreed_ms)] + measures
+                 + [samples, spread, _cell(failure_text(site, row, present)), mark])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -125,7 +128,7 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
     present = list(present)
     lines = [f"## {site.name}: {_cell(site.title)}", "",
              f"- function: {_code(site.function)}",
-             f"- kernel: {_code(site.kernel)}, key: {_code(site.key)}, occurrence {site.occurrence}"]
+             f"- kernel: {_code(site.kernel)}, key: {_code(site.key_label)}, occurrence {site.occurrence}"]
     winner = site.row(site.winner)
     if winner is not None:
         lines.append(f"- winner: config {winner.index} {_code(winner.label)}, agreed "
@@ -171,14 +174,14 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
 
 
 def format_summary(sites: Sequence[SiteSummary]) -> str:
-    lines = ["| site | function | kernel | key | occ | winner | agreed ms | ranks alone picking differently |",
+    lines = ["| site | function | kernel | key | occurrence | winner | agreed ms | ranks alone picking differently |",
              "|---:|---|---|---|---:|---|---:|---:|"]
     for site in sites:
         row = site.row(site.winner)
         winner = f"{row.index}: {_code(row.label)}" if row else ("none" if site.winner is None else str(site.winner))
         voters = sum(p is not None for p in site.alone_picks().values())
         number = f"{site.number}.{site.tuning_number}" if site.in_history else str(site.number)
-        lines.append(f"| {number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key)} | "
+        lines.append(f"| {number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key_label)} | "
                      f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | "
                      f"{len(site.disagreeing_ranks())} of {voters} |")
     return "\n".join(lines)
@@ -205,18 +208,34 @@ def format_fallbacks(fallbacks: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def describe_run(run: Optional[str]) -> str:
+    """A run as people read it: ``the run started 2026-11-26T12:00:00Z (pid 4242)``."""
+    if not run:
+        return "records that name no run (logged by an older version)"
+    start, _, pid = str(run).rpartition("-")
+    return f"the run started {start} (pid {pid})" if start and pid.isdigit() else f"run {run}"
+
+
 def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites: Sequence[SiteSummary],
                     problems: Sequence[str], present: Sequence[int], history: bool = False,
-                    fallbacks: Sequence[dict] = ()) -> str:
-    """The whole report: header, Problems, summary table, one section per site (per tuning with ``history``)."""
+                    fallbacks: Sequence[dict] = (), runs: Sequence[str] = (), all_runs: bool = False) -> str:
+    """The whole report: header, Problems, summary table, one section per site (per tuning with ``history``),
+    grouped by run with ``all_runs``."""
     scope = ("Each site shows every tuning in the logs, oldest first (site 2.1 is site 2's first tuning)."
              if history else "Each site shows its last tuning in the logs (`--all`: every tuning).")
+    if all_runs:
+        scope += f" Every run in the folder ({len(runs)}), oldest first."
+    elif runs:
+        others = f"; the folder holds {len(runs)} runs (`--all-runs`: every run)" if len(runs) > 1 else ""
+        scope += f" It covers {describe_run(runs[-1])}{others}."
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     parts = ["# disttune tuning report", "",
              f"Logs: `{log_dir}` ({len(found)} rank log(s): {', '.join(p.name for p in found.values())}); "
              f"{len({site.number for site in sites})} site(s); generated {stamp}.", "",
              f"{scope} Times in ms; `failed` = inf (the config failed or "
-             "was pruned on that rank), `n/a` = not in any log. Spread = (max - min) / min over ranks.", "",
+             "was pruned on that rank), `n/a` = not in any log. *Rank spread* = (max - min) / min of the ranks' "
+             "times; *noise* = (max - min) / median of one rank's samples (the worst rank's); *samples* = the 20th "
+             "to 80th percentile of every rank's timed samples.", "",
              "## Problems", "", format_problems(problems), ""]
     if sites:
         parts += ["## Summary", "", format_summary(sites), ""]
@@ -226,7 +245,11 @@ def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites:
         parts += ["## Keys served by a fallback", "",
                   "Keys met after tuning that no tuning covered (`on_new_key`): each ran, with no collective, on "
                   "the config shown, the same on every rank that met it.", "", format_fallbacks(fallbacks), ""]
+    run = None
     for site in sites:
+        if all_runs and site.run != run:
+            run = site.run
+            parts += [f"# {describe_run(run).capitalize()}", ""]
         parts += [format_site(site, present, out_dir), ""]
     return "\n".join(parts)
 

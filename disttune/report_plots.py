@@ -115,7 +115,8 @@ def heatmap_figure(site: SiteSummary) -> Figure:
 
 
 def agreed_figure(site: SiteSummary) -> Figure:
-    """Horizontal bars of the agreed time per config, winner highlighted, failed configs hatched."""
+    """Horizontal bars of the agreed time per config, winner highlighted, failed configs hatched; an error bar on
+    each shows the spread of every rank's samples of that config (median, 20th to 80th percentile)."""
     from matplotlib.patches import Patch
 
     n_configs = len(site.configs)
@@ -128,12 +129,21 @@ def agreed_figure(site: SiteSummary) -> Figure:
     finite = [row.agreed_ms for row in site.configs if math.isfinite(row.agreed_ms)]
     top = max(finite) if finite else 1.0
     right = top * 1.22  # room for the value labels
+    bands = {row.index: row.sample_band for row in site.configs}
+    top = max([top] + [band[2] for band in bands.values() if band is not None and math.isfinite(band[2])])
+    right = top * 1.22
     for y, row in enumerate(site.configs):
         value = row.agreed_ms
         if math.isfinite(value):
             color = "#2ca02c" if row.index == site.winner else "#7f9fbf"
             axes.barh(y, value, color=color, edgecolor="black", linewidth=0.6, height=0.7)
-            axes.text(value + top * 0.01, y, f"{value:#.4g} ms", va="center", ha="left", fontsize=9)
+            band = bands[row.index]
+            if band is not None:  # the samples of every rank: median, 20th to 80th percentile
+                low, middle, high = band
+                axes.errorbar(middle, y, xerr=[[middle - low], [high - middle]], fmt="o", color="black",
+                              markersize=2.5, elinewidth=1.1, capsize=3)
+            axes.text(max(value, band[2] if band else value) + top * 0.01, y, f"{value:#.4g} ms", va="center",
+                      ha="left", fontsize=9)
         else:  # no bar: a hatched band across the whole axis, labelled
             axes.barh(y, right, color="#f2f2f2", edgecolor="#aaaaaa", hatch="//", linewidth=0.6, height=0.7)
             if math.isinf(value):
@@ -152,8 +162,13 @@ def agreed_figure(site: SiteSummary) -> Figure:
     axes.set_xlabel(f"agreed time (ms, reduce={site.reduce or '?'})")
     axes.grid(axis="x", linestyle=":", alpha=0.6)
     axes.set_axisbelow(True)
+    from matplotlib.lines import Line2D
+
     handles = [Patch(facecolor="#2ca02c", edgecolor="black", label="winner"),
                Patch(facecolor="#7f9fbf", edgecolor="black", label="other configs")]
+    if any(band is not None for band in bands.values()):
+        handles.append(Line2D([], [], color="black", marker="o", markersize=3,
+                              label="samples, all ranks:\nmedian, 20th-80th %"))
     if any(not math.isfinite(row.agreed_ms) for row in site.configs):
         handles.append(Patch(facecolor="#f2f2f2", edgecolor="#aaaaaa", hatch="//", label="failed / no data"))
     axes.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)

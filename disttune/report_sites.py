@@ -47,6 +47,18 @@ class ConfigRow:
     measures: dict = field(default_factory=dict)
     score: Optional[float] = None
     on_front: bool = False
+    samples_ms: list[float] = field(default_factory=list)  # every rank's timed samples of this tuning
+
+    @property
+    def sample_band(self) -> Optional[tuple[float, float, float]]:
+        """(20th percentile, median, 80th percentile) of the samples of every rank; None without two samples."""
+        finite = sorted(t for t in self.samples_ms if math.isfinite(t))
+        if len(finite) < 2:
+            return None
+        import numpy as np
+
+        low, middle, high = np.percentile(finite, [20, 50, 80])
+        return float(low), float(middle), float(high)
 
     @property
     def label(self) -> str:
@@ -54,8 +66,9 @@ class ConfigRow:
         return describe_config(self.config)
 
     @property
-    def spread(self) -> float:
-        """(max - min) / min over the ranks, ``nan`` unless every known rank time is finite and > 0."""
+    def rank_spread(self) -> float:
+        """The *rank spread*: (max - min) / min over the ranks' times, ``nan`` unless every known rank time is
+        finite and > 0. (A rank's own *noise* is the spread of its samples, :mod:`disttune.diagnostics`.)"""
         known = [t for t in self.per_rank_ms if not math.isnan(t)]
         if not known or not all(math.isfinite(t) for t in known) or min(known) <= 0:
             return math.nan
@@ -93,10 +106,18 @@ class SiteSummary:
     in_history: bool = False  # one of several tunings shown (``history=True``): named with its number
     diagnostics: Any = None  # disttune.diagnostics.SiteDiagnostics, set by diagnostics.attach
 
+    key_text: str = ""  # the key with its argument names, where the logs give it
+    run: Optional[str] = None  # the job's run the tuning belongs to (disttune.env.run_id)
+
+    @property
+    def key_label(self) -> str:
+        """The key as people read it: ``M=48 N=32 K=64 dtype=float16`` where the logs name it, else its repr."""
+        return self.key_text or self.key
+
     @property
     def title(self) -> str:
-        """``kernel key=(...) (occurrence n)``: the key tells apart two sites of one kernel."""
-        return f"{self.kernel} key={self.key} (occurrence {self.occurrence})"
+        """``kernel M=48 N=32 dtype=float16``, with the occurrence when the key launches more than once."""
+        return f"{self.kernel} {self.key_label}" + (f" (occurrence {self.occurrence})" if self.occurrence else "")
 
     @property
     def name(self) -> str:
@@ -148,6 +169,8 @@ class RankSite:
     latest: Optional[dict] = None  # the last winner record of any source
     waiting_for_tuning: bool = False
     earlier: list[tuple[dict, dict, Optional[dict]]] = field(default_factory=list)  # (configs, winner, tuning)
+    pending_samples: dict[int, list[float]] = field(default_factory=dict)  # measure records not yet in a config
+    samples_closed: bool = False  # the pending samples went to config records: the next sample starts anew
 
     def tunings(self) -> int:
         return len(self.earlier) + bool(self.configs or self.winner)
@@ -168,7 +191,7 @@ def site_key(record: dict) -> SiteKey:
 
 def _describe_key(key: SiteKey) -> str:
     function, kernel, site_key_text, occurrence = key
-    return f"{function} / {kernel} key={site_key_text} occ={occurrence}"
+    return f"{function} / {kernel} key={site_key_text} occurrence={occurrence}"
 
 
 
@@ -179,10 +202,20 @@ def rank_sites(data: RankLogData) -> tuple[dict[SiteKey, RankSite], list[str]]:
     label = data.path.name
     for record in data.records:
         event = record["event"]
-        if event == "config":
+        if event == "measure":
+            state = sites.setdefault((record.get("function") or "?", record["kernel"], record["key"], None), RankSite())
+            if state.samples_closed:  # the first sample of a new tuning
+                state.pending_samples, state.samples_closed = {}, False
+            if isinstance(record["ms"], (int, float)):
+                state.pending_samples.setdefault(record["config_index"], []).append(float(record["ms"]))
+        elif event == "config":
             state = sites.setdefault(site_key(record), RankSite())
             if record["config_index"] in state.pending:  # a new attempt that logged no winner before
                 state.pending = {}
+            samples = sites.get((record.get("function") or "?", record["kernel"], record["key"], None))
+            if samples is not None:
+                record = {**record, "samples": samples.pending_samples.get(record["config_index"], [])}
+                samples.samples_closed = True
             state.pending[record["config_index"]] = record
         elif event == "winner":
             state = sites.setdefault(site_key(record), RankSite())
@@ -198,6 +231,7 @@ def rank_sites(data: RankLogData) -> tuple[dict[SiteKey, RankSite], list[str]]:
             for key, state in sites.items():
                 if state.waiting_for_tuning and key[0] in (record["function"], "?"):
                     state.tuning, state.waiting_for_tuning = record, False
+    sites = {key: state for key, state in sites.items() if key[3] is not None}  # the samples went to their configs
     for key, state in sites.items():
         if state.pending and state.winner is None:
             problems.append(f"{label}: {_describe_key(key)} has config records but no winner record "
@@ -266,8 +300,9 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
         failures = {r: str(rec["failure"]) for r, rec in holders if rec.get("failure")}
         measures = first.get("measures") if isinstance(first.get("measures"), dict) else {}
         score = _ms(first["score"]) if measures and "score" in first else None
+        samples = [float(t) for _, rec in holders for t in rec.get("samples", [])]
         rows.append(ConfigRow(index, first["config"], times, agreed, failures, measures, score,
-                              bool(first.get("on_front"))))
+                              bool(first.get("on_front")), samples))
     with_winner = [(r, s) for r, s in sorted(per_rank.items()) if s.winner is not None]
     first = with_winner[0][1] if with_winner else None
     tuning = next((s.tuning for _, s in with_winner if s.tuning), None)
@@ -285,6 +320,10 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
         latest_source=latest["source"] if latest else None,
         latest_winner=latest["config_index"] if latest else None,
         logged_ranks=sorted(r for r, s in per_rank.items() if s.configs),
+        key_text=next((str(rec["key_text"]) for s in per_rank.values() for rec in [s.winner or s.latest or {}]
+                       if rec.get("key_text")), ""),
+        run=next((rec.get("run") for s in per_rank.values() for rec in [s.winner or s.latest or {}] if rec.get("run")),
+                 None),
     )
 
 
@@ -325,6 +364,18 @@ def _parse_time(text: Any) -> Optional[datetime.datetime]:
     except ValueError:
         return None
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=datetime.timezone.utc)
+
+
+def runs_of(logs: Sequence[RankLogData]) -> list[str]:
+    """The runs the logs hold (``run`` fields, :func:`disttune.env.run_id`), oldest first; ``""`` stands for
+    records that name no run (logs of an older version)."""
+    return sorted({str(r.get("run") or "") for data in logs for r in data.records})
+
+
+def of_run(logs: Sequence[RankLogData], run: str) -> list[RankLogData]:
+    """``logs`` with only the records of ``run``."""
+    return [RankLogData(d.rank, d.path, [r for r in d.records if str(r.get("run") or "") == run], d.problems)
+            for d in logs]
 
 
 def collect_sites(logs: Sequence[RankLogData], history: bool = False) -> tuple[list[SiteSummary], list[str]]:

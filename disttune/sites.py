@@ -44,9 +44,36 @@ class SiteId:
     kernel: str
     key: tuple
     occurrence: int
+    #: the names of the key's entries (``triton_launch.key_names``), where known; not part of the identity
+    names: tuple = field(default=(), compare=False, repr=False)
 
     def describe(self) -> str:
         return f"{self.kernel} key={self.key!r} occurrence={self.occurrence}"
+
+    def key_text(self) -> str:
+        """The key with its names, as people read it: ``M=48 N=32 K=64 dtype=float16`` (see :func:`label_key`)."""
+        return label_key(self.names, self.key)
+
+
+def label_key(names: Sequence[str], key: Sequence[Any]) -> str:
+    """``M=48 N=32 K=64 dtype=float16``: each key entry with its name, then the tensors' dtypes as one
+    ``dtype=`` (the most common one, without ``torch.``) and the arguments of other dtypes in brackets,
+    ``dtype=float16 (int32: flags, offsets)``. Without names (a key from the logs of an older version),
+    the key's repr."""
+    if len(names) != len(key):
+        return repr(tuple(key))
+    parts, dtypes = [], {}
+    for name, value in zip(names, key):
+        if str(name).endswith(".dtype"):
+            argument = str(name).removesuffix(".dtype").removesuffix("_ptr")
+            dtypes.setdefault(str(value).removeprefix("torch."), []).append(argument)
+        else:
+            parts.append(f"{name}={value}")
+    if dtypes:
+        common = max(dtypes, key=lambda dtype: len(dtypes[dtype]))
+        others = "; ".join(f"{dtype}: {', '.join(args)}" for dtype, args in dtypes.items() if dtype != common)
+        parts.append(f"dtype={common}" + (f" ({others})" if others else ""))
+    return " ".join(parts)
 
 
 @dataclass

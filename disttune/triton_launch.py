@@ -24,6 +24,14 @@ def has_choice(autotuner: Autotuner) -> bool:
     return len(autotuner.configs) > 1
 
 
+def key_names(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
+    """The names of :func:`tuning_key`'s entries, in its order: the ``key`` arguments, then ``<arg>.dtype`` for
+    each tensor argument."""
+    named = {k: v for k, v in {**dict(zip(autotuner.arg_names, args)), **kwargs}.items() if k in autotuner.arg_names}
+    return tuple([k for k in autotuner.keys if k in named] + [f"{k}.dtype" for k, v in named.items()
+                                                               if hasattr(v, "dtype")])
+
+
 def empty_config_list(autotuner: Autotuner) -> bool:
     """Whether the autotuner holds only the one empty ``Config`` Triton makes for ``triton.autotune(configs=[])``
     (no meta-parameters at all: a kernel with constexpr arguments cannot launch with it)."""

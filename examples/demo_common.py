@@ -23,17 +23,17 @@ def print_sites(report: disttune.TuningReport) -> None:
     that is the disagreement the agreement step removes.
     """
     for result in report.results:
-        key = ", ".join(str(part) for part in result.site.key if "torch." not in str(part))  # sizes and modes
+        key = result.site.key_text()  # the key with its argument names
         name = result.site.kernel.rsplit(".", 1)[-1]
         if result.source != "tuned":
             source = "pinned table" if result.source == "pinned" else result.source
-            print(f"{name} [{key}], occurrence {result.site.occurrence}: winner from the {source} (no tuning): "
+            print(f"{name} {key}, occurrence {result.site.occurrence}: winner from the {source} (no tuning): "
                   f"{disttune.describe_config(result.config)}")
             continue
         labels = [disttune.describe_config(config) for config in result.configs]
         width = max(len(label) for label in labels) + 2
         ranks = len(result.per_rank_ms)
-        print(f"{name} [{key}], occurrence {result.site.occurrence}: ms per launch, in context")
+        print(f"{name} {key}, occurrence {result.site.occurrence}: ms per launch, in context")
         print(f"{'config':<{width}}" + "".join(f"{'rank ' + str(r):>10}" for r in range(ranks)) + f"{'agreed':>10}")
         for index, label in enumerate(labels):
             times = "".join(f"{row[index]:10.4f}" for row in result.per_rank_ms)

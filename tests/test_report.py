@@ -50,7 +50,7 @@ def site_sections(markdown: str) -> dict[int, str]:
     """occurrence -> that site's Markdown section."""
     sections = {}
     for part in markdown.split("\n## Site ")[1:]:
-        occurrence = int(re.match(r"\d+: .*\(occurrence (\d+)\)", part).group(1))
+        occurrence = int(re.search(r"^- kernel: .*, occurrence (\d+)$", part, flags=re.M).group(1))
         sections[occurrence] = part
     return sections
 
@@ -166,7 +166,7 @@ def test_corrupt_and_missing_rank_logs(tmp_path):
     assert site.winner == 1 and site.ranks == [0, 1, 2]
     # rank 2's column and rank 1's lost config 2 come from the all-gathered copies the others logged
     assert [row.per_rank_ms for row in site.configs] == TIMES_3
-    assert "| 1 | `BLOCK=32 w1 s3` | 2.0000 | 2.2000 | 2.1000 | 2.2000 | 10.0% |  | **winner** |" in markdown
+    assert "| 1 | `BLOCK=32 w1 s3` | 2.0000 | 2.2000 | 2.1000 | 2.2000 |  | 10.0% |  | **winner** |" in markdown
     assert site.alone_picks() == {0: 2, 1: 1, 2: 2}
     assert "**2 of 3 ranks alone would have picked a different winner.**" in markdown
     assert site.wall_s == {0: 1.5}  # rank 1's tuning record was lost
@@ -260,12 +260,13 @@ def test_report_covers_the_last_tuning_unless_asked_for_all(tmp_path):
     check_pngs(latest.plots)
 
 
-def test_titles_carry_the_key_so_two_sites_of_one_kernel_differ(tmp_path, monkeypatch):
+def test_titles_carry_the_named_key_so_two_sites_of_one_kernel_differ(tmp_path, monkeypatch):
     import disttune.report as report_module
 
     other_key = (256, "torch.float32", "torch.float32")
     log = RankLog(tmp_path, 0, "step")
     for key in (KEY, other_key):
+        log.label_key(KERNEL, key, f"n={key[0]} dtype=float32")
         for c, config in enumerate(CONFIGS):
             log.config_result(KERNEL, key, 0, c, config, [float(c + 1)], float(c + 1), None)
         log.winner(KERNEL, key, 0, 0, CONFIGS[0], 1.0, "tuned")
@@ -280,9 +281,11 @@ def test_titles_carry_the_key_so_two_sites_of_one_kernel_differ(tmp_path, monkey
     assert len(report.sites) == 2 and len(titles) == 4
     markdown = report.markdown_path.read_text()
     for number, key in ((1, KEY), (2, other_key)):
-        assert f"## Site {number}: {KERNEL} key={key!r} (occurrence 0)" in markdown
+        assert f"## Site {number}: {KERNEL} n={key[0]} dtype=float32\n" in markdown
+        assert f"| {number} | `step` | `{KERNEL}` | `n={key[0]} dtype=float32` | 0 |" in markdown
         shown = [" ".join(t.split()) for t in titles if t.startswith(f"Site {number}:")]
-        assert len(shown) == 2 and all(f"key={key!r}" in t for t in shown), titles
+        assert len(shown) == 2 and all(f"n={key[0]} dtype=float32" in t for t in shown), titles
+        assert all(len(t.splitlines()) <= 2 for t in titles), titles  # a named key keeps titles short
 
 
 def test_json_logs_write_null_for_missing_times_and_name_the_failed_ranks(tmp_path):

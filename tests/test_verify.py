@@ -27,7 +27,7 @@ def test_two_ranks_pass_then_a_slower_winner_fails_naming_site_config_and_times(
     assert tuned.returncode == 0, describe(tuned)
     # the tuning's diagnostics, merged over both ranks: rank 1 is 10 % slower, its samples are steady
     report = build_report(tmp_path / "logs").markdown_path.read_text()
-    assert "spread across ranks 10.0 %; across samples 0.0 %" in report
+    assert "rank spread 10.0 %; noise 0.0 %" in report
     assert "the winner is ahead of the runner-up config 0" in report
 
     def verify_run(slowdown: str):
