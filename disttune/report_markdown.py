@@ -249,7 +249,8 @@ def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites:
     for site in sites:
         if all_runs and site.run != run:
             run = site.run
-            parts += [f"# {describe_run(run).capitalize()}", ""]
+            heading = describe_run(run)
+            parts += [f"# {heading[0].upper()}{heading[1:]}", ""]
         parts += [format_site(site, present, out_dir), ""]
     return "\n".join(parts)
 

@@ -119,3 +119,27 @@ def test_split_on_one_rank_is_plain_tuning(tmp_path):
     assert torch.equal(step(x), x + 64)
     (result,) = step.report.results
     assert runs["n"] == 11 and not result.split and result.per_rank_ms == ((2.0, 3.0, 1.0),)
+
+
+def test_a_tuned_kernel_carries_what_triton_autotune_leaves_on_it(tmp_path):
+    """best_config, cache, configs_timings (agreed ms, then this rank's 20th and 80th percentile) and bench_time,
+    as Triton sets them after benchmarking; the report prints as a table with the named key."""
+    kernel = make_kernel()
+    times = {0: 3.0, 1: 2.0, 2: 1.0}
+
+    @tuner(tmp_path, n_warmup=1, n_repeat=3, timer=TableTimer(lambda info: times[info.config_index]), store=False)
+    def step(x):
+        launch_add(kernel, x, torch.empty_like(x))
+
+    assert not hasattr(kernel, "best_config")
+    step(torch.randn(64, device=DEV))
+    (result,) = step.report.results
+    assert kernel.best_config is result.config is kernel.configs[2]
+    assert kernel.cache[result.site.key] is result.config
+    assert {id(config): timings for config, timings in kernel.configs_timings.items()} == {
+        id(config): [times[c]] * 3 for c, config in enumerate(kernel.configs)}
+    assert min(kernel.configs_timings, key=kernel.configs_timings.get) is kernel.best_config  # Triton's own pick
+    assert 0 < kernel.bench_time <= step.report.wall_s
+    text = str(step.report)
+    assert "| kernel | key | winner | agreed ms | from |" in text
+    assert f"| tiny_kernels.add_block | n=64 dtype=float32 | BLOCK=64 w1 s3 | 1.0000 | tuned |" in text

@@ -396,3 +396,23 @@ def test_ranks_whose_last_tunings_differ_in_time(tmp_path):
     path.write_text(path.read_text().replace('"time": "', '"time": "1999-01-01T00:00:00.000+00:00", "old": "'))
     report = build_report(tmp_path, tmp_path / "out")
     assert any("last tunings are from different times" in p for p in report.problems), report.problems
+
+
+def test_the_report_covers_the_latest_run_unless_asked_for_every_run(tmp_path, monkeypatch):
+    """Two jobs logged into one folder: the report shows the later one, ``all_runs`` both, each under its run."""
+    from disttune import env
+
+    for run, times in (("2026-11-26T10:00:00Z-100", TIMES_3), ("2026-11-26T11:00:00Z-200", [[1.0], [3.0], [2.0]])):
+        monkeypatch.setattr(env, "run_id", lambda run=run: run)
+        write_tuning(tmp_path, 0, times)
+    latest = build_report(tmp_path, tmp_path / "latest")
+    (site,) = latest.sites
+    assert site.run == "2026-11-26T11:00:00Z-200" and site.winner == 0 and len(site.ranks) == 1
+    markdown = latest.markdown_path.read_text()
+    assert "It covers the run started 2026-11-26T11:00:00Z (pid 200); the folder holds 2 runs" in markdown
+    every = build_report(tmp_path, tmp_path / "every", all_runs=True)
+    assert [(s.number, s.run, s.winner) for s in every.sites] == [(1, "2026-11-26T10:00:00Z-100", 1),
+                                                                  (2, "2026-11-26T11:00:00Z-200", 0)]
+    markdown = every.markdown_path.read_text()
+    first, second = (markdown.index(f"# The run started {start}") for start in ("2026-11-26T10", "2026-11-26T11"))
+    assert first < markdown.index("## Site 1") < second < markdown.index("## Site 2")
