@@ -40,6 +40,7 @@ from .compat import config_text
 from .compile import CompilePool, compile_share, default_compile_threads
 from .fast_path import FastPlan
 from .handlers import Discover
+from .triton_launch import check_driver
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
 from .objective import step_stages
@@ -301,6 +302,7 @@ class ContextualAutotuner:
     def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
         """Discover, agree on the sites, tune, agree on the winners, commit and store, run with the winners."""
         o, name = self.options, self.__qualname__
+        check_driver()  # the same on every rank of a CPU job: one line, before any collective
         engine.refuse_graph_capture(name)
         verify_threshold = verify.requested()
         comm = self._get_communicator()

@@ -32,6 +32,28 @@ def key_names(autotuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
                                                                if hasattr(v, "dtype")])
 
 
+NO_GPU = ("disttune: Triton has no GPU driver here and does not run its interpreter: set TRITON_INTERPRET=1 before "
+          "Python starts (TRITON_INTERPRET=1 torchrun ..., or scripts/launch.sh, which sets it where no GPU is "
+          "visible), or run on a GPU")
+
+
+def check_driver() -> None:
+    """A RuntimeError with one line naming ``TRITON_INTERPRET=1`` where Triton can launch nothing (no GPU driver,
+    no interpreter), instead of every config failing with "0 active drivers". Cheap after the first call."""
+    from .env import interpreting
+
+    if interpreting():
+        return
+    try:
+        from triton.runtime import driver
+
+        driver.active.get_current_target()
+    except RuntimeError as err:
+        if "active driver" in str(err):
+            raise RuntimeError(NO_GPU) from None
+        raise
+
+
 def empty_config_list(autotuner: Autotuner) -> bool:
     """Whether the autotuner holds only the one empty ``Config`` Triton makes for ``triton.autotune(configs=[])``
     (no meta-parameters at all: a kernel with constexpr arguments cannot launch with it)."""

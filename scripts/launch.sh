@@ -29,16 +29,18 @@ Environment:
   PYTHON (python)                interpreter to run.
   MPIEXEC_ARGS                   extra mpiexec arguments (word-split), e.g. a hostfile.
   OMP_NUM_THREADS                default 1.
+  TRITON_INTERPRET               set to 1 where no GPU is visible (Triton's CPU interpreter),
+                                 unless you exported it.
   NCCL_*                         kept as exported. NVLink multicast stays off unless
                                  you export NCCL_NVLS_ENABLE=1,
                                  TORCH_SYMM_MEM_DISABLE_MULTICAST=0, NVSHMEM_DISABLE_NVLS=0.
 The repository root is prepended to PYTHONPATH so `import disttune` works uninstalled.
 
 Examples:
-  bash scripts/launch.sh examples/tune.py --size 4096
+  bash scripts/launch.sh examples/ag_gemm.py --M 4096 --K 4096 --N 4096
   bash scripts/launch.sh --nproc_per_node=2 tests/some_script.py "a b"
-  bash scripts/launch.sh --mpi -n 4 examples/tune.py
-  NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash scripts/launch.sh examples/tune.py
+  bash scripts/launch.sh --mpi -n 4 examples/ag_gemm.py
+  NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash scripts/launch.sh examples/ag_gemm.py
 EOF
 }
 
@@ -131,13 +133,19 @@ count_gpus() {
     echo "${n:-0}"
 }
 
+gpus=$(count_gpus)
 if [[ -z "$nproc" ]]; then
     if [[ "$use_mpi" == 1 && -n "$mpi_np" ]]; then
         nproc="$mpi_np"
     else
-        nproc=$(count_gpus)
+        nproc="$gpus"
         is_pos_int "$nproc" || nproc=2
     fi
+fi
+# Without a GPU, Triton's kernels can only run in its interpreter, which must be chosen before triton loads.
+if ! is_pos_int "$gpus" && [[ -z "${TRITON_INTERPRET:-}" ]]; then
+    export TRITON_INTERPRET=1
+    echo "launch.sh: no GPU here: Triton's kernels run in its CPU interpreter (TRITON_INTERPRET=1)" >&2
 fi
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

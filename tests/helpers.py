@@ -229,6 +229,41 @@ def mpiexec_flags() -> list[str]:
     return []
 
 
+def spawn_ranks(world: int, args: list[str], timeout: float, extra_env: Mapping[str, str] | None = None,
+                env: Mapping[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
+    """Start ``world`` ranks of ``<this python> *args`` by hand, with torchrun's variables and a free port.
+
+    No supervisor: when one rank dies the others go on (torchrun would kill them), and the launch costs
+    no agent process. ``env`` defaults to :func:`repo_env` (``extra_env`` added). Past ``timeout`` every
+    rank is killed and :class:`CommandTimeout` raised.
+    """
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = dict(env) if env is not None else repo_env()
+    procs = []
+    for rank in range(world):
+        rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    **(extra_env or {})}
+        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise CommandTimeout(proc.args, timeout) from None
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
 def run_mpiexec(
     nprocs: int,
     args: list[str],

@@ -12,14 +12,12 @@ writes through links and tracebacks, each counted from what the test observed.
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fault_tally import TALLY, endings, faults_seen, hang, torn_files, tracebacks_in
-from helpers import CommandTimeout, REPO_ROOT, describe, failure, mpi, read_records, repo_env, run_launch
+from helpers import CommandTimeout, describe, failure, mpi, read_records, run_launch, spawn_ranks
 
 CASES = Path(__file__).with_name("dist_cases.py")
 
@@ -96,31 +94,12 @@ def test_rank_dependent_keys_and_config_lists_on_eight_ranks(tmp_path):
 
 
 def run_ranks_without_supervisor(world: int, args: list[str], timeout: float) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks by hand (torchrun would kill the survivors when one rank dies)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = repo_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                        "DISTTUNE_TIMEOUT": "30"})
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            hang()
-            raise
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return results
+    """Start ``world`` ranks by hand (torchrun would kill the survivors when one rank dies); a hang is counted."""
+    try:
+        return spawn_ranks(world, args, timeout, extra_env={"DISTTUNE_TIMEOUT": "30"})
+    except CommandTimeout:
+        hang()
+        raise
 
 
 def test_a_rank_killed_mid_tuning_is_an_error_on_the_others(tmp_path):
