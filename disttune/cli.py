@@ -52,6 +52,69 @@ def _age(created: Any) -> str:
     return f"{seconds:.0f}s"
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def check_environment(command: str) -> None:
+    """Refuse bad ``DISTTUNE_*`` settings before any rank starts (one line, no traceback); warn of unknown ones."""
+    errors, warnings = env.check_settings()
+    for warning in warnings:
+        print(f"disttune {command}: warning: {warning}", file=sys.stderr)
+    if errors:
+        raise CommandError("; ".join(errors))
+
+
+def sizes_problem(example: Path, argv: Sequence[str], world: int) -> Optional[str]:
+    """The example's own check of its arguments at ``world`` ranks (its ``parse_args`` and ``sizes_error``),
+    run here before any rank starts. A bad argument exits with the example's usage (status 2)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"disttune_demo_{example.stem}", example)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.path.insert(0, str(example.parent))
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        sys.path.remove(str(example.parent))
+    return module.sizes_error(module.parse_args(list(argv)), world)
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch_demo(command: list[str], child_env: dict[str, str]) -> int:
+    """Run the demo's ranks: their output as it comes, each rank's error once, in rank order, at the end (not every
+    rank's traceback and the launcher's report, which are printed only where no rank said what went wrong)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="disttune-demo-") as folder:
+        proc = subprocess.run(command, env={**child_env, "DISTTUNE_DEMO_ERRORS": folder}, stderr=subprocess.PIPE,
+                              text=True)
+        errors = {int(path.stem.removeprefix("rank-")): path.read_text().strip()
+                  for path in Path(folder).glob("rank-*.txt") if path.stem.removeprefix("rank-").isdigit()}
+    if proc.returncode == 0 or not errors:
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+    by_text: dict[str, list[int]] = {}
+    for rank in sorted(errors):
+        by_text.setdefault(errors[rank], []).append(rank)
+    for text, ranks in by_text.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        print(f"disttune demo: {who}: {text.removeprefix('disttune: ')}", file=sys.stderr)
+    return proc.returncode
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.kernel not in DEMOS:
         print(f"disttune demo: there is no {args.kernel!r} demo; available: {', '.join(DEMOS)}",
@@ -65,9 +128,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not example.exists():
         print(f"disttune demo: the {args.kernel} example is missing from this checkout ({example})", file=sys.stderr)
         return 2
+    check_environment("demo")
+    problem = sizes_problem(example, args.example_args, args.nproc or visible_gpus() or 2)
+    if problem:
+        raise CommandError(problem)
     log_dir = resolve_log_dir(args.log_dir).resolve()
     command = ["bash", str(launcher)] + ([f"--nproc_per_node={args.nproc}"] if args.nproc else []) + [str(example)]
-    code = subprocess.call(command + list(args.example_args), env=env.environ_with_log_dir(log_dir))
+    code = launch_demo(command + list(args.example_args), env.environ_with_log_dir(log_dir))
     if code != 0:
         return code
     from .report import build_report
@@ -84,6 +151,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CommandError(f"needs a source checkout (missing {launcher})")
     if not script.is_file():
         raise CommandError(f"no such script: {script}")
+    check_environment("sweep")
     table = Path(args.table).resolve()
     table.parent.mkdir(parents=True, exist_ok=True)
     child_env = env.environ_with_log_dir(resolve_log_dir(args.log_dir).resolve())
@@ -136,7 +204,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             continue
         fingerprint = record["fingerprint"]
         winner = record["configs"][record["winner"]]
-        print(f"  {record['name']} key={record['key']} occ={record.get('occurrence', 0)} -> "
+        print(f"  {record['name']} key={record['key']} occurrence={record.get('occurrence', 0)} -> "
               f"{describe_config(str(winner))}  [{fingerprint.get('gpu') or 'cpu'}, "
               f"world {fingerprint.get('world_size')}, triton {fingerprint.get('triton')}, "
               f"age {_age(record.get('created'))}, env {path.stem.split('-')[-1]}]")
@@ -203,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch an example through scripts/launch.sh, then write the report of its logs. "
                     "Arguments the demo does not know go to the example (disttune demo --M 4096); after --, "
                     "all of them do (disttune demo -- --help shows the example's).")
-    demo.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks (default: GPUs present, else 2)")
+    demo.add_argument("--nproc", type=positive_int, default=None, metavar="N",
+                      help="ranks (default: GPUs present, else 2)")
     demo.add_argument("--kernel", default="ag_gemm", metavar="NAME", help="which example: " + ", ".join(DEMOS))
     demo.add_argument("--log-dir", default=None, metavar="DIR",
                       help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
@@ -215,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch SCRIPT through scripts/launch.sh with DISTTUNE_SWEEP_TABLE set, so that its "
                     "step.sweep(cases) calls write the winners they tuned to --table; arguments after SCRIPT go "
                     "to it.")
-    sweep.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks (default: GPUs present, else 2)")
+    sweep.add_argument("--nproc", type=positive_int, default=None, metavar="N",
+                       help="ranks (default: GPUs present, else 2)")
     sweep.add_argument("--table", default="winners.json", metavar="FILE",
                        help="the pinned winners table to write (default: winners.json)")
     sweep.add_argument("--log-dir", default=None, metavar="DIR",
@@ -245,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("script", nargs="?", default=None, metavar="SCRIPT", help="the step's script")
     check.add_argument("--threshold", type=float, default=0.1, metavar="T",
                        help="allowed slowdown, relative (default 0.1: 10%%)")
-    check.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks (default: GPUs present, else 2)")
+    check.add_argument("--nproc", type=positive_int, default=None, metavar="N",
+                       help="ranks (default: GPUs present, else 2)")
     check.add_argument("--pinned", default=None, metavar="FILE", help="a winners table to verify instead of the store")
     check.add_argument("--cache-dir", default=None, metavar="DIR", help="the winner store (default: the usual one)")
     check.add_argument("--log-dir", default=None, metavar="DIR",

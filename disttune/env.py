@@ -37,7 +37,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
     "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
-    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id",
+    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id", "check_settings",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -81,6 +81,38 @@ def timeout_s(value: Optional[float] = None, environ: Mapping[str, str] = os.env
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise DistEnvError(f"disttune: timeout_s must be a positive number of seconds, got {value!r} ({source})")
     return float(value)
+
+
+#: Every DISTTUNE_* variable disttune reads, and the test suite's DISTTUNE_REQUIRE_MPI.
+KNOWN = (TIMEOUT, CACHE_DIR, LOG_DIR, ALWAYS_TUNE, PINNED, PROGRESS, WARM_UP, COMPILE_OVERLAP, MOE_POISON,
+         "DISTTUNE_VERIFY", "DISTTUNE_SWEEP_TABLE", "DISTTUNE_DEMO_ERRORS", "DISTTUNE_REQUIRE_MPI")
+
+
+def check_settings(environ: Mapping[str, str] = os.environ) -> tuple[list[str], list[str]]:
+    """What is wrong with the ``DISTTUNE_*`` settings before any rank starts: (errors, warnings), each one line.
+
+    Errors: a timeout or a verify threshold that is not a number (what the tuner would raise on every rank at
+    its first call); warnings: a ``DISTTUNE_*`` name disttune does not read (a typo, with the name it is
+    closest to). Costs a few string operations."""
+    import difflib
+
+    errors: list[str] = []
+    try:
+        timeout_s(None, environ)
+    except DistEnvError as err:
+        errors.append(str(err).removeprefix("disttune: "))
+    verify = environ.get("DISTTUNE_VERIFY", "").strip()
+    if verify:
+        try:
+            if not float(verify) >= 0:
+                raise ValueError(verify)
+        except ValueError:
+            errors.append(f"DISTTUNE_VERIFY={verify!r} is not a threshold >= 0, such as 0.1 (10 % slower allowed)")
+    warnings = []
+    for name in sorted(n for n in environ if n.startswith("DISTTUNE_") and n not in KNOWN):
+        close = difflib.get_close_matches(name, KNOWN, n=1)
+        warnings.append(f"{name} is not a disttune setting" + (f" (did you mean {close[0]}?)" if close else ""))
+    return errors, warnings
 
 
 def timeout_or_error(value: Optional[float] = None) -> tuple[float, Optional[DistEnvError]]:

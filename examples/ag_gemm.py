@@ -30,12 +30,12 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
-from demo_common import check_output, compare, finish  # noqa: E402
+from demo_common import check_output, compare, finish, run  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--M", type=int, default=8192 if gpu else 96, help="rows of A, all ranks together")
@@ -45,7 +45,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-warmup", type=int, default=3)
     parser.add_argument("--n-repeat", type=int, default=5)
     parser.add_argument("--samples", type=int, default=30, help="timing rounds of the tuned step and the baseline")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def sizes_error(options: argparse.Namespace, world: int) -> str | None:
+    """What makes the sizes impossible at ``world`` ranks (``disttune demo`` asks before it launches any)."""
+    if options.M % world or options.N % world:
+        return f"--M ({options.M}) and --N ({options.N}) must be multiples of the world size {world}"
+    return None
 
 
 def main() -> int:
@@ -54,8 +61,8 @@ def main() -> int:
     rank, world, device = info.rank, info.world_size, info.device
     gpu = device.type == "cuda"
     dtype = getattr(torch, options.dtype)
-    if options.M % world or options.N % world:
-        raise SystemExit(f"--M ({options.M}) and --N ({options.N}) must be multiples of the world size {world}")
+    if sizes_error(options, world):
+        raise SystemExit(sizes_error(options, world))
     generator = torch.Generator().manual_seed(1234 + rank)
     a_shard = torch.randn(options.M // world, options.K, generator=generator).to(device, dtype)
     b_local = (torch.randn(options.K, options.N // world, generator=generator) / options.K ** 0.5).to(device, dtype)
@@ -91,4 +98,4 @@ def main() -> int:
     return finish(title, ag_gemm_step, tuning_s, timing, ok, worst)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -1,10 +1,15 @@
 """What the demos print: each tuned site's per-rank and agreed times, and the step against its baseline.
 
-Shared by ``examples/ag_gemm.py`` and ``examples/moe_layer.py``; rank 0 prints, every rank calls.
+Shared by ``examples/ag_gemm.py``, ``examples/moe_layer.py`` and ``examples/tp_mlp.py``; rank 0 prints,
+every rank calls. :func:`run` runs a demo's ``main`` so that ``disttune demo`` can print each rank's
+error once, in rank order, instead of every rank's traceback and the launcher's report.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
@@ -14,6 +19,24 @@ from disttune import benchmark
 from disttune import dist as dt_dist
 from disttune.logs import resolve_log_dir
 from disttune.sites import winner_index
+
+
+def run(main: Callable[[], int]) -> int:
+    """``main()``; where ``disttune demo`` launched it (``$DISTTUNE_DEMO_ERRORS`` names a folder), an error ends
+    the rank with its one-line message written to ``rank-<r>.txt`` there, and exit status 1."""
+    folder = os.environ.get("DISTTUNE_DEMO_ERRORS")
+    if not folder:
+        return main()
+    try:
+        return main()
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the command prints it, once per rank
+        if isinstance(err, SystemExit) and not isinstance(err.code, str):
+            raise
+        text = err.code if isinstance(err, SystemExit) else f"{type(err).__name__}: {err}"
+        path = Path(folder) / f"rank-{os.environ.get('RANK', os.environ.get('PMI_RANK', '0'))}.txt"
+        path.write_text(str(text))
+        sys.stderr.flush()
+        return 1
 
 
 def print_sites(report: disttune.TuningReport) -> None:

@@ -30,12 +30,12 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
-from demo_common import check_output, compare, finish  # noqa: E402
+from demo_common import check_output, compare, finish, run  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels import moe  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--T", type=int, default=4096 if gpu else 32, help="tokens, all ranks together")
@@ -46,7 +46,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-warmup", type=int, default=2)
     parser.add_argument("--n-repeat", type=int, default=3)
     parser.add_argument("--samples", type=int, default=30, help="timing rounds of the tuned layer and the baseline")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def sizes_error(o: argparse.Namespace, world: int) -> str | None:
+    """What makes the sizes impossible at ``world`` ranks (``disttune demo`` asks before it launches any)."""
+    if o.T % world or o.I % world:
+        return f"--T ({o.T}) and --I ({o.I}) must be multiples of the world size {world}"
+    return None
 
 
 def main() -> int:
@@ -55,8 +62,8 @@ def main() -> int:
     rank, world, device = info.rank, info.world_size, info.device
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float16  # the interpreter's bf16 dot is not exact
-    if o.T % world or o.I % world:
-        raise SystemExit(f"--T ({o.T}) and --I ({o.I}) must be multiples of the world size {world}")
+    if sizes_error(o, world):
+        raise SystemExit(sizes_error(o, world))
     T_r, I_r = o.T // world, o.I // world
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T_r, o.H, generator=g).to(device, dtype)
@@ -113,4 +120,4 @@ def main() -> int:
     return finish(title, moe_layer_step, tuning_s, timing, ok, worst)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -32,24 +32,37 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
+from demo_common import run  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
 from disttune.kernels.gemm_rs import GemmReduceScatter, gemm_rs_reference  # noqa: E402
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--T", type=int, default=8192 if gpu else 64, help="tokens, all ranks")
     parser.add_argument("--H", type=int, default=8192 if gpu else 32, help="model width")
     parser.add_argument("--F", type=int, default=28672 if gpu else 64, help="MLP width, all ranks")
     parser.add_argument("--design", choices=["auto", "fused", "decomposed"], default="auto")
-    options = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def sizes_error(options: argparse.Namespace, world: int) -> str | None:
+    """What makes the sizes impossible at ``world`` ranks (``disttune demo`` asks before it launches any)."""
+    if options.T % world or options.F % world:
+        return f"--T ({options.T}) and --F ({options.F}) must be multiples of the world size {world}"
+    return None
+
+
+def main() -> int:
+    gpu = torch.cuda.is_available()
+    options = parse_args()
     info = dt_dist.init()
     rank, world, device = info.rank, info.world_size, info.device
     dtype = torch.bfloat16 if gpu else torch.float16
-    if options.T % world or options.F % world:
-        raise SystemExit(f"--T ({options.T}) and --F ({options.F}) must be multiples of the world size {world}")
+    if sizes_error(options, world):
+        raise SystemExit(sizes_error(options, world))
     g = torch.Generator().manual_seed(7 + rank)
     x_shard = torch.randn(options.T // world, options.H, generator=g).to(device, dtype)
     # nn.Linear layout ([out, in], row-major): the GEMMs read B = weight.t() K-major, the fast path
@@ -87,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

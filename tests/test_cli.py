@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -89,7 +90,8 @@ def test_report_of_an_empty_directory_is_an_error_not_a_crash(tmp_path, capsys):
 ])
 def test_demo_passes_what_it_does_not_know_to_the_example(argv, example_args, nproc, monkeypatch, tmp_path):
     launched = []
-    monkeypatch.setattr(disttune.cli.subprocess, "call", lambda command, env: launched.append(command) or 3)
+    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world: None)
+    monkeypatch.setattr(disttune.cli, "launch_demo", lambda command, env: launched.append(command) or 3)
     assert main(["demo", "--log-dir", str(tmp_path), *argv]) == 3  # the example's exit status
     (command,) = launched
     example = command.index(str(disttune.cli.REPO_ROOT / "examples" / "ag_gemm.py"))
@@ -163,7 +165,7 @@ def test_show_lists_a_damaged_entry_instead_of_failing(tmp_path, capsys):
     (folder / "string-fingerprint.json").write_text(json.dumps(entry(fingerprint="H100", created="yesterday")))
     assert main(["show", "--cache-dir", str(tmp_path / "store")]) == 0
     shown = capsys.readouterr().out
-    assert "pkg.kernel key=(64,) occ=0 -> BLOCK=16 w1 s3  [cpu, world 1" in shown
+    assert "pkg.kernel key=(64,) occurrence=0 -> BLOCK=16 w1 s3  [cpu, world 1" in shown
     assert "DAMAGED" in shown and "string-fingerprint.json: field 'fingerprint' missing or not a dict" in shown
 
 
@@ -192,3 +194,49 @@ def test_report_all_covers_every_tuning(tmp_path, capsys):
     assert len(plots) == 4 and sum("site-1-tuning-2-" in p for p in plots) == 2
     markdown = (tmp_path / "all" / "report.md").read_text()
     assert "| `BLOCK=16 w1 s3` |" in markdown and "ir_override" not in markdown
+
+
+@pytest.mark.parametrize("argv, environment, says", [
+    (["--nproc", "0"], {}, "argument --nproc: must be an integer >= 1, got 0"),
+    (["--nproc", "-1"], {}, "argument --nproc: must be an integer >= 1, got -1"),
+    (["--M", "97"], {}, "disttune demo: --M (97) and --N (64) must be multiples of the world size 2"),
+    ([], {"DISTTUNE_TIMEOUT": "abc"}, "disttune demo: DISTTUNE_TIMEOUT='abc' is not a number of seconds"),
+    ([], {"DISTTUNE_VERIFY": "soon"}, "disttune demo: DISTTUNE_VERIFY='soon' is not a threshold >= 0"),
+])
+def test_demo_refuses_bad_settings_before_any_rank_starts(argv, environment, says, tmp_path):
+    """One line (two with argparse's usage), no traceback, no rank launched (no log written)."""
+    extra = {"DISTTUNE_CACHE_DIR": str(tmp_path / "store"), **environment}
+    proc = run_command([sys.executable, "-m", "disttune", "demo", "--nproc", "2", "--log-dir", str(tmp_path / "logs"),
+                        *argv], timeout=120, extra_env=extra)
+    assert proc.returncode in (1, 2), describe(proc)
+    assert says in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
+    assert len(proc.stderr.strip().splitlines()) <= 2, describe(proc)
+    assert not (tmp_path / "logs").exists(), "no rank was launched"
+
+
+def test_an_unknown_disttune_variable_is_a_warning_naming_the_likely_one(monkeypatch, capsys):
+    monkeypatch.setenv("DISTTUNE_TIMEOUT", "30")  # known and valid: nothing to say
+    disttune.cli.check_environment("demo")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("DISTTUNE_TIMOUT", "30")
+    disttune.cli.check_environment("demo")
+    assert capsys.readouterr().err == ("disttune demo: warning: DISTTUNE_TIMOUT is not a disttune setting "
+                                       "(did you mean DISTTUNE_TIMEOUT?)\n")
+
+
+def test_a_ranks_error_is_printed_once_in_rank_order(tmp_path):
+    """Both ranks fail alike inside the layer (top-k larger than the experts): one line naming both, not two
+    tracebacks and torchrun's ChildFailedError report."""
+    proc = run_command([sys.executable, "-m", "disttune", "demo", "--kernel", "moe", "--top-k", "9", "--log-dir",
+                        str(tmp_path / "logs")], timeout=300, extra_env={"DISTTUNE_CACHE_DIR": str(tmp_path / "store")})
+    assert proc.returncode != 0, describe(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("disttune demo: ")]
+    assert lines == ["disttune demo: ranks 0, 1: RuntimeError: selected index k out of range"], describe(proc)
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, describe(proc)
+
+
+def test_launch_sh_help_names_examples_that_exist():
+    proc = run_command(["bash", "scripts/launch.sh", "--help"], timeout=30)
+    named = set(re.findall(r"(examples/\w+\.py)", proc.stdout))
+    assert proc.returncode == 0 and named, describe(proc)
+    assert all((disttune.cli.REPO_ROOT / path).is_file() for path in named), named
