@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import subprocess
 import sys
 import time
@@ -186,6 +187,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.script is None and args.logs is None:
         args.parser.error("give a SCRIPT to run with its stored or pinned winners, or --logs DIR of an earlier run")
     log_dir = Path(args.logs) if args.script is None else resolve_log_dir(args.log_dir).resolve()
+    if args.judge_cpu:
+        os.environ["DISTTUNE_VERIFY_CPU"] = "1"  # the launched ranks and the judgement of --logs read it
     return verify.run_command(args.script, args.script_args, args.threshold, args.nproc, log_dir, args.pinned,
                               args.cache_dir, REPO_ROOT)
 
@@ -322,7 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--log-dir", default=None, metavar="DIR",
                        help="where the rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
     check.add_argument("--logs", default=None, metavar="DIR",
-                       help="no SCRIPT: judge the verify records of an earlier run in DIR")
+                       help="no SCRIPT: judge the verify records of an earlier run in DIR (or, where it has none, the "
+                            "winners it tuned against the store's times)")
+    check.add_argument("--judge-cpu", action="store_true",
+                       help="judge timings taken on a CPU too (by default they cannot show a regression)")
     check.set_defaults(run=cmd_verify, parser=check, script_args=[])
 
     for name, handler, text in (("show", cmd_show, "list stored winners with fingerprint and age"),

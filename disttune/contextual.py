@@ -392,7 +392,8 @@ class ContextualAutotuner:
                     function_runs += final_runs
                 if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
                     with span("store"):
-                        engine.save_winners(winners_store, [(self._entry(sites[r.site]), r) for r in results], name)
+                        engine.save_winners(winners_store, [(self._entry(sites[r.site]), r, sites[r.site])
+                                                             for r in results], name)
                 wall_s = time.perf_counter() - started
                 self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
                                            phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})

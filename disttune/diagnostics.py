@@ -25,11 +25,11 @@ Cost at tuning time: a pass over the samples and, on a GPU, loading each compile
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .compat import config_text
+from .sites import sample_spread
 from .space import DeviceBudget
 
 # -- at tuning time ----------------------------------------------------------------------------------------
@@ -70,15 +70,6 @@ def occupancy(n_regs: Optional[int], shared_bytes: Optional[int], num_warps: Opt
         limits["shared memory"] = budget.shared_per_sm // shared_bytes
     limiter = min(limits, key=lambda name: (limits[name], name != "registers"))
     return limits[limiter], limiter
-
-
-def sample_spread(samples: Sequence[float]) -> Optional[float]:
-    """``(max - min) / median`` of timed samples; None with fewer than two finite ones."""
-    finite = [s for s in samples if math.isfinite(s)]
-    if len(finite) < 2:
-        return None
-    middle = statistics.median(finite)
-    return (max(finite) - min(finite)) / middle if middle > 0 else None
 
 
 def margin_over_runner_up(agreed: Sequence[float], winner: int) -> tuple[Optional[int], Optional[float]]:

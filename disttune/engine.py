@@ -30,7 +30,7 @@ from .intercept import intercept
 from .logs import RankLog
 from .measures import describe_measurements
 from .phases import Phases, span
-from .sites import Schedule, Site, SiteId, describe_config
+from .sites import Schedule, Site, SiteId, describe_config, sample_spread
 from .timing import Timer
 
 
@@ -184,12 +184,14 @@ def lookup(winners_store: Optional[stores.WinnerStore], table: Optional[dict], a
     return stored
 
 
-def save_winners(winners_store: stores.WinnerStore, tuned: Sequence[tuple[stores.EntryId, SiteResult]],
+def save_winners(winners_store: stores.WinnerStore, tuned: Sequence[tuple[stores.EntryId, SiteResult, Site]],
                  function: str) -> None:
-    """Store each tuned winner with its agreed times (the caller is the one writer)."""
-    for entry, result in tuned:
+    """Store each tuned winner with its agreed times and its noise on this rank (the caller is the one writer;
+    ``disttune verify`` allows a later time the larger of that noise and its threshold)."""
+    for entry, result, site in tuned:
         if result.source == "tuned":
-            winners_store.save(entry, result.winner, list(result.agreed_ms), {"function": function})
+            noise = sample_spread(site.samples[result.winner]) if result.winner < len(site.samples) else None
+            winners_store.save(entry, result.winner, list(result.agreed_ms), {"function": function, "noise": noise})
 
 
 def global_rank(comm: Communicator) -> int:

@@ -85,7 +85,8 @@ def timeout_s(value: Optional[float] = None, environ: Mapping[str, str] = os.env
 
 #: Every DISTTUNE_* variable disttune reads, and the test suite's DISTTUNE_REQUIRE_MPI.
 KNOWN = (TIMEOUT, CACHE_DIR, LOG_DIR, ALWAYS_TUNE, PINNED, PROGRESS, WARM_UP, COMPILE_OVERLAP, MOE_POISON,
-         "DISTTUNE_VERIFY", "DISTTUNE_SWEEP_TABLE", "DISTTUNE_DEMO_ERRORS", "DISTTUNE_REQUIRE_MPI")
+         "DISTTUNE_VERIFY", "DISTTUNE_VERIFY_CPU", "DISTTUNE_SWEEP_TABLE", "DISTTUNE_DEMO_ERRORS",
+         "DISTTUNE_REQUIRE_MPI")
 
 
 def check_settings(environ: Mapping[str, str] = os.environ) -> tuple[list[str], list[str]]:
@@ -189,6 +190,12 @@ def sweep_table() -> Optional[str]:
 def verify_threshold_text() -> str:
     """``$DISTTUNE_VERIFY`` as written (empty when unset): the regression threshold ``disttune verify`` asks for."""
     return os.environ.get("DISTTUNE_VERIFY", "").strip()
+
+
+def verify_cpu_timings() -> bool:
+    """``DISTTUNE_VERIFY_CPU=1``: let ``disttune verify`` judge timings taken on a CPU (which cannot show a
+    regression otherwise)."""
+    return os.environ.get("DISTTUNE_VERIFY_CPU", "0") not in ("", "0")
 
 
 def progress_enabled() -> bool:

@@ -331,7 +331,7 @@ class FunctionAutotuner:
                              "measurements": list(result.measurements), "front": list(result.front)}
         save = None
         if winners_store is not None and comm.rank == 0:
-            save = lambda: engine.save_winners(winners_store, [(entry, result)], self.__qualname__)  # noqa: E731
+            save = lambda: engine.save_winners(winners_store, [(entry, result, site)], self.__qualname__)  # noqa: E731
         if verbose and comm.rank == 0:
             for i, config in enumerate(configs):
                 mark = "  <- winner" if i == result.winner else ""

@@ -148,8 +148,10 @@ class RankLog:
                   occurrence=occurrence, scope=scope, **facts)
 
     def verify(self, site: str, key: tuple, occurrence: int, config_index: int, config: str,
-               recorded_ms: Optional[float], fresh_ms: float, threshold: float, regressed: bool, source: str) -> None:
-        """A stored or pinned winner timed again (``disttune verify``): both agreed times and the verdict."""
+               recorded_ms: Optional[float], fresh_ms: float, threshold: float, regressed: bool, source: str,
+               **judgement: Any) -> None:
+        """A stored or pinned winner timed again (``disttune verify``): both agreed times and the verdict;
+        ``judgement``: ``allowed`` (the slowdown allowed), ``judged`` (False on a CPU), ``noise`` (then, now)."""
         recorded = "none" if recorded_ms is None else f"{recorded_ms:.4f}"
         self._add(
             "verify",
@@ -157,7 +159,7 @@ class RankLog:
             f"fresh={fresh_ms:.4f} ms threshold={threshold} ({source})" + (" REGRESSED" if regressed else ""),
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
             recorded_ms=recorded_ms, fresh_ms=_json_ms(fresh_ms), threshold=threshold, regressed=regressed,
-            source=source,
+            source=source, **judgement,
         )
 
     def fallback(self, site: str, key: tuple, occurrence: int, config: str, source: str) -> None:

@@ -55,6 +55,16 @@ class SiteId:
         return label_key(self.names, self.key)
 
 
+def sample_spread(samples: Sequence[float]) -> Optional[float]:
+    """A config's *noise* on one rank: ``(max - min) / median`` of its timed samples; None with fewer than two
+    finite ones."""
+    finite = [s for s in samples if math.isfinite(s)]
+    if len(finite) < 2:
+        return None
+    middle = _stats.median(finite)
+    return (max(finite) - min(finite)) / middle if middle > 0 else None
+
+
 def label_key(names: Sequence[str], key: Sequence[Any]) -> str:
     """``M=48 N=32 K=64 dtype=float16``: each key entry with its name, then the tensors' dtypes as one
     ``dtype=`` (the most common one, without ``torch.``) and the arguments of other dtypes in brackets,
