@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from . import diagnostics, engine, env, verify
+from . import diagnostics, engine, env, verify, warmup
 from . import store as stores
 from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
 from .checks import CheckSpec, check_spec, make_check
@@ -140,6 +140,7 @@ class ContextualAutotuner:
     def __init__(self, fn: Callable[..., Any], is_dist: bool = False, n_repeat: int = 5, n_warmup: int = 3,
                  **options: Any) -> None:
         self.options = Options(is_dist, n_repeat, n_warmup, **options)
+        warmup.start_for_tuner()  # Triton's one-time initialisation, off the first tuning call
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._splits = split_predicate(self.options.split)
@@ -245,7 +246,7 @@ class ContextualAutotuner:
         try:
             self._tuning_call(due[1], due[2])
         except (TuningError, AllConfigsFailed) as err:  # agreed on every rank: the keys keep their fallback
-            log = RankLog(self.options.log_dir, engine.global_rank(comm), self.__qualname__)
+            log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
             log.note("new keys", f"tuning the new keys failed, they stay on their fallback: {err}")
             log.flush()
 

@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from . import engine
+from . import engine, warmup
 from . import store as stores
 from .agreement import Agreement, TuningError
 from .comm import Communicator, is_comm, make_communicator
@@ -127,6 +127,7 @@ class FunctionAutotuner:
         self._saved_call: Optional[tuple[int, Any, tuple, dict]] = None  # (position, key, args, kwargs)
         self._votes = NewKeyVotes(self.__qualname__)  # the agreement points on new keys
         self.last_timings: Optional[dict] = None
+        warmup.start_for_tuner()  # Triton's one-time initialisation, off the first tuning call
 
     def __call__(self, *args: Any, autotune: bool = True, autotune_verbose: bool = False, autotune_pg: Any = None,
                  **kwargs: Any) -> Any:

@@ -5,7 +5,8 @@ the GPU backend, the host compiler that builds the driver's helper module and ea
 the assembler. That is most of a first compile, and it lands inside the first tuning call.
 :func:`warm_up` compiles and loads a tiny kernel on the current GPU to pay it early, ideally in the
 background while the process loads its model; :func:`disttune.dist.init` starts it in the background
-after pinning the GPU (``DISTTUNE_WARM_UP=0`` turns that off). The compile pool waits for a warm-up
+after pinning the GPU, and so does every new tuner (:func:`start_for_tuner`), for scripts that make
+their own process group (``DISTTUNE_WARM_UP=0`` turns both off). The compile pool waits for a warm-up
 in progress before compiling, so the two never initialise Triton side by side.
 
 Cost: one compile and one load of a one-argument kernel, on the calling thread or a daemon thread;
@@ -107,3 +108,17 @@ def start_if_enabled(device: Optional[int] = None) -> None:
     """The warm-up :func:`disttune.dist.init` starts: in the background, unless ``DISTTUNE_WARM_UP=0``."""
     if env.warm_up_enabled():
         warm_up(background=True, device=device)
+
+
+def start_for_tuner() -> None:
+    """The warm-up a new tuner starts, so that a script that makes its own process group gets it too: in the
+    background on the GPU this process will use (the current one where CUDA is already in use, else the
+    launcher's local rank modulo the GPUs, as :func:`disttune.dist.init` pins it), unless
+    ``DISTTUNE_WARM_UP=0``. Nothing under the interpreter or without a GPU; a no-op once started."""
+    if not env.warm_up_enabled() or not _available():
+        return
+    import torch
+
+    device = (torch.cuda.current_device() if torch.cuda.is_initialized()
+              else env.local_rank() % max(1, torch.cuda.device_count()))
+    warm_up(background=True, device=device)

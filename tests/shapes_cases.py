@@ -70,6 +70,31 @@ def every_rank_meets_a_new_size(ctx: Ranks) -> dict:
 
 
 @cases.case
+def a_new_size_that_cannot_be_tuned_keeps_its_fallback(ctx: Ranks) -> dict:
+    """Every rank meets size 100, but timing any config at that size fails (the timer raises): the tuning at the
+    agreement point fails alike on every rank, the size stays on its fallback and the rank log says so."""
+    kernel = make_kernel()
+
+    def table(info):
+        if info.key[0] == 100:
+            raise RuntimeError("injected: no config can be timed at size 100")
+        return TIMES[info.config_index]
+
+    @disttune.contextual_autotune(**tuner_options(ctx, "untunable_size", timer=TableTimer(table), agree_every=2))
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    step(torch.randn(64, device=ctx.device))
+    right = all(torch.equal(y, x + 32) for x in (torch.randn(100, device=ctx.device) for _ in range(8))
+                for y in [step(x)])
+    notes = [line for line in Path(ctx.work_dir, "logs", "untunable_size", f"rank-{ctx.rank}.log").read_text()
+             .splitlines() if "tuning the new keys failed" in line and not line.startswith("{")]
+    return {"right": right, "fallbacks": step.fallbacks, "notes": len(notes), "tuned_keys": sorted(map(repr, kernel.cache))}
+
+
+@cases.case
 def nearest_never_tunes_in_traffic(ctx: Ranks) -> dict:
     """``on_new_key="nearest"``: sizes every rank or one rank meets are served, and never tuned."""
     return _serving(ctx, "nearest_never_tunes_in_traffic",

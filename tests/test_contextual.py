@@ -142,4 +142,4 @@ def test_a_tuned_kernel_carries_what_triton_autotune_leaves_on_it(tmp_path):
     assert 0 < kernel.bench_time <= step.report.wall_s
     text = str(step.report)
     assert "| kernel | key | winner | agreed ms | from |" in text
-    assert f"| tiny_kernels.add_block | n=64 dtype=float32 | BLOCK=64 w1 s3 | 1.0000 | tuned |" in text
+    assert "| tiny_kernels.add_block | n=64 dtype=float32 | BLOCK=64 w1 s3 | 1.0000 | tuned |" in text

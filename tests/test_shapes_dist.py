@@ -9,7 +9,8 @@ import pytest
 from helpers import failure, run_cases
 
 CASES = Path(__file__).with_name("shapes_cases.py")
-NAMES = ["one_rank_meets_a_new_size", "every_rank_meets_a_new_size", "nearest_never_tunes_in_traffic",
+NAMES = ["one_rank_meets_a_new_size", "every_rank_meets_a_new_size", "a_new_size_that_cannot_be_tuned_keeps_its_fallback",
+         "nearest_never_tunes_in_traffic",
          "function_tuner_new_sizes", "racy_config_scored_out", "step_objective_agreed"]
 NEW = repr((100, "torch.float32", "torch.float32"))
 TUNED = repr((64, "torch.float32", "torch.float32"))
@@ -46,6 +47,14 @@ def test_a_size_every_rank_meets_in_one_call_is_tuned_at_the_next_agreement(reco
         assert record["tuned_keys"] == sorted([TUNED, NEW])
         assert record["timed_in_traffic"] == 3 * 2  # 3 configs, n_repeat=2 timed runs each
         assert record["fallbacks"] == {}  # tuned now: no longer on a fallback
+
+
+def test_a_new_size_whose_tuning_fails_keeps_its_fallback_on_every_rank(records):
+    for record in records["a_new_size_that_cannot_be_tuned_keeps_its_fallback"]:
+        assert record["right"] and record["tuned_keys"] == [TUNED], record
+        (served,) = record["fallbacks"].values()
+        assert "nearest tuned key (64," in served, record
+        assert record["notes"] >= 1, "the rank log says the tuning of the new keys failed"
 
 
 def test_nearest_serves_without_tuning_on_every_rank(records):
