@@ -22,6 +22,9 @@ Variants (``--variant``):
             then loads the peers' from the Triton cache they share (same node, same TRITON_CACHE_DIR)
   background  parallel, with the warm-up ``disttune.dist.init`` starts in the background (``DISTTUNE_WARM_UP=1``;
             ``bench/tuning_cost.sh`` turns it off for every other variant) still running at the first call
+  own_group   parallel in a script that makes its own process group (``torch.distributed.init_process_group``,
+            no ``disttune.dist.init``) and its tuner first, then its data: the warm-up the tuner starts
+            (``DISTTUNE_WARM_UP=1``) runs while the data is made
   warmed    parallel, after ``disttune.warm_up()`` paid Triton's one-time initialisation before the first
             call (as it can while a model loads; its seconds are reported apart, as ``warm_up_s``)
   warmed_early  warmed + early stopping
@@ -74,8 +77,8 @@ from disttune.kernels import moe  # noqa: E402
 from disttune.kernels.matmul import CPU_GEMM_CONFIGS, HOPPER_GEMM_CONFIGS, make_matmul_kernel, matmul  # noqa: E402
 
 
-VARIANTS = ["baseline", "parallel", "background", "early", "all", "split", "share", "warmed", "warmed_early", "sequential_compiles",
-            "untuned", "untuned_cold", "warm"]
+VARIANTS = ["baseline", "parallel", "background", "own_group", "early", "all", "split", "share", "warmed", "warmed_early",
+            "sequential_compiles", "untuned", "untuned_cold", "warm"]
 
 
 def main() -> None:
@@ -89,12 +92,15 @@ def main() -> None:
     parser.add_argument("--workload", choices=["gemm", "moe"], default="gemm")
     parser.add_argument("--out", required=True, help="JSON lines file to append this variant's row to")
     options = parser.parse_args()
+    variant = options.variant
+    if variant == "own_group":
+        own_group_first_call(options)
+        return
     info = dt_dist.init()
     world, device = info.world_size, info.device
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float16
     configs, make_kernel, body = make_workload(options, world, device, dtype)
-    variant = options.variant
     if variant.startswith("untuned"):
         winner = fixed_winner(options, configs)
         kernel = make_kernel([winner])  # one config: Triton launches it with no benchmarking
@@ -137,6 +143,33 @@ def main() -> None:
            "tuning_wall_s": report.wall_s, "phases": report.phases, "background": report.background,
            "warm_up_s": warm_up_s}
     write_row(options, row)
+
+
+def own_group_first_call(options) -> None:
+    """The "own_group" variant: the script's own process group, then its tuner (which starts Triton's warm-up),
+    then its data, then the first call."""
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    workload: dict = {}
+
+    @disttune.contextual_autotune(is_dist=True, n_warmup=3, n_repeat=5, verbose=False, store=False)
+    def step():
+        return workload["body"](workload["kernel"])
+
+    configs, make_kernel, workload["body"] = make_workload(options, world, device,
+                                                           torch.bfloat16 if gpu else torch.float16)
+    workload["kernel"] = make_kernel(configs)
+    first_call_s = wall_time_of_one_call(step, device)
+    (result,) = step.report.results
+    write_row(options, {"variant": "own_group", "workload": options.workload, "first_call_s": first_call_s,
+                        "plain_call_s": wall_time_of_one_call(step, device), "function_runs": step.report.function_runs,
+                        "source": result.source, "winner": disttune.describe_config(result.config),
+                        "step_ms_median_of_100": median_step_ms(step), "tuning_wall_s": step.report.wall_s,
+                        "phases": step.report.phases, "background": step.report.background, "warm_up_s": None})
 
 
 def make_workload(options, world: int, device: torch.device, dtype: torch.dtype):

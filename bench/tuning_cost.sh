@@ -33,7 +33,7 @@ variants="${VARIANTS:-baseline parallel sequential_compiles background warmed ea
 for variant in $variants; do  # "all" last: untuned and warm reuse its Triton cache
     case "$variant" in
         sequential_compiles) run "$variant" "$(fresh "$variant")" DISTTUNE_COMPILE_OVERLAP=0 ;;
-        background) run "$variant" "$(fresh "$variant")" DISTTUNE_WARM_UP=1 ;;
+        background | own_group) run "$variant" "$(fresh "$variant")" DISTTUNE_WARM_UP=1 ;;
         *) run "$variant" "$(fresh "$variant")" ;;
     esac
 done

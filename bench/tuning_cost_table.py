@@ -16,8 +16,8 @@ import sys
 
 from disttune.phases import OTHER, SPANS
 
-ORDER = ("baseline", "parallel", "sequential_compiles", "background", "warmed", "early", "warmed_early", "split",
-         "share", "all", "untuned", "untuned_cold", "warm")
+ORDER = ("baseline", "parallel", "sequential_compiles", "background", "own_group", "warmed", "early", "warmed_early",
+         "split", "share", "all", "untuned", "untuned_cold", "warm")
 
 
 def load(path: str) -> dict[str, dict]:
