@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: the GPU checks and every benchmark in bench/, in one call.
-# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|plane|stephost|tests|gputests|
-#                                                   moetests|all ...]
+# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|plane|stephost|faults|
+#                                                   moeexit|owngroup|demo|tests|gputests|moetests|all ...]
 # NPROC defaults to the GPU count; OUT to a new temporary directory. Each step has its own time limit
 # and logs to $OUT/<step>.log, so one failing step does not hide the others; the last lines of each
 # log are echoed. The benchmarks append their JSON rows to $OUT/<bench>.jsonl.
@@ -11,7 +11,8 @@ OUT=${OUT:-$(mktemp -d -t disttune-gpu-bench-XXXXXX)}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DISTTUNE_LOG_DIR="$OUT/logs"
 nproc="${1:-$(nvidia-smi -L | wc -l)}"; shift || true
 steps="${*:-all}"
-python3 -m pip install --quiet --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+python3 -c "import disttune, sys; sys.exit(not disttune.__file__.startswith('$PWD/'))" 2>/dev/null \
+  || python3 -m pip install --quiet --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || echo "editable install failed (see install.log)"
 
 run() {  # name limit_s command...
@@ -47,11 +48,25 @@ fi
 if want tuning_moe; then
     run tuning_cost_moe 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost_moe.jsonl" --workload moe
 fi
+if want faults; then  # the fault suite under NCCL at 2 and NPROC GPUs, and the control plane's own test
+    TAIL=30 run faults 330 python3 -m pytest -q -s -p no:cacheprovider tests/test_stranded.py tests/test_control_plane.py \
+        -k "nccl or plane"
+fi
+if want moeexit; then  # part b of bench/moe.py (CUDA graphs of NCCL collectives): does every rank exit by itself?
+    TAIL=12 run moe_exit 150 "${launch[@]}" bench/moe.py --parts b --iters 10
+fi
+if want owngroup; then  # first call with the warm-up a tuner starts (own process group) vs init's vs none
+    run tuning_own_group 180 env VARIANTS="parallel background own_group" bash bench/tuning_cost.sh "$nproc" \
+        --out "$OUT/tuning_own_group.jsonl"
+fi
+if want demo; then  # the main job at NPROC ranks; its logs come back for the report's figures
+    TAIL=30 run demo 150 python3 -m disttune demo --nproc "$nproc" --log-dir "$OUT/demo-logs"
+fi
 if want plane; then  # the control plane: µs per collective through the rendezvous store, and on the group
-    TAIL=14 run control_plane 120 "${launch[@]}" bench/control_plane.py --out "$OUT/control_plane.jsonl"
+    TAIL=14 run control_plane 60 "${launch[@]}" bench/control_plane.py --out "$OUT/control_plane.jsonl"
 fi
 if want stephost; then  # host µs per call of the tuned AG + GEMM 8192^3 step, wrapped vs plain
-    TAIL=10 run step_host 240 "${launch[@]}" bench/step_host.py --out "$OUT/step_host.jsonl"
+    TAIL=10 run step_host 120 "${launch[@]}" bench/step_host.py --out "$OUT/step_host.jsonl"
 fi
 if want fast; then
     TAIL=20 run fast_path 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/fast_path.py --out "$OUT/fast_path.jsonl"
