@@ -205,20 +205,22 @@ class Agreement:
                 raise
             raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines)) from err
 
-    def wait_for_device(self, step: str) -> None:
+    def wait_for_device(self, step: str, counted: bool = True) -> None:
         """Wait until this rank's GPU has done the work queued so far, through the communicator's wait loop:
         the collectives' deadline, and a peer's post ends it (the same verdict as a collective's).
 
-        A wait that times out names the ranks that had not reached this point. Every rank calls it at the
-        same points of a tuning call (it counts them). Nothing without CUDA."""
+        A wait that times out names the ranks that had not reached this point: ``counted`` waits are made
+        by every rank at the same points of a tuning call (they are counted); a probe's waits are not.
+        Nothing without CUDA."""
         marker = device.marker()
         if marker is None:
             return
         self.ending.check(step)
-        self._device_waits += 1
-        count, plane = self._device_waits, self.ending.plane
-        behind = None
-        if plane is not None:
+        plane, behind = self.ending.plane, None
+        if counted:
+            self._device_waits += 1
+        count = self._device_waits
+        if plane is not None and counted:
             plane.note_progress(self.channel, count)
             behind = lambda: [r for r, reached in plane.progress(self.channel).items() if reached < count]  # noqa: E731
         try:

@@ -356,7 +356,8 @@ class ContextualAutotuner:
                         compiles.compile_rest(tuned)
                 timer = o.timer or default_timer()
                 if measured(o.objective):
-                    timer = ProbingTimer(timer, o.probe or default_probe())
+                    probe = o.probe or default_probe(lambda step: agreement.wait_for_device(step, counted=False))
+                    timer = ProbingTimer(timer, probe, repeatable=True)
                 runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
                                    o.verbose, compiles if overlap else None, phases)
                 runs.check = make_check(o.check, result)  # the discovery run's result is the reference

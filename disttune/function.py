@@ -350,7 +350,8 @@ class FunctionAutotuner:
         call); returned for the next stage (a search's batches), so every config meets the same reference."""
         timer = self.timer or default_timer()
         if measured(self.objective):
-            timer = ProbingTimer(timer, self.probe or default_probe())
+            timer = ProbingTimer(timer, self.probe or default_probe(
+                lambda step: agreement.wait_for_device(step, counted=False)))
         if self.flush_l2:
             timer = flushing(timer)
         comm = agreement.comm

@@ -7,16 +7,27 @@ the same fixed-length all-gather as the times, and the objective sees only those
 every rank picks the same winner. A measurement that some rank could not read is None for everyone.
 
 Cost per timed launch, on top of the Timer: a reset and a read of the CUDA allocator's peak (host
-side, no synchronisation); with NVML, a device synchronisation and an NVML energy read before and
-after the launch (which also keeps launches of one run from overlapping). The peak reset is the
-allocator's own: a reading of ``torch.cuda.max_memory_allocated`` across a tuning call sees it reset.
-Without a GPU the probe reads nothing and the measurements other than time are None.
+side, no synchronisation). The peak reset is the allocator's own: a reading of
+``torch.cuda.max_memory_allocated`` across a tuning call sees it reset.
+
+Energy needs a window: NVML's energy counter moves in steps (every few to tens of milliseconds, measured
+once per process by :func:`counter_period_s`), so one launch of a few milliseconds reads 0. With NVML the
+probe reads it once per config and site in a tuning call: after the config's first timed launch it makes
+that launch again (the bare launch, as ``do_bench`` repeats a kernel) until the repeats last at least
+:func:`energy_window_s` (the larger of 50 ms and 8 counter steps) on the GPU, and divides the counter's
+change by the repeats; later timed launches of that config reuse the reading. So the energy objective
+costs about one window per config and site, and suits kernels that can be launched again in place (no
+communication inside them). The host waits for the GPU around the window through the tuner's wait loop
+(the collectives' deadline and peer checks). Where a launch cannot be repeated (the function tuner's
+calls), the counter is read around the call itself. Without a GPU the probe reads nothing and the
+measurements other than time are None.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+import time
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from .env import cuda_devices_narrowed, interpreting
@@ -169,31 +180,96 @@ class NoProbe:
         return {}
 
 
-class DeviceProbe:
-    """The CUDA allocator's peak over the launch, and NVML's energy counter where ``pynvml`` is importable."""
+#: The shortest energy window, whatever NVML's counter period.
+MIN_ENERGY_WINDOW_S = 0.05
+_COUNTER_PERIOD: dict[int, float] = {}  # per CUDA device: seconds between NVML energy counter steps
 
-    def __init__(self) -> None:
+
+def counter_period_s(nvml: tuple, device: int) -> float:
+    """Seconds between steps of NVML's energy counter on this GPU: the median interval between its changes,
+    read once per process (polled for up to 0.5 s; the counter moves idle too)."""
+    if device not in _COUNTER_PERIOD:
+        pynvml, handle = nvml
+        changes, last, deadline = [], pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.monotonic() + 0.5
+        while len(changes) < 6 and time.monotonic() < deadline:
+            now = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            if now != last:
+                changes.append(time.monotonic())
+                last = now
+            time.sleep(0.0005)
+        gaps = sorted(b - a for a, b in zip(changes, changes[1:]))
+        _COUNTER_PERIOD[device] = gaps[len(gaps) // 2] if gaps else 0.1
+    return _COUNTER_PERIOD[device]
+
+
+def energy_window_s(period_s: float) -> float:
+    """How long the repeated launches of one energy reading last: 8 counter steps, at least 50 ms."""
+    return max(MIN_ENERGY_WINDOW_S, 8 * period_s)
+
+
+class DeviceProbe:
+    """The CUDA allocator's peak over the launch, and NVML's energy per launch where ``pynvml`` is importable,
+    read over a window of repeated launches (see the module doc).
+
+    ``wait(step)`` waits for the GPU's queued work (default: the device's own synchronisation; the tuners
+    pass their wait loop, which has the collectives' deadline and peer checks)."""
+
+    def __init__(self, wait: Optional[Callable[[str], None]] = None) -> None:
         import torch
 
         self._cuda = torch.cuda
-        self._nvml = nvml_handle(torch.cuda.current_device())
+        self._device = torch.cuda.current_device()
+        self._nvml = nvml_handle(self._device)
+        self.wait = wait or (lambda step: torch.cuda.synchronize())
+        self._energy: dict[tuple, float] = {}  # (site, config) -> mJ per launch, read once per tuning call
 
     def start(self, info: LaunchInfo) -> Any:
         self._cuda.reset_peak_memory_stats()
         energy = None
-        if self._nvml is not None:
-            self._cuda.synchronize()
-            energy = self._nvml[0].nvmlDeviceGetTotalEnergyConsumption(self._nvml[1])
+        if self._nvml is not None and info.repeat is None:  # a call that cannot be repeated: read around it
+            self.wait("energy reading")
+            energy = self._counter()
         return self._cuda.memory_allocated(), energy
 
     def stop(self, started: Any, info: LaunchInfo) -> dict[str, Optional[float]]:
         allocated, energy = started
         read: dict[str, Optional[float]] = {
             "peak_memory_mb": max(0, self._cuda.max_memory_allocated() - allocated) / 2**20, "energy_mj": None}
-        if energy is not None:
-            self._cuda.synchronize()
-            read["energy_mj"] = float(self._nvml[0].nvmlDeviceGetTotalEnergyConsumption(self._nvml[1]) - energy)
+        if self._nvml is None:
+            return read
+        if info.repeat is None:
+            self.wait("energy reading")
+            read["energy_mj"] = float(self._counter() - energy)
+            return read
+        which = (info.kernel, info.key, info.occurrence, info.config_index)
+        if which not in self._energy:
+            self._energy[which] = self._window(info.repeat)
+        read["energy_mj"] = self._energy[which]
         return read
+
+    def forget(self) -> None:
+        """Read every config's energy again (a new tuning call)."""
+        self._energy.clear()
+
+    def _counter(self) -> int:
+        return self._nvml[0].nvmlDeviceGetTotalEnergyConsumption(self._nvml[1])  # type: ignore[index]
+
+    def _window(self, launch: Callable[[], Any]) -> float:
+        """mJ per launch of ``launch``, over repeats that last one energy window on the GPU."""
+        window = energy_window_s(counter_period_s(self._nvml, self._device))  # type: ignore[arg-type]
+        start, end = self._cuda.Event(enable_timing=True), self._cuda.Event(enable_timing=True)
+        self.wait("energy window")
+        start.record()
+        launch()
+        end.record()
+        self.wait("energy window")
+        once_s = max(start.elapsed_time(end) / 1e3, 1e-6)
+        repeats = max(1, math.ceil(window / once_s))
+        before = self._counter()
+        for _ in range(repeats):
+            launch()
+        self.wait("energy window")
+        return float(self._counter() - before) / repeats
 
 
 def nvml_handle(device: int) -> Optional[tuple]:
@@ -233,13 +309,14 @@ def device_uuid(device: int) -> Optional[str]:
     return text if text.startswith("GPU-") else f"GPU-{text}"
 
 
-def default_probe() -> Probe:
-    """A :class:`DeviceProbe` on a GPU, else (and under the interpreter) a :class:`NoProbe`."""
+def default_probe(wait: Optional[Callable[[str], None]] = None) -> Probe:
+    """A :class:`DeviceProbe` on a GPU (waiting for the GPU through ``wait``), else (and under the interpreter)
+    a :class:`NoProbe`."""
     try:
         import torch
 
         if torch.cuda.is_available() and not interpreting():
-            return DeviceProbe()
+            return DeviceProbe(wait)
     except ImportError:
         pass
     return NoProbe()
@@ -256,12 +333,17 @@ class Reading:
 
 
 class ProbingTimer:
-    """``inner`` timing each launch, with ``probe`` reading around it; its readers are :class:`Reading` s."""
+    """``inner`` timing each launch, with ``probe`` reading around it; its readers are :class:`Reading` s.
 
-    def __init__(self, inner: Timer, probe: Probe) -> None:
-        self.inner, self.probe = inner, probe
+    ``repeatable``: the launches may be made again in place (kernel launches), so a probe that needs a longer
+    window than one launch gets ``info.repeat``."""
+
+    def __init__(self, inner: Timer, probe: Probe, repeatable: bool = False) -> None:
+        self.inner, self.probe, self.repeatable = inner, probe, repeatable
 
     def time(self, launch: Callable[[], Any], info: LaunchInfo) -> Reader:
+        if self.repeatable:
+            info = replace(info, repeat=launch)
         started = self.probe.start(info)
         read = self.inner.time(launch, info)
         return Reading(read, self.probe.stop(started, info))

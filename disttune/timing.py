@@ -23,7 +23,7 @@ there is no L2 to flush and the option does nothing.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from .env import interpreting
@@ -33,7 +33,11 @@ Reader = Callable[[], float]
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """What is being timed: one launch of one config at one tuning site."""
+    """What is being timed: one launch of one config at one tuning site.
+
+    ``repeat`` (set for a probe by :class:`~disttune.measures.ProbingTimer` where the launch may be made again,
+    a kernel launch of the contextual tuner): the bare launch, for a probe that needs a longer window than
+    one launch (NVML's energy counter)."""
 
     kernel: str
     key: tuple
@@ -42,6 +46,7 @@ class LaunchInfo:
     config: Any
     run: int
     rank: int
+    repeat: Optional[Callable[[], Any]] = field(default=None, compare=False, repr=False)
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: the GPU checks and every benchmark in bench/, in one call.
 # Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|plane|stephost|faults|
-#                                                   moeexit|owngroup|demo|tests|gputests|moetests|all ...]
+#                                                   moeexit|owngroup|demo|energy|tests|gputests|moetests|all ...]
 # NPROC defaults to the GPU count; OUT to a new temporary directory. Each step has its own time limit
 # and logs to $OUT/<step>.log, so one failing step does not hide the others; the last lines of each
 # log are echoed. The benchmarks append their JSON rows to $OUT/<bench>.jsonl.
@@ -51,6 +51,10 @@ fi
 if want faults; then  # the fault suite under NCCL at 2 and NPROC GPUs, and the control plane's own test
     TAIL=30 run faults 330 python3 -m pytest -q -s -p no:cacheprovider tests/test_stranded.py tests/test_control_plane.py \
         -k "nccl or plane"
+fi
+if want energy; then  # one GPU: NVML's energy per launch against power x time, and a Pareto front over both
+    TAIL=24 run energy 180 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
+        -k "energy or pareto"
 fi
 if want moeexit; then  # part b of bench/moe.py (CUDA graphs of NCCL collectives): does every rank exit by itself?
     TAIL=12 run moe_exit 150 "${launch[@]}" bench/moe.py --parts b --iters 10

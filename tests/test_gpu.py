@@ -8,6 +8,8 @@ The rest of the suite also runs there, under NCCL.
 from __future__ import annotations
 
 import re
+import statistics
+import time
 
 import pytest
 import torch
@@ -130,3 +132,80 @@ def test_check_scores_out_a_shard_gemm_config_that_reads_shards_a_side_stream_st
         assert found["winner"] == 0 and found["right"] and found["agreed_ms"][1] == float("inf"), found
     else:
         assert found["winner"] == 1 and not found["right"], found
+
+
+def _gemm(n: int = 8192):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    return lambda: torch.matmul(a, b, out=c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_energy_of_a_gemm_is_its_power_draw_times_its_time():
+    """One GEMM of known length (8192^3 bf16, ~1-2 ms): the probe's energy per launch, read over its window of
+    repeats, is neither 0 nor off by more than 2x from the board's power draw (NVML, sampled while the same
+    GEMMs run) times the GEMM's time (CUDA events)."""
+    from disttune.measures import DeviceProbe, counter_period_s, energy_window_s
+    from disttune.timing import LaunchInfo
+
+    probe = DeviceProbe()
+    if probe._nvml is None:
+        pytest.skip("pynvml or the GPU's energy counter is missing")
+    pynvml, handle = probe._nvml
+    gemm = _gemm()
+    for _ in range(20):
+        gemm()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):
+        gemm()
+    end.record()
+    watts = []
+    while not end.query():  # the board's draw while the same GEMMs run back to back
+        watts.append(pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
+        time.sleep(0.01)
+    gemm_ms = start.elapsed_time(end) / 200
+    info = LaunchInfo("gemm", (8192,), 0, 0, None, 0, 0, repeat=gemm)
+    started = probe.start(info)
+    gemm()
+    energy = probe.stop(started, info)["energy_mj"]
+    power = statistics.median(watts[len(watts) // 4:]) if watts else float("nan")
+    expected = power * gemm_ms  # W x ms = mJ
+    period = counter_period_s(probe._nvml, torch.cuda.current_device())
+    print(f"\nNVML energy counter step {period * 1e3:.1f} ms, window {energy_window_s(period) * 1e3:.0f} ms; GEMM "
+          f"{gemm_ms:.3f} ms at {power:.0f} W: {energy:.1f} mJ per launch read, {expected:.1f} mJ expected")
+    assert energy > 0 and expected / 2 <= energy <= expected * 2, (energy, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pareto_front_over_time_and_energy_of_the_12_config_gemm(tmp_path):
+    """``objective=pareto("time_ms", "energy_mj")`` on the 12-config Hopper GEMM at 4096^3: every config's energy is
+    read (none is 0), and the front is printed."""
+    import disttune
+    from disttune.kernels.matmul import HOPPER_GEMM_CONFIGS, make_matmul_kernel, matmul
+    from disttune.measures import nvml_handle
+
+    if nvml_handle(torch.cuda.current_device()) is None:
+        pytest.skip("pynvml or the GPU's energy counter is missing")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    kernel = make_matmul_kernel(HOPPER_GEMM_CONFIGS)
+
+    @disttune.contextual_autotune(objective=disttune.pareto("time_ms", "energy_mj"), store=False, verbose=False,
+                                  log_dir=tmp_path)
+    def step():
+        return matmul(a, b, kernel=kernel)
+
+    step()
+    (result,) = step.report.results
+    rows = [(disttune.describe_config(c), m.time_ms, m.energy_mj, c_index in result.front)
+            for c_index, (c, m) in enumerate(zip(result.configs, result.measurements))]
+    print("\n| config | ms | mJ | on the front |\n| --- | ---: | ---: | --- |")
+    for label, ms, mj, front in rows:
+        print(f"| {label} | {ms:.4f} | {mj if mj is None else round(mj, 1)} | {'yes' if front else ''} |")
+    assert all(mj is not None and mj > 0 for _, ms, mj, _ in rows if ms < float("inf")), rows
+    assert result.winner in result.front
