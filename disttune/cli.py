@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import subprocess
 import sys
 import time
@@ -187,10 +186,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.script is None and args.logs is None:
         args.parser.error("give a SCRIPT to run with its stored or pinned winners, or --logs DIR of an earlier run")
     log_dir = Path(args.logs) if args.script is None else resolve_log_dir(args.log_dir).resolve()
-    if args.judge_cpu:
-        os.environ["DISTTUNE_VERIFY_CPU"] = "1"  # the launched ranks and the judgement of --logs read it
     return verify.run_command(args.script, args.script_args, args.threshold, args.nproc, log_dir, args.pinned,
-                              args.cache_dir, REPO_ROOT)
+                              args.cache_dir, REPO_ROOT, judge_cpu=args.judge_cpu)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

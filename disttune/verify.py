@@ -102,10 +102,11 @@ class Judgement:
 
 
 def judge(before: Optional[float], now: float, threshold: float, noises: Sequence[Optional[float]],
-          on_cpu: bool) -> Judgement:
+          on_cpu: bool, judge_cpu: bool) -> Judgement:
+    """The verdict on ``now`` against ``before``; ``judge_cpu``: judge timings taken on a CPU too."""
     allowed = max([threshold] + [n for n in noises if n is not None and math.isfinite(n)])
     slower = before is not None and math.isfinite(now) and now > before * (1 + allowed)
-    judged = not on_cpu or env.verify_cpu_timings()
+    judged = not on_cpu or judge_cpu
     return Judgement(allowed, slower, not math.isfinite(now) or (slower and judged), judged)
 
 
@@ -150,7 +151,7 @@ def verify_decided(sites: Sequence[Site], runs: Any, agreement: Any, n_warmup: i
         now = float(agreed[site.decided])
         before, recorded_noise = everyone[0][index][:2]  # rank 0's record decides, as in the consensus
         fresh_noise = max((ranks[index][2] for ranks in everyone if ranks[index][2] is not None), default=None)
-        verdict = judge(before, now, threshold, (recorded_noise, fresh_noise), on_cpu)
+        verdict = judge(before, now, threshold, (recorded_noise, fresh_noise), on_cpu, env.verify_cpu_timings())
         config = config_text(site.configs[site.decided])
         log.verify(site.id.kernel, site.id.key, site.id.occurrence, site.decided, config, before, now, threshold,
                    verdict.regressed, site.decided_by, allowed=verdict.allowed, judged=verdict.judged,
@@ -234,7 +235,8 @@ def read_verified(log_dir: str | os.PathLike, since: Optional[datetime.datetime]
     return list(seen.values())
 
 
-def logged_against_store(log_dir: str | os.PathLike, cache_dir: Optional[str], threshold: float) -> list[Verified]:
+def logged_against_store(log_dir: str | os.PathLike, cache_dir: Optional[str], threshold: float,
+                         judge_cpu: bool = False) -> list[Verified]:
     """Without ``verify`` records: each site's last tuned winner in ``log_dir`` (its agreed time) against the time
     the winner store recorded for that site and config (``cache_dir``, default the usual store), judged as
     :func:`verify_decided` judges (timings taken on a CPU are reported, not judged)."""
@@ -255,7 +257,7 @@ def logged_against_store(log_dir: str | os.PathLike, cache_dir: Optional[str], t
         before, noise = recorded_times(entry, entry["winner"])
         now = record.get("agreed_ms")
         now = float(now) if isinstance(now, (int, float)) else math.inf
-        verdict = judge(before, now, threshold, (noise,), on_cpu=not entry.get("fingerprint", {}).get("gpu"))
+        verdict = judge(before, now, threshold, (noise,), not entry.get("fingerprint", {}).get("gpu"), judge_cpu)
         found.append(Verified(site_text(record), record["config"], before, now, threshold, verdict.regressed,
                               verdict.allowed, verdict.judged))
     return found
@@ -274,8 +276,10 @@ def verdict(verified: Sequence[Verified]) -> tuple[int, str]:
 
 
 def run_command(script: Optional[str], script_args: Sequence[str], threshold: float, nproc: Optional[int],
-                log_dir: Path, pinned: Optional[str], cache_dir: Optional[str], repo_root: Path) -> int:
-    """``disttune verify``: launch ``script`` with ``$DISTTUNE_VERIFY`` (unless None), then judge its records."""
+                log_dir: Path, pinned: Optional[str], cache_dir: Optional[str], repo_root: Path,
+                judge_cpu: bool = False) -> int:
+    """``disttune verify``: launch ``script`` with ``$DISTTUNE_VERIFY`` (unless None), then judge its records;
+    ``judge_cpu``: timings taken on a CPU are judged too (``DISTTUNE_VERIFY_CPU=1`` for the ranks)."""
     since = None
     if script is not None:
         launcher = repo_root / "scripts" / "launch.sh"
@@ -283,6 +287,8 @@ def run_command(script: Optional[str], script_args: Sequence[str], threshold: fl
             raise FileNotFoundError(f"needs a source checkout (missing {launcher})")
         child = env.environ_with_log_dir(log_dir)
         child[VERIFY] = repr(threshold)
+        if judge_cpu:
+            child["DISTTUNE_VERIFY_CPU"] = "1"
         if pinned:
             child[env.PINNED] = os.fspath(pinned)
         if cache_dir:
@@ -295,7 +301,7 @@ def run_command(script: Optional[str], script_args: Sequence[str], threshold: fl
             return code
     verified = read_verified(log_dir, since)
     if not verified and script is None:  # an earlier run that did not verify: its tuned winners against the store
-        verified = logged_against_store(log_dir, cache_dir, threshold)
+        verified = logged_against_store(log_dir, cache_dir, threshold, judge_cpu or env.verify_cpu_timings())
     status, text = verdict(verified)
     print(text, file=sys.stdout if status == 0 else sys.stderr, flush=True)
     return status
