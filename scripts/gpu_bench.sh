@@ -11,7 +11,7 @@ OUT=${OUT:-$(mktemp -d -t disttune-gpu-bench-XXXXXX)}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DISTTUNE_LOG_DIR="$OUT/logs"
 nproc="${1:-$(nvidia-smi -L | wc -l)}"; shift || true
 steps="${*:-all}"
-python3 -c "import disttune, sys; sys.exit(not disttune.__file__.startswith('$PWD/'))" 2>/dev/null \
+python3 -c "import disttune.kernels, sys; sys.exit(not disttune.__file__.startswith('$PWD/'))" 2>/dev/null \
   || python3 -m pip install --quiet --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || echo "editable install failed (see install.log)"
 
