@@ -214,3 +214,19 @@ def test_a_pareto_front_over_time_and_energy_of_the_12_config_gemm(tmp_path):
         print(f"| {label} | {ms:.4f} | {mj if mj is None else round(mj, 1)} | {'yes' if front else ''} |")
     assert all(mj is not None and mj > 0 for _, ms, mj, _ in rows if ms < float("inf")), rows
     assert result.winner in result.front
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_readme_example_runs_on_gpus_as_written(tmp_path):
+    from test_cpu_path import readme_example
+
+    script = tmp_path / "example.py"
+    script.write_text(readme_example() + "print(f'rank {info.rank}: out {tuple(out.shape)} {out.dtype}')\n")
+    ranks = min(2, torch.cuda.device_count())
+    proc = run_launch([f"--nproc_per_node={ranks}", str(script)], timeout=300,
+                      extra_env={"DISTTUNE_CACHE_DIR": str(tmp_path / "store")})
+    assert proc.returncode == 0, describe(proc)
+    for rank in range(ranks):
+        assert f"rank {rank}: out (8192, {8192 // ranks}) torch.bfloat16" in proc.stdout, describe(proc)
+    assert "terminate called" not in proc.stderr, describe(proc)
