@@ -18,10 +18,11 @@ from .comm import CollectiveTimeout, LocalComm, MpiComm, TorchComm
 from .agreement import SiteResult, TuningError, TuningReport
 from .contextual import ContextualAutotuner, contextual_autotune
 from .function import FunctionAutotuner, autotune
-from .measures import Measurements, Pareto, pareto
+from .objective import Measurements, Pareto, pareto
 from .search import ModelSearch
 from .space import ConfigSpace, space
-from .sites import AllConfigsFailed, SiteId, describe_config
+from .sites import AllConfigsFailed, SiteId
+from .configs import describe_config
 from .sweep import SweepRow
 from .timing import CudaEventTimer, HostTimer, LaunchInfo, Timer
 from .unseen import UnseenKeyError

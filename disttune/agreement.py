@@ -13,7 +13,7 @@ collective. In the order a tuning call meets them:
 2. :meth:`Agreement.check_run` (one all-gather of a flag per run, a second only on trouble): an
    error in any rank's tuning run is an error on all;
 3. :meth:`Agreement.gather_agreed` (one all-gather of every site's per-config statistic, and of each
-   measurement a measured objective reads, :mod:`disttune.measures`) and :meth:`Agreement.verdicts`: the
+   measurement a measured objective reads, :mod:`disttune.objective`) and :meth:`Agreement.verdicts`: the
    agreed vector (``reduce`` over ranks, ``inf`` where a config failed on any rank), the winner (argmin,
    ties to the lowest index; a measured objective's lowest score), :class:`SiteResult` per site; every
    config failing is :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
@@ -37,19 +37,62 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
+import numpy as np
+
 from . import device
 from .comm import CollectiveTimeout, Communicator, PeerFailed, wait_until
-from .compat import config_text
+from .configs import config_text, describe_config
 from .ending import Ending
-from .errors import TuningError
-from .logs import RankLog
-from .measures import EXTRA, Measurements, choose, measured
-from .options import describe_value
-from .sites import AllConfigsFailed, Site, SiteId, Statistic, agree, agree_measure, describe_config, winner_index
-from .store import StoreWarning
+from .errors import StoreWarning, TuningError
+from .objective import EXTRA, Choice, Measurements, choose, measured
+from .sites import AllConfigsFailed, Site, SiteId, Statistic
 
 INF = float("inf")
+NAN = float("nan")
 T = TypeVar("T")
+
+#: How ``reduce=`` combines the ranks' values of one config: ``[world, n] -> [n]``, ``nan`` where a rank has no
+#: value to give (a split site's configs are each timed by one rank). A new reduction is one line here
+#: (docs/extending.md).
+REDUCERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "max": lambda values: np.nanmax(values, axis=0),
+    "mean": lambda values: np.nanmean(values, axis=0),
+    "min": lambda values: np.nanmin(values, axis=0),
+}
+
+
+def agree(per_rank: np.ndarray, reduce: str, split: bool = False) -> np.ndarray:
+    """Combine ``[world, n]`` per-rank times into one agreed vector.
+
+    A config that is ``inf`` on any rank is ``inf`` in the result (a config that fails anywhere fails
+    everywhere); otherwise :data:`REDUCERS`' ``reduce`` over the ranks. With ``split=True`` a ``nan`` entry
+    means "not timed by this rank": the reduction runs over the ranks that timed the config (in a split
+    site, its one owner), and a config no rank timed is ``inf``.
+    """
+    per_rank = np.asarray(per_rank, dtype=np.float64)
+    finite = np.isfinite(per_rank)
+    failed = np.isinf(per_rank).any(axis=0) | ~finite.any(axis=0) if split else ~finite.all(axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan columns: replaced by inf below
+        combined = REDUCERS[reduce](np.where(finite, per_rank, NAN))
+    return np.where(failed, INF, combined)
+
+
+def agree_measure(per_rank: np.ndarray, reduce: str) -> np.ndarray:
+    """Combine ``[world, n]`` per-rank readings of a measurement: ``nan`` (not read) on any rank is ``nan``
+    for everyone, otherwise the ``reduce`` over ranks (as :func:`agree` does for times)."""
+    per_rank = np.asarray(per_rank, dtype=np.float64)
+    missing = np.isnan(per_rank).any(axis=0)
+    return np.where(missing, NAN, REDUCERS[reduce](np.where(missing, 0.0, per_rank)))
+
+
+def winner_index(agreed: Sequence[float]) -> Optional[int]:
+    """argmin, ties to the lowest index; None when every entry is inf (or nan)."""
+    best, best_time = None, INF
+    for i, t in enumerate(agreed):
+        if t < best_time:
+            best, best_time = i, t
+    return best if best_time < INF and not math.isnan(best_time) else None
 
 #: Tuning calls so far per tuner name: each call's note channel (the same count on every rank of an SPMD job).
 _CALLS: defaultdict[str, itertools.count] = defaultdict(itertools.count)
@@ -72,7 +115,7 @@ class SiteResult:
     winner: int
     source: str  # "tuned", "cached", "store" or "pinned"
     split: bool = False  # configs were divided among the ranks (see above)
-    #: with a measured objective (:mod:`disttune.measures`): each config's agreed Measurements, its score
+    #: with a measured objective (:mod:`disttune.objective`): each config's agreed Measurements, its score
     #: (the winner has the lowest) and, for a Pareto option, the configs on the front
     measurements: tuple = ()
     scores: tuple = ()
@@ -175,9 +218,11 @@ class Agreement:
     """The collectives of one tuner over ``comm``; ``name`` (the wrapped function's) heads every error."""
 
     def __init__(self, comm: Communicator, name: str, reduce: str = "max", statistic: Statistic = "median",
-                 objective: Any = "launch") -> None:
+                 objective: Any = "launch", texts: Optional[dict[str, str]] = None) -> None:
         self.comm, self.name, self.reduce, self.statistic = comm, name, reduce, statistic
         self.objective = objective
+        #: the options as the consensus names them (``Options.agreed()``), for the errors that name one
+        self.texts = texts or {}
         #: what each gathered vector carries per site beside the times (the same names on every rank)
         self.extra = EXTRA if measured(objective) else ()
         self.channel = f"{name}#{next(_CALLS[name])}"
@@ -341,7 +386,8 @@ class Agreement:
                 for name in self.extra:
                     local.extend(site.local_measures(name, self.statistic))
         except Exception as err:  # the user's statistic: its error goes to every rank
-            problems.append(f"statistic {describe_value(self.statistic)} failed: {type(err).__name__}: {err}")
+            problems.append(f"statistic {self.texts.get('statistic', repr(self.statistic))} failed: "
+                            f"{type(err).__name__}: {err}")
             local = [math.nan] * sum(width * len(site.configs) for site in tuned)
         gathered = self._together(step, problems,
                                   lambda: self.comm.all_gather_floats([1.0 if problems else 0.0] + local, step))
@@ -363,48 +409,36 @@ class Agreement:
             out.append((per_rank, agree(per_rank, self.reduce, split=site.split), extra))
         return out
 
-    def verdicts(self, tuned: Sequence[Site], log: Optional[RankLog] = None) -> list[SiteResult]:
-        """The agreement proper: each tuned site's agreed times and winner (logged per rank when ``log``)."""
-        results, dead = [], []
+    def verdicts(self, tuned: Sequence[Site]) -> list["Verdict"]:
+        """The agreement proper: each tuned site's agreed times and winner (None where every config failed or
+        was pruned on some rank: :meth:`results` then raises). Computed from gathered data only."""
+        verdicts = []
         for site, (per_rank, agreed, extra) in zip(tuned, self.gather_measured(tuned, "agreement")):
             per_rank, agreed = site.with_screening(per_rank, agreed)  # screened-out configs: screening times
             winner = winner_index([agreed[c] if c in site.active else INF for c in range(len(agreed))])
-            rows, choice = (), None
+            rows: tuple = ()
+            choice = None
             if self.extra:
                 rows = tuple(Measurements(float(agreed[c]), **{name: _known(extra[name][1][c]) for name in self.extra})
                              for c in range(len(agreed)))
                 try:
                     choice = choose(self.objective, rows, site.active)
                 except ValueError as err:  # computed from agreed values: the same on every rank
-                    raise TuningError(f"disttune: {self.name}: objective {describe_value(self.objective)} for "
+                    raise TuningError(f"disttune: {self.name}: objective "
+                                      f"{self.texts.get('objective', repr(self.objective))} for "
                                       f"{site.id.describe()}: {err}") from err
                 winner = choice.winner
-            if log is not None:
-                for index, samples in enumerate(site.samples):
-                    for iteration, (ms, at) in enumerate(zip(samples, site.sample_times[index])):
-                        log.measure(site.id.kernel, site.id.key, index, config_text(site.configs[index]), iteration,
-                                    ms, at)
-                for c, config in enumerate(site.configs):
-                    measures = None
-                    if choice is not None:
-                        measures = {"agreed": {name: getattr(rows[c], name) for name in self.extra},
-                                    "per_rank": {name: [_known(v) for v in readings[:, c]]
-                                                 for name, (readings, _) in extra.items()},
-                                    "score": choice.scores[c], "front": c in choice.front}
-                    log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, config_text(config),
-                                      list(per_rank[:, c]), float(agreed[c]), site.failures.get(c), measures)
-            if winner is None:
-                dead.append(site)
-                continue
-            if log is not None:
-                log.winner(site.id.kernel, site.id.key, site.id.occurrence, winner, config_text(site.configs[winner]),
-                           float(agreed[winner]), "tuned")
-            results.append(SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in per_rank),
-                                      tuple(map(float, agreed)), winner, "tuned", site.split, rows,
-                                      choice.scores if choice else (), choice.front if choice else ()))
+            verdicts.append(Verdict(site, per_rank, agreed, winner, rows, choice,
+                                    {name: readings for name, (readings, _) in extra.items()}))
+        return verdicts
+
+    def results(self, verdicts: Sequence["Verdict"]) -> list[SiteResult]:
+        """The :class:`SiteResult` of each verdict; :class:`AllConfigsFailed` on every rank, with each rank's
+        reasons, when a site has no winner."""
+        dead = [v.site for v in verdicts if v.winner is None]
         if dead:
             self.raise_all_failed(dead)
-        return results
+        return [v.result() for v in verdicts]
 
     def raise_all_failed(self, dead: Sequence[Site]) -> None:
         """Every config of ``dead`` failed somewhere: gather each rank's reasons and raise them on all."""
@@ -443,9 +477,10 @@ class Agreement:
         return gathered
 
     def drop_failed_winners(self, results: list[SiteResult], failed: dict[tuple, list[str]],
-                            sites: dict[SiteId, Site], log: RankLog) -> list[SiteResult]:
+                            sites: dict[SiteId, Site]) -> tuple[list[SiteResult], list[tuple]]:
         """Score each split winner that failed in the final run ``inf`` on every rank and take the next best;
-        a stored or pinned winner that failed there is a TuningError on every rank."""
+        a stored or pinned winner that failed there is a TuningError on every rank. Returns the new results
+        and, per dropped winner, ``(new result, config index, messages)``."""
         results = list(results)
         settled = [f"{results[i].site.describe()}: config[{c}] {{{config_text(results[i].configs[c])}}} "
                    f"({results[i].source}): " + "; ".join(messages)
@@ -455,6 +490,7 @@ class Agreement:
                               "that had not tried it before (its own store answer differed); tune it again "
                               "(always_tune=True, or disttune clear) or deploy a table made on these ranks:\n  "
                               + "\n  ".join(settled))
+        dropped = []
         for (i, config_index), messages in sorted(failed.items()):
             old = results[i]
             site = sites[old.site]
@@ -462,18 +498,14 @@ class Agreement:
             agreed = list(old.agreed_ms)
             agreed[config_index] = INF
             winner = winner_index([agreed[c] if c in site.active else INF for c in range(len(agreed))])
-            log.config_result(old.site.kernel, old.site.key, old.site.occurrence, config_index,
-                              str(old.configs[config_index]), [float("nan")] * self.comm.world_size, INF,
-                              "failed in the final run: " + "; ".join(messages))
             if winner is None:
                 raise AllConfigsFailed(
                     f"disttune: {self.name}: no config works for:\n  {old.site.describe()}: the last "
                     f"candidate, config[{config_index}] {{{old.configs[config_index]}}}, was timed on one rank "
                     "(split) but failed on others in the final run: " + "; ".join(messages))
-            log.winner(old.site.kernel, old.site.key, old.site.occurrence, winner, str(old.configs[winner]),
-                       agreed[winner], "tuned")
             results[i] = replace(old, agreed_ms=tuple(agreed), winner=winner)
-        return results
+            dropped.append((results[i], config_index, messages))
+        return results, dropped
 
 
 def _known(value: float) -> Optional[float]:
@@ -481,16 +513,34 @@ def _known(value: float) -> Optional[float]:
     return None if math.isnan(value) else float(value)
 
 
-def settled_results(sites: Sequence[Site], log: Optional[RankLog] = None) -> list[SiteResult]:
+def settled_results(sites: Sequence[Site]) -> list[SiteResult]:
     """The sites the consensus decided without tuning: a stored or pinned winner, or the kernels' own cache."""
     results = []
     for site in sites:
         if site.decided is not None:
-            if log is not None:
-                log.winner(site.id.kernel, site.id.key, site.id.occurrence, site.decided,
-                           config_text(site.configs[site.decided]), float("nan"), site.decided_by)
             results.append(SiteResult(site.id, tuple(site.configs), (), (), site.decided, site.decided_by))
         elif site.preset is not None:
             index = site.configs.index(site.preset) if site.preset in site.configs else -1
             results.append(SiteResult(site.id, tuple(site.configs), (), (), index, "cached"))
     return results
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One tuned site's agreement: the per-rank and agreed times, the winner (None: every config failed or was
+    pruned on some rank), and with a measured objective the agreed measurements, the objective's choice and
+    each measurement's per-rank readings."""
+
+    site: Site
+    per_rank: np.ndarray
+    agreed: np.ndarray
+    winner: Optional[int]
+    measurements: tuple = ()
+    choice: Optional[Choice] = None
+    readings: dict = field(default_factory=dict)
+
+    def result(self) -> SiteResult:
+        site, choice = self.site, self.choice
+        return SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in self.per_rank),
+                          tuple(map(float, self.agreed)), self.winner, "tuned", site.split, self.measurements,
+                          choice.scores if choice else (), choice.front if choice else ())

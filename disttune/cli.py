@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from . import __version__, env, store
+from . import env, store
 from .logs import resolve_log_dir
-from .sites import describe_config
+from .configs import describe_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMOS = {"ag_gemm": "examples/ag_gemm.py", "tp_mlp": "examples/tp_mlp.py", "moe": "examples/moe_layer.py"}
@@ -37,8 +37,7 @@ def version_text() -> str:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
-    own = installed("disttune")
-    return (f"disttune {__version__ if own == 'not installed' else own} "
+    return (f"disttune {installed('disttune')} "
             f"(torch {installed('torch')}, triton {installed('triton')})")
 
 
@@ -181,7 +180,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from . import verify
+    from .report import verify
 
     if args.script is None and args.logs is None:
         args.parser.error("give a SCRIPT to run with its stored or pinned winners, or --logs DIR of an earlier run")

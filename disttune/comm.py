@@ -41,7 +41,7 @@ from .env import DEFAULT_TIMEOUT_S
 from .wire import MalformedMessage
 
 __all__ = ["CollectiveTimeout", "PeerFailed", "MalformedMessage", "Communicator", "ControlPlane", "LocalComm",
-           "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats"]
+           "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats", "global_rank"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -83,6 +83,23 @@ class Communicator(Protocol):
 
     def barrier(self, step: str) -> None:
         ...
+
+
+@runtime_checkable
+class Waits(Protocol):
+    """A communicator with its own wait loop: ``wait_until(ready, step)`` polls ``ready`` with the collectives'
+    deadline and breaks for a peer's post (:func:`wait_until` uses it where it is there)."""
+
+    def wait_until(self, ready: Callable[[], bool], step: str, timeout_s: Optional[float] = None,
+                   behind: Optional[Callable[[], list[int]]] = None) -> None: ...
+
+
+@runtime_checkable
+class GathersLater(Protocol):
+    """A communicator that can start an all-gather now and finish it later without waiting for the peers in
+    between (:func:`start_gather_floats` uses it where it is there)."""
+
+    def start_gather_floats(self, values: Sequence[float], step: str, channel: str) -> Callable[[], np.ndarray]: ...
 
 
 @runtime_checkable
@@ -139,9 +156,8 @@ def _poll(ready: Callable[[], bool], deadline: Optional[float], on_timeout: Call
 def wait_until(comm: Communicator, ready: Callable[[], bool], step: str) -> None:
     """Wait for ``ready()`` through ``comm``'s own wait (deadline, peers' posts) where it has one; a plain
     poll otherwise (a world of one, a custom communicator)."""
-    own = getattr(comm, "wait_until", None)
-    if own is not None:
-        own(ready, step)
+    if isinstance(comm, Waits):
+        comm.wait_until(ready, step)
     else:
         _poll(ready, None, lambda: RuntimeError(step))
 
@@ -418,11 +434,30 @@ def start_gather_floats(comm: Communicator, values: Sequence[float], step: str, 
                         ) -> Callable[[], np.ndarray]:
     """Start an all-gather of ``values`` that ``comm`` finishes when the returned function is called: without
     waiting for the peers now where ``comm`` can (its own ``start_gather_floats``), else gathered at once."""
-    start = getattr(comm, "start_gather_floats", None)
-    if start is not None:
-        return start(values, step, channel)
+    if isinstance(comm, GathersLater):
+        return comm.start_gather_floats(values, step, channel)
     gathered = comm.all_gather_floats(values, step)
     return lambda: gathered
+
+
+def global_rank(comm: Communicator) -> int:
+    """The process's rank in the whole job (what names its rank log and picks the store's writer), whatever
+    group ``comm`` spans."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    if not isinstance(comm, LocalComm):
+        try:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD.Get_rank()
+        except ImportError:
+            pass
+    return comm.rank
 
 
 def is_comm(group: Any) -> bool:

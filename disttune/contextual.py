@@ -1,137 +1,204 @@
 """``contextual_autotune``: tune every ``triton.autotune`` kernel inside a function, in place.
 
-The walk of one tuning call, step by step (:meth:`ContextualAutotuner._tuning_call` reads the same):
+A tuning call of a wrapped function is a :class:`KernelTuningCall`, the pipeline's steps
+(:mod:`disttune.pipeline`) with the function's launches as its sites:
 
-1. **intercept**: each run of the wrapped function routes its autotuned launches to a launch handler
-   (:mod:`disttune.intercept`, :mod:`disttune.handlers`);
-2. **sites**: the discovery run names every launch a site (kernel, tuning key, occurrence), finds a
-   config that works on this rank and starts compiling the rest (:mod:`disttune.compile`);
-3. **consensus**: one all-gather, so that a mismatch (sites, options, split, pinned table) or a
+1. **discover**: one run of the function with its autotuned launches routed to a launch handler
+   (:mod:`disttune.intercept`, :mod:`disttune.handlers`) names every launch a site (kernel, tuning
+   key, occurrence), finds a config that works on this rank and starts compiling the rest
+   (:mod:`disttune.compile`);
+2. **consensus**: one all-gather, so that a mismatch (sites, options, split, pinned table) or a
    discovery error is the same clear error on every rank (:mod:`disttune.agreement`);
-4. **timed**: ``longest * (n_warmup + n_repeat)`` tuning runs, each site trying the config the
+3. **tune**: ``longest * (n_warmup + n_repeat)`` tuning runs, each site trying the config the
    rank-independent schedule gives it (:class:`~disttune.sites.Schedule`) under the Timer, each run
-   ended by a one-float all-gather that turns an error on any rank into an error on all;
-5. **agreed**: one all-gather of a fixed-length vector (a slot per site x config, x measurement with a
-   measured objective), reduced over ranks;
-   the same winners everywhere;
-6. **final**: the winners go into each kernel's ``Autotuner.cache`` and the per-rank log; a final run
-   with the winners gives the caller its result, ended by a status all-gather (an error on any rank is
-   an error on all);
-7. **stored**: then, only then, the winners go into the winner store (:mod:`disttune.store`).
+   ended by a one-float all-gather that turns an error on any rank into an error on all (a search
+   narrows the configs, :mod:`disttune.search`);
+4. **agree**: one all-gather of a fixed-length vector (a slot per site x config, x measurement with a
+   measured objective), reduced over ranks: the same winners everywhere, logged and committed to each
+   kernel's ``Autotuner.cache``;
+5. **final**: a run with the winners gives the caller its result, ended by a status all-gather (an
+   error on any rank is an error on all);
+6. **store**: then, only then, the winners go into the winner store (:mod:`disttune.store`).
 
 After that every call takes the fast path (:mod:`disttune.fast_path`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from . import diagnostics, engine, env, verify, warmup
+from . import console, diagnostics, env, verify, warmup
 from . import store as stores
-from .agreement import Agreement, SiteResult, TuningError, TuningReport, settled_results
-from .checks import CheckSpec, check_spec, make_check
-from .comm import Communicator, is_comm, make_communicator
-from .compat import config_text
+from .agreement import SiteResult, TuningError, TuningReport
+from .checks import make_check
+from .comm import Communicator, global_rank, make_communicator
 from .compile import CompilePool, compile_share, default_compile_threads
+from .configs import config_text
 from .fast_path import FastPlan
 from .handlers import Discover
-from .triton_launch import check_driver
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
-from .objective import step_stages
-from .phases import Phases
-from .measures import Objective, Probe, ProbingTimer, default_probe, measured
-from .options import (AGREED, check_common, check_count, check_directory, check_objective, check_path,
-                      describe_objective, describe_options)
-from .search import Search, SearchTrace, narrow, resolve_search
-from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic, split_predicate, total_function_runs
+from .objective import ProbingTimer, default_probe, measured
+from .options import Options, check_directory
+from .pipeline import Runs, TuningCall, commit, refuse_graph_capture, run_once, step_stages
+from .search import SearchTrace, narrow
+from .sites import AllConfigsFailed, Schedule, Site, SiteId, split_predicate, total_function_runs
 from .sweep import SweepRow, sweep_contextual
-from .timing import Timer, default_timer, flushing
-from .unseen import DEFAULT_AGREE_EVERY, NEVER, NewKeys, NewKeyVotes, check_on_new_key, pinned_or_nearest
+from .timing import default_timer, flushing
+from .triton_launch import check_driver
+from .unseen import NEVER, NEW_KEY_POLICIES, NewKeys, NewKeyVotes, pinned_or_nearest
 
-__all__ = ["ContextualAutotuner", "Options", "SiteResult", "TuningError", "TuningReport", "contextual_autotune"]
+__all__ = ["ContextualAutotuner", "KernelTuningCall", "Options", "SiteResult", "TuningError", "TuningReport",
+           "contextual_autotune"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: What ``split=`` accepts: True/False, kernel names or autotuned kernels, or a predicate over a site.
-SplitSpec = Union[bool, str, Any, Iterable[Any], Callable[[SiteId], bool]]
 
+class KernelTuningCall(TuningCall):
+    """One tuning call of a :class:`ContextualAutotuner` with ``args`` and ``kwargs``: the pipeline's steps over
+    the function's intercepted launches. What fails before the discovery run on one rank (a bad
+    ``$DISTTUNE_TIMEOUT``, the log directory, the store, the pinned table) is kept as its error and reaches
+    the peers in the consensus, after a paired discovery run."""
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """Every option of a contextual tuner, checked once when it is built (see :func:`contextual_autotune`).
+    def __init__(self, tuner: "ContextualAutotuner", args: tuple, kwargs: dict, verbose: bool = True) -> None:
+        o, name = tuner.options, tuner.__qualname__
+        check_driver()  # the same on every rank of a CPU job: one line, before any collective
+        refuse_graph_capture(name)
+        self.verify_threshold = verify.requested()
+        super().__init__(name, tuner.communicator(), o)
+        self.tuner, self.args, self.kwargs, self.verbose = tuner, args, kwargs, verbose and o.verbose
+        threads = default_compile_threads() if o.compile_threads is None else o.compile_threads
+        self.share = compile_share(self.comm) if o.compile_split and threads > 0 and self.comm.world_size > 1 else None
+        self.compiles = CompilePool(threads, self.share) if threads > 0 else None
+        # the step objective's runs do not wait config by config: every compile finishes before them
+        self.overlap = (self.compiles is not None and self.share is None and env.compile_overlap()
+                        and o.objective != "step")
+        self.log = RankLog(o.log_dir, global_rank(self.comm), name)
+        self.from_nearest: dict[SiteId, tuple[Any, str]] = {}  # pinned-table sites answered by their nearest entry
+        self.setup_failed = False
+        try:
+            if o.env_error is not None:
+                raise o.env_error
+            check_directory("log_dir (resolved)", self.log.path.parent)
+            self.winners_store = stores.open_store(o.store, o.cache_dir, self.comm, o.store_check, o.timeout_s)
+            self.table = stores.load_table(o.pinned) if o.pinned else None
+        except Exception as err:
+            self.setup_failed = True
+            self.error = (err, f"before the discovery run: {type(err).__name__}: {err}")
+        self.runs: Optional[Runs] = None
 
-    ``timeout_s`` is resolved here (``$DISTTUNE_TIMEOUT`` or 300 s when not given) and ``pinned`` from
-    ``$DISTTUNE_PINNED``; a bad value is a ValueError or TypeError that names the option.
-    """
+    def entry(self, site: Site) -> stores.EntryId:
+        return self.tuner.entry(site)
 
-    is_dist: bool = False
-    n_repeat: int = 5
-    n_warmup: int = 3
-    group: Any = None
-    comm: Any = None
-    timer: Optional[Timer] = None
-    reduce: str = "max"
-    statistic: Statistic = "median"
-    timeout_s: Optional[float] = None
-    log_dir: Optional[Union[str, os.PathLike]] = None
-    verbose: bool = True
-    always_tune: bool = False
-    early_stop: bool = False
-    search: Optional[Search] = None
-    cache_dir: Optional[Union[str, os.PathLike]] = None
-    store: bool = True
-    store_check: str = "strict"
-    store_writer: str = "global"
-    pinned: Optional[Union[str, os.PathLike]] = None
-    compile_threads: Optional[int] = None
-    compile_split: bool = True
-    split: SplitSpec = False
-    on_new_key: str = "tune"
-    agree_every: int = DEFAULT_AGREE_EVERY
-    objective: Objective = "launch"
-    flush_l2: bool = False
-    check: CheckSpec = None
-    probe: Optional[Probe] = None
-    #: a bad ``$DISTTUNE_TIMEOUT`` (``timeout_s`` then holds the default): raised on every rank at the consensus
-    env_error: Optional[Exception] = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    def discover(self) -> None:
+        o = self.options
+        lookup = stores.lookup(self.winners_store, self.table, o.always_tune, self.entry)
+        if self.table is not None and o.on_new_key == "nearest":
+            lookup = pinned_or_nearest(lookup, self.table, self.from_nearest)
+        handler = Discover(self.sites, o.always_tune, lookup, self.compiles, self.phases)
+        self.result, error = run_once(self.tuner.fn, handler, self.args, self.kwargs)
+        self.error = self.error or error
+        self.function_runs = 1
+        if self.compiles is not None and not self.overlap:  # (overlapping: the tuning runs wait config by config)
+            with self.phases.span("compile wait"):
+                self.compiles.finish()
 
-    def __post_init__(self) -> None:
-        check_common(self.n_warmup, self.n_repeat, self.reduce, self.statistic, self.timer)
-        check_on_new_key(self.on_new_key, self.agree_every)
-        check_objective(self.objective, self.search, self.split, self.early_stop)
-        object.__setattr__(self, "check", check_spec(self.check))
-        if self.objective == "step" and (self.early_stop or self.split or self.search not in (None, "exhaustive")):
-            raise ValueError("disttune: objective='step' times whole runs; search, early_stop and split are for "
-                             "objective='launch'")
-        object.__setattr__(self, "flush_l2", bool(self.flush_l2))
-        timeout, env_error = env.timeout_or_error(self.timeout_s)
-        object.__setattr__(self, "timeout_s", timeout)
-        object.__setattr__(self, "env_error", env_error)
-        if not self.is_dist and self.group is not None and not is_comm(self.group):
-            raise ValueError("disttune: group= was given but is_dist=False; pass is_dist=True to agree over it")
-        if self.store_check not in stores.CHECKS:
-            raise ValueError(f"disttune: store_check must be one of {stores.CHECKS}, got {self.store_check!r}")
-        if self.store_writer not in ("global", "node"):
-            raise ValueError(f"disttune: store_writer must be 'global' or 'node', got {self.store_writer!r}")
-        if self.compile_threads is not None:
-            check_count("compile_threads", self.compile_threads, minimum=0)
-        check_directory("log_dir", self.log_dir)
-        check_path("cache_dir", self.cache_dir)
-        check_path("pinned", self.pinned)
-        object.__setattr__(self, "pinned", self.pinned or env.pinned_table())
-        object.__setattr__(self, "search", resolve_search(self.search, bool(self.early_stop)))
-        object.__setattr__(self, "early_stop", self.search == "screen")
-        object.__setattr__(self, "compile_split", bool(self.compile_split))
+    def agreed_options(self) -> dict[str, str]:
+        return {**self.options.agreed(), "DISTTUNE_VERIFY": repr(self.verify_threshold)}  # verify adds runs: all or none
 
-    def agreed(self) -> dict[str, str]:
-        """The options every rank must share, as text for the consensus."""
-        return describe_options(**{name: getattr(self, name) for name in AGREED})
+    def split_flags(self, sites: Iterable[Site]) -> list[bool]:
+        return [bool(self.tuner.splits(site)) for site in sites]
+
+    def consensus_inputs(self) -> dict[str, Any]:
+        return {"table": None if self.table is None else stores.table_digest(self.table), "pinned": self.options.pinned,
+                "run": self.log.run}  # type: ignore[union-attr]
+
+    def consensus(self) -> None:
+        super().consensus()
+        log, comm = self.log, self.comm
+        log.run = self.agreement.run or log.run  # type: ignore[union-attr]
+        for site in self.sites.values():
+            log.label_key(site.id.kernel, site.id.key, site.id.key_text())  # type: ignore[union-attr]
+        for site in self.tuned:
+            if comm.world_size > 1 and self.tuner.splits(site):
+                site.share = (comm.rank, comm.world_size)
+        if self.compiles is not None and self.share is not None:  # every rank finished its share: load the peers'
+            with self.phases.span("compile wait"):
+                self.compiles.compile_rest(self.tuned)
+
+    def tune(self) -> None:
+        o = self.options
+        timer = o.timer or default_timer()
+        if measured(o.objective):
+            probe = o.probe or default_probe(lambda step: self.agreement.wait_for_device(step, counted=False))
+            timer = ProbingTimer(timer, probe, repeatable=True)
+        runs = self.runs = Runs(self.tuner.fn, self.args, self.kwargs, self.sites, self.agreement,
+                                flushing(timer) if o.flush_l2 else timer, self.verbose,
+                                self.compiles if self.overlap else None, self.phases)
+        runs.check = make_check(o.check, self.result)  # the discovery run's result is the reference
+        self.function_runs += self.verify_decided()
+        if o.objective == "step":
+            self.function_runs += step_stages(runs, self.tuned, o.n_warmup, o.n_repeat, runs.check)
+        else:
+            searched, self.tuner.search_trace, full_timing = narrow(
+                self.tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, self.agreement.gather_agreed,
+                self.comm.all_gather_objects)
+            self.function_runs += searched
+            if full_timing:
+                longest = max((s.slots() for s in self.tuned), default=0)
+                self.function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
+        if self.overlap:
+            with self.phases.span("compile wait"):
+                self.compiles.finish()  # type: ignore[union-attr]  # a config never launched may still fail here
+
+    def verify_decided(self) -> int:
+        """With ``$DISTTUNE_VERIFY``: time the stored and pinned winners in place (:mod:`disttune.verify`)."""
+        o = self.options
+        if self.verify_threshold is None:
+            return 0
+        if o.objective == "step":
+            verify.not_for_the_step_objective(self.log, self.name)
+            return 0
+        return verify.verify_decided(list(self.sites.values()), self.runs, self.agreement, o.n_warmup, o.n_repeat,
+                                     self.winners_store, self.table, self.log, self.verify_threshold, self.entry,
+                                     self.verbose)
+
+    def agree(self) -> None:
+        super().agree()
+        compiled = self.compiles.compiled if self.compiles is not None else {}
+        diagnostics.log_tuned(self.log, self.sites, self.results, compiled)
+        winners = self.tuner.commit(self.sites, self.results, self.elapsed())
+        for ident, (config, source) in self.from_nearest.items():  # the same on every rank: the table is agreed
+            self.tuner.new_key_fallback(ident, config, source)
+            self.log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)  # type: ignore[union-attr]
+        self.winners = winners
+
+    def final(self) -> None:
+        """The run with the winners (none is needed when every site was in the kernels' caches: the discovery run
+        launched the winners)."""
+        if all(s.preset is not None for s in self.sites.values()):
+            return
+        self.result, self.results, made = self.runs.final(  # type: ignore[union-attr]
+            self.results, self.winners, self.log, lambda r: self.tuner.commit(self.sites, r, self.elapsed()))
+        self.function_runs += made
+
+    def background(self) -> dict[str, float]:
+        return self.compiles.busy_s() if self.compiles is not None else {}
+
+    def finish(self) -> None:
+        super().finish()
+        o, report = self.options, self.report
+        self.log.tuning(self.name, report.wall_s, self.function_runs, len(self.tuned),  # type: ignore[union-attr]
+                        self.comm.world_size, o.reduce, str(o.statistic))
+
+    def close(self) -> None:
+        if self.compiles is not None:
+            self.compiles.shutdown()
+        if not self.setup_failed:
+            self.log.flush()  # type: ignore[union-attr]
 
 
 class ContextualAutotuner:
@@ -143,7 +210,7 @@ class ContextualAutotuner:
         warmup.start_for_tuner()  # Triton's one-time initialisation, off the first tuning call
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self._splits = split_predicate(self.options.split)
+        self.splits = split_predicate(self.options.split)
         self.report: Optional[TuningReport] = None
         self._winners: dict[SiteId, Any] = {}
         self._plan: Optional[FastPlan] = None
@@ -165,6 +232,11 @@ class ContextualAutotuner:
     @property
     def tuned(self) -> bool:
         return self._tuned
+
+    @property
+    def known_sites(self) -> dict[SiteId, Site]:
+        """Every site a tuning call of this wrapper has met, by its identity (what the fast path serves)."""
+        return self._known_sites
 
     def retune(self) -> None:
         """Forget the winners of this wrapper; the next call tunes again (the kernels' caches are kept)."""
@@ -223,7 +295,22 @@ class ContextualAutotuner:
             if not plan.countdown:  # type: ignore[union-attr]
                 self._agree_on_new_keys()
             return result
-        return self._tuning_call(args, kwargs)
+        return self.tuning_call(args, kwargs)
+
+    def tuning_call(self, args: tuple, kwargs: dict, verbose: bool = True) -> Any:
+        """One tuning call with ``args`` and ``kwargs`` (what the first call makes): the pipeline's steps, then the
+        fast path from the next call on; returns the function's result with the winners. ``verbose=False``
+        keeps rank 0's summary to itself (the sweep prints its own table)."""
+        call = KernelTuningCall(self, args, kwargs, verbose)
+        result = call.run()
+        o, comm = self.options, call.comm
+        self.report = call.report
+        self._tuned = True
+        if call.verbose and comm.rank == 0:
+            console.print_summary(self.__qualname__, self.report, o.reduce, call.log.path)  # type: ignore[union-attr]
+        if env.triton_prints_autotuning():
+            console.print_triton_style(self.report, comm.rank)
+        return result
 
     def _met_new_key(self, plan: FastPlan, args: tuple, kwargs: dict) -> None:
         """A call served a pending key on its fallback: keep its arguments for a tuning at the agreement point."""
@@ -240,13 +327,13 @@ class ContextualAutotuner:
         self._saved_call = None
         if self._votes is None:
             self._votes = NewKeyVotes(self.__qualname__)
-        due = self._votes.point(self._get_communicator(), saved)
+        due = self._votes.point(self.communicator(), saved)
         if due is None:
             return  # some rank met none, or met them in another call: they stay on their fallback
         try:
-            self._tuning_call(due[1], due[2])
+            self.tuning_call(due[1], due[2])
         except (TuningError, AllConfigsFailed) as err:  # agreed on every rank: the keys keep their fallback
-            log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
+            log = RankLog(self.options.log_dir, global_rank(self.communicator()), self.__qualname__)
             log.note("new keys", f"tuning the new keys failed, they stay on their fallback: {err}")
             log.flush()
 
@@ -258,25 +345,31 @@ class ContextualAutotuner:
             RuntimeWarning, stacklevel=3,
         )
 
-    def _entry(self, site: Site) -> stores.EntryId:
+    def entry(self, site: Site) -> stores.EntryId:
         """A site's identity in the winner store: winners of the step objective or of a checked tuning are their own."""
         o = self.options
-        kind = "kernel" + ("" if o.objective == "launch" else f" objective={describe_objective(o.objective)}")
+        kind = "kernel" + ("" if o.objective == "launch" else f" objective={o.objective_text()}")
         kind += " checked" if o.check else ""
-        return engine.kernel_entry(site, kind)
+        return stores.kernel_entry(site, kind)
 
-    def _get_communicator(self) -> Communicator:
+    def communicator(self) -> Communicator:
+        """The ranks this wrapper agrees with (made on first use from ``is_dist``, ``group`` and ``comm``)."""
         if self._communicator is None:
             o = self.options
             self._communicator = make_communicator(o.is_dist, o.group, o.comm, o.timeout_s)
         return self._communicator
 
-    def _commit(self, sites: dict[SiteId, Site], results: list[SiteResult], wall_s: float = 0.0) -> dict[SiteId, Any]:
-        self._winners = engine.commit(sites, results, wall_s)
+    def commit(self, sites: dict[SiteId, Site], results: list[SiteResult], wall_s: float = 0.0) -> dict[SiteId, Any]:
+        """The agreed winners into the kernels' caches and this wrapper's fast path; returns them by site."""
+        self._winners = commit(sites, results, wall_s)
         self._known_sites.update(sites)
         self._known_winners.update(self._winners)
         self._plan = FastPlan(self._known_sites, self._known_winners, *self._unseen_policy())
         return self._winners
+
+    def new_key_fallback(self, ident: SiteId, config: Any, source: str) -> None:
+        """A site the pinned table lacked, answered with its nearest entry: served as a fallback from now on."""
+        self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
 
     def _unseen_policy(self) -> tuple[Optional[NewKeys], int]:
         """The plan's fallback for keys it was not tuned for, and its countdown to the next agreement.
@@ -285,8 +378,8 @@ class ContextualAutotuner:
         and the next call tunes (no peer can be left waiting). A tuner with a pinned table never tunes: a
         key the table lacks stays on its fallback, as with ``"nearest"``.
         """
-        o, comm = self.options, self._get_communicator()
-        tunes_new_keys = o.on_new_key == "tune" and not o.pinned
+        o, comm = self.options, self.communicator()
+        tunes_new_keys = NEW_KEY_POLICIES[o.on_new_key].tunes and not o.pinned
         if tunes_new_keys and comm.world_size == 1:
             return None, NEVER
         if self._new_keys is None:
@@ -296,121 +389,9 @@ class ContextualAutotuner:
         return self._new_keys, o.agree_every if tunes_new_keys else NEVER
 
     def _log_fallback(self, ident: SiteId, config: Any, source: str) -> None:
-        log = RankLog(self.options.log_dir, engine.global_rank(self._get_communicator()), self.__qualname__)
+        log = RankLog(self.options.log_dir, global_rank(self.communicator()), self.__qualname__)
         log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
         log.flush()
-
-    def _tuning_call(self, args: tuple, kwargs: dict) -> Any:
-        """Discover, agree on the sites, tune, agree on the winners, commit and store, run with the winners."""
-        o, name = self.options, self.__qualname__
-        check_driver()  # the same on every rank of a CPU job: one line, before any collective
-        engine.refuse_graph_capture(name)
-        verify_threshold = verify.requested()
-        comm = self._get_communicator()
-        started = time.perf_counter()
-        agreement = Agreement(comm, name, o.reduce, o.statistic, o.objective)
-        threads = default_compile_threads() if o.compile_threads is None else o.compile_threads
-        share = compile_share(comm) if o.compile_split and threads > 0 and comm.world_size > 1 else None
-        compiles = CompilePool(threads, share) if threads > 0 else None
-        sites: dict[SiteId, Site] = {}
-        log = RankLog(o.log_dir, engine.global_rank(comm), name)
-        winners_store, table, setup_error = None, None, None
-        try:  # what fails here on one rank reaches the others in the consensus, after a paired discovery run
-            if o.env_error is not None:
-                raise o.env_error
-            check_directory("log_dir (resolved)", log.path.parent)
-            winners_store = engine.open_store(o.store, o.cache_dir, comm, o.store_check, o.timeout_s)
-            table = stores.load_table(o.pinned) if o.pinned else None
-        except Exception as err:
-            setup_error = (err, f"before the discovery run: {type(err).__name__}: {err}")
-        with agreement.ending:  # the same ending on every rank, wherever a peer's failure finds this one
-            phases = Phases()
-            span = phases.span
-            try:
-                lookup, from_nearest = engine.lookup(winners_store, table, o.always_tune, self._entry), {}
-                if table is not None and o.on_new_key == "nearest":
-                    lookup = pinned_or_nearest(lookup, table, from_nearest)
-                discover = Discover(sites, o.always_tune, lookup, compiles, phases)
-                with span("discovery run"):
-                    result, error = engine.run_once(self.fn, discover, args, kwargs)
-                error = setup_error or error
-                # the step objective's runs do not wait config by config: every compile finishes first
-                overlap = compiles is not None and share is None and env.compile_overlap() and o.objective != "step"
-                if compiles is not None and not overlap:  # (overlapping: the tuning runs wait config by config)
-                    with span("compile wait"):
-                        compiles.finish()
-                found = list(sites.values())
-                with span("collectives"):
-                    agreed = {**o.agreed(), "DISTTUNE_VERIFY": repr(verify_threshold)}  # verify adds runs: all or none
-                    agreement.consensus(found, error, agreed, [bool(self._splits(s)) for s in found],
-                                        None if table is None else stores.table_digest(table), o.pinned, log.run)
-                log.run = agreement.run or log.run
-                for site in found:
-                    log.label_key(site.id.kernel, site.id.key, site.id.key_text())
-                tuned = [s for s in found if s.preset is None and s.decided is None]
-                for site in tuned:
-                    if comm.world_size > 1 and self._splits(site):
-                        site.share = (comm.rank, comm.world_size)
-                if compiles is not None and share is not None:  # every rank finished its share: the peers' are cached
-                    with span("compile wait"):
-                        compiles.compile_rest(tuned)
-                timer = o.timer or default_timer()
-                if measured(o.objective):
-                    probe = o.probe or default_probe(lambda step: agreement.wait_for_device(step, counted=False))
-                    timer = ProbingTimer(timer, probe, repeatable=True)
-                runs = engine.Runs(self.fn, args, kwargs, sites, agreement, flushing(timer) if o.flush_l2 else timer,
-                                   o.verbose, compiles if overlap else None, phases)
-                runs.check = make_check(o.check, result)  # the discovery run's result is the reference
-                if verify_threshold is not None and o.objective == "step":
-                    verify_threshold = None
-                    verify.not_for_the_step_objective(log, name)
-                verified = 0 if verify_threshold is None else verify.verify_decided(
-                    found, runs, agreement, o.n_warmup, o.n_repeat, winners_store, table, log, verify_threshold,
-                    self._entry, o.verbose)
-                function_runs = 1 + verified
-                with span("tuning runs"):
-                    if o.objective == "step":
-                        function_runs += step_stages(runs, tuned, o.n_warmup, o.n_repeat, runs.check)
-                    else:
-                        searched, self.search_trace, full_timing = narrow(
-                            tuned, o.search, o.n_warmup, o.n_repeat, runs.stage, agreement.gather_agreed,
-                            comm.all_gather_objects)
-                        function_runs += searched
-                        if full_timing:
-                            longest = max((s.slots() for s in tuned), default=0)
-                            function_runs += runs.stage(Schedule(longest, o.n_warmup, o.n_repeat), "tuning run")
-                if overlap:
-                    with span("compile wait"):
-                        compiles.finish()  # type: ignore[union-attr]  # a config never launched may still fail here
-                with span("collectives"):
-                    results = agreement.verdicts(tuned, log) + settled_results(found, log)
-                diagnostics.log_tuned(log, sites, results, compiles.compiled if compiles is not None else {})
-                winners = self._commit(sites, results, time.perf_counter() - started)
-                for ident, (config, source) in from_nearest.items():  # the same on every rank: the table is agreed
-                    self._new_keys.served[ident] = (config, source)  # type: ignore[union-attr]
-                    log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
-                if any(s.preset is None for s in found):
-                    result, results, final_runs = runs.final(results, winners, log, lambda r: self._commit(sites, r, time.perf_counter() - started))
-                    function_runs += final_runs
-                if winners_store is not None and engine.is_store_writer(o.store_writer, comm):
-                    with span("store"):
-                        engine.save_winners(winners_store, [(self._entry(sites[r.site]), r, sites[r.site])
-                                                             for r in results], name)
-                wall_s = time.perf_counter() - started
-                self.report = TuningReport(tuple(results), function_runs, wall_s, comm.world_size,
-                                           phases.breakdown(wall_s), compiles.busy_s() if compiles is not None else {})
-                log.tuning(name, wall_s, function_runs, len(tuned), comm.world_size, o.reduce, str(o.statistic))
-                self._tuned = True
-                if o.verbose and comm.rank == 0:
-                    engine.print_summary(name, self.report, o.reduce, log)
-                if env.triton_prints_autotuning():
-                    engine.print_triton_style(self.report, comm.rank)
-                return result
-            finally:
-                if compiles is not None:
-                    compiles.shutdown()
-                if setup_error is None:
-                    log.flush()
 
 
 def contextual_autotune(
@@ -466,7 +447,7 @@ def contextual_autotune(
     ``on_new_key`` (``"tune"``, ``"nearest"`` or ``"error"``) and ``agree_every`` (default 128) say what a
     call after tuning does with a key it was not tuned for (:mod:`disttune.unseen`): it never enters a
     collective, so a size that only some ranks meet never stalls them. It runs at once on the winner of
-    the nearest tuned key (:mod:`disttune.nearest`; the first config when none is a candidate), the same
+    the nearest tuned key (the rule in :mod:`disttune.unseen`; the first config when none is a candidate), the same
     on every rank; ``"tune"`` then tunes keys that every rank met in the same call, one agreement point
     later (every ``agree_every`` calls each rank sets one number in the rendezvous store and reads its
     peers' from the point before: no wait), so between ``agree_every`` and ``2 * agree_every`` calls
@@ -486,12 +467,12 @@ def contextual_autotune(
     tuning run's result with the discovery run's (each site's first working config): a config whose
     result differs on any rank scores ``inf`` on every rank, named in the log and the report. Winners
     tuned with ``objective="step"`` or ``check`` are stored apart from plain launch-level ones.
-    ``objective`` may also be a callable over :class:`~disttune.measures.Measurements` (``time_ms``,
+    ``objective`` may also be a callable over :class:`~disttune.objective.Measurements` (``time_ms``,
     ``peak_memory_mb``, ``energy_mj``; lower score wins) or :func:`~disttune.pareto`: launches are timed
     as with ``"launch"`` and also read by ``probe`` (default: the CUDA allocator's peak, and NVML's
     energy counter where ``pynvml`` imports, at the cost of a device synchronisation and two NVML reads
     per timed launch; nothing beside the time on the CPU), every measurement agreed over the ranks
-    (:mod:`disttune.measures`).
+    (:mod:`disttune.objective`).
     """
 
     def decorate(fn: F) -> F:

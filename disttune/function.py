@@ -8,11 +8,11 @@ together; per-rank statistics are all-gathered and combined like the contextual
 tuner's (max over ranks by default, ``inf`` if a config failed on any rank), and the
 winner is stored so later processes skip tuning.
 
-It walks the contextual tuner's protocol with a whole call in place of an intercepted launch: the
-call becomes one site whose candidates are the configs, each tuning call runs the config the shared
-:class:`~disttune.sites.Schedule` gives it and is timed by the Timer, the ranks agree through the
-same :class:`~disttune.agreement.Agreement` (consensus on key, configs, options and stored winner;
-agreed vector; all-failed error), and the winner goes to the same store.
+A tuning is a :class:`FunctionTuningCall`, the pipeline's steps (:mod:`disttune.pipeline`) with a whole
+call in place of an intercepted launch: the key becomes one site whose candidates are the configs,
+each tuning call runs the config the shared :class:`~disttune.sites.Schedule` gives it and is timed by
+the Timer (its own way of timing, after a barrier), and the ranks agree, run the winner and store it
+through the same steps as the contextual tuner's.
 
 Cost of one tuning: ``len(space) * (n_warmup + n_repeat) + 1`` calls of the function
 (the last with the winner, whose result is returned), one barrier per call, and three
@@ -41,66 +41,168 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from . import engine, warmup
 from . import store as stores
-from .agreement import Agreement, TuningError
+from . import warmup
+from .agreement import Agreement, SiteResult, TuningError
+from .checks import OutputCheck, blame, make_check
 from .comm import Communicator, is_comm, make_communicator
-from .checks import CheckSpec, OutputCheck, blame, check_spec, make_check
-from .measures import Objective, Probe, ProbingTimer, default_probe, describe_measurements, measured, measures_of
-from .options import check_common, check_objective, check_path, describe_objective, describe_options
-from .env import timeout_or_error
-from .search import Search, SearchTrace, describe_search, narrow, resolve_search
-from .sites import AllConfigsFailed, Schedule, Site, SiteId, Statistic
+from .configs import kwargs_text
+from .objective import ProbingTimer, default_probe, describe_measurements, measured, measures_of
+from .options import Options
+from .pipeline import TuningCall
+from .search import SearchTrace, narrow
+from .sites import AllConfigsFailed, Schedule, Site, SiteId
 from .sweep import SweepRow, sweep_function
-from .unseen import (DEFAULT_AGREE_EVERY, NEVER, NewKeyVotes, UnseenKeyError, check_on_new_key, choose,
-                     table_candidates)
-from .timing import LaunchInfo, Timer, default_timer, flushing
+from .timing import LaunchInfo, default_timer, flushing
+from .unseen import NEVER, NEW_KEY_POLICIES, NewKeyVotes, UnseenKeyError, table_candidates
 
 CALL_FLAGS = ("autotune", "autotune_verbose", "autotune_pg")
 
 
-def _describe(config: dict) -> str:
-    return "{" + ", ".join(f"{k}={v}" for k, v in config.items()) + "}"
+class FunctionTuningCall(TuningCall):
+    """The tuning of one key of a :class:`FunctionAutotuner` over ``configs`` with ``args`` and ``kwargs``: the
+    pipeline's steps over one site, the key, timed over whole calls. ``final=False`` skips the call with the
+    winner (a sweep, or a key tuned at an agreement point); :attr:`config` is the winner."""
+
+    def __init__(self, tuner: "FunctionAutotuner", key: Any, configs: list[dict], args: tuple, kwargs: dict,
+                 comm: Communicator, verbose: bool = False, final: bool = True) -> None:
+        super().__init__(tuner.__qualname__, comm, tuner.options)
+        self.tuner, self.key, self.configs, self.args, self.kwargs = tuner, key, configs, args, kwargs
+        self.verbose, self.with_final = verbose, final
+        self.config: Optional[dict] = None
+        self.timings: Optional[dict] = None  # the agreed timings of a key tuned here (``last_timings``)
+
+    def entry(self, site: Site) -> stores.EntryId:
+        return self.tuner.entry(self.key, self.configs)
+
+    def discover(self) -> None:
+        o = self.options
+        site = Site(SiteId(f"{self.tuner.fn.__module__}.{self.name}", (repr(self.key),), 0), None, self.configs)
+        self.sites[site.id] = site
+        self.winners_store = stores.open_store(o.store, o.cache_dir, self.comm, timeout_s=o.timeout_s)
+        lookup = stores.lookup(self.winners_store, None, False, self.entry)
+        site.local_answer = None if lookup is None else lookup(site)
+        if o.env_error is not None:  # a bad $DISTTUNE_TIMEOUT: the same error on every rank
+            self.error = (o.env_error, f"{type(o.env_error).__name__}: {o.env_error}")
+
+    def tune(self) -> None:
+        o, comm = self.options, self.comm
+        if not self.tuned:
+            return
+        (site,) = self.tuned
+        if o.split:
+            site.share = (comm.rank, comm.world_size)
+        timed = TimedCalls(self, site)
+        _, self.tuner.search_trace, full_timing = narrow([site], o.search, o.n_warmup, o.n_repeat, timed.stage,
+                                                         self.agreement.gather_agreed, comm.all_gather_objects)
+        if full_timing:
+            timed.stage(Schedule(site.slots(), o.n_warmup, o.n_repeat), "tuning call")
+
+    def agree(self) -> None:
+        super().agree()
+        (result,) = self.results
+        self.config = self.configs[result.winner]
+        if result.source != "tuned":
+            return
+        self.timings = {"configs": self.configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
+                        "agreed_ms": list(result.agreed_ms), "winner": result.winner,
+                        "measurements": list(result.measurements), "front": list(result.front)}
+        if self.verbose and self.comm.rank == 0:
+            print_timings(self.name, self.configs, result)
+
+    def final(self) -> None:
+        """The call with the winner, whose result the tuning call returns; an error there on one rank is the same
+        TuningError on every rank (a world of one raises it itself)."""
+        if not self.with_final:
+            return
+        call = functools.partial(self.tuner.fn, *self.args, **self.kwargs, **self.config)  # type: ignore[arg-type]
+        if self.comm.world_size == 1:
+            self.result = call()
+            return
+        try:
+            self.result, error = call(), None
+        except Exception as err:
+            error = (err, f"{type(err).__name__}: {err}")
+        self.agreement.final_run_status([], error, {}, "final call (with the winner)")
+
+    def writes_store(self) -> bool:
+        return self.comm.rank == 0  # the group's first rank (a subgroup need not hold global rank 0)
+
+
+def print_timings(name: str, configs: Sequence[dict], result: SiteResult) -> None:
+    """``autotune_verbose=True``: every config's agreed time on rank 0, the winner marked."""
+    for i, config in enumerate(configs):
+        mark = "  <- winner" if i == result.winner else ""
+        extra = (f", {describe_measurements(result.measurements[i])}, score {result.scores[i]:.4g}"
+                 if result.measurements else "")
+        print(f"disttune.autotune {name} {kwargs_text(config)}: {result.agreed_ms[i]:.4f} ms{extra}{mark}",
+              file=sys.stdout, flush=True)
+
+
+class TimedCalls:
+    """The function tuner's way of timing: whole calls, each after a barrier so all ranks start together,
+    samples and failures into ``site``. One output check serves every stage (a search's batches): made from
+    the first successful call, so every config meets the same reference."""
+
+    def __init__(self, call: FunctionTuningCall, site: Site) -> None:
+        o = call.options
+        self.call, self.site = call, site
+        self.check: Optional[OutputCheck] = None
+        timer = o.timer or default_timer()
+        if measured(o.objective):
+            timer = ProbingTimer(timer, o.probe or default_probe(
+                lambda step: call.agreement.wait_for_device(step, counted=False)))
+        self.timer = flushing(timer) if o.flush_l2 else timer
+
+    def stage(self, schedule: Schedule, label: str) -> int:
+        """``schedule.runs`` calls of the function; returns the count."""
+        call, site, o = self.call, self.site, self.call.options
+        comm, agreement = call.comm, call.agreement
+        fn, args, kwargs = call.tuner.fn, call.args, call.kwargs
+        per_config = o.n_warmup + o.n_repeat
+        for run in range(schedule.runs):
+            slot, phase = divmod(run, per_config)
+            comm.barrier(f"function autotune config slot {slot} run {phase}")
+            position, timed = schedule.slot(run, len(site.active), site.share)
+            index = None if position is None else site.active[position]
+            outcome: dict = {}
+            read = None
+            if index is not None and index not in site.failures:
+                config = site.configs[index]
+                try:
+                    if not timed:
+                        outcome["result"] = fn(*args, **kwargs, **config)
+                    else:
+                        info = LaunchInfo(call.name, (repr(call.key),), 0, index, config, phase, comm.rank)
+                        read = self.timer.time(lambda: outcome.__setitem__("result", fn(*args, **kwargs, **config)),
+                                               info)
+                except Exception as err:  # scored inf on every rank through the agreement
+                    site.record_failure(index, err)
+            # every rank, every call: the timer and the check read the GPU's results
+            agreement.wait_for_device(f"function autotune config slot {slot} run {phase} (on the GPU)")
+            call.function_runs += 1
+            if index is None or index in site.failures:
+                continue
+            if read is not None:
+                site.add_sample(index, read(), time.time(), measures_of(read))
+            if o.check:  # the first successful call's result is the reference
+                if self.check is None:
+                    self.check = make_check(o.check, outcome["result"])
+                elif not self.check.matches(outcome["result"]):
+                    blame({site.id: site}, {site.id: index})
+        return schedule.runs
 
 
 class FunctionAutotuner:
     """The callable that :func:`autotune` returns; see there."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        config_space: Sequence[dict],
-        key_fn: Callable[..., Any],
-        prune_fn: Optional[Callable[..., bool]] = None,
-        *,
-        n_warmup: int = 3,
-        n_repeat: int = 5,
-        timer: Optional[Timer] = None,
-        reduce: str = "max",
-        statistic: Statistic = "median",
-        group: Any = None,
-        comm: Any = None,
-        timeout_s: Optional[float] = None,
-        cache_dir: Optional[str | os.PathLike] = None,
-        store: bool = True,
-        split: bool = False,
-        search: Optional[Search] = None,
-        on_new_key: str = "tune",
-        agree_every: int = DEFAULT_AGREE_EVERY,
-        objective: Objective = "launch",
-        flush_l2: bool = False,
-        check: CheckSpec = None,
-        pinned: Optional[str | os.PathLike] = None,
-        probe: Optional[Probe] = None,
-    ) -> None:
+    def __init__(self, fn: Callable[..., Any], config_space: Sequence[dict], key_fn: Callable[..., Any],
+                 prune_fn: Optional[Callable[..., bool]] = None, **options: Any) -> None:
         if not config_space or not all(isinstance(c, dict) for c in config_space):
             raise ValueError("disttune.autotune: config_space must be a non-empty list of dicts of keyword arguments")
         if not callable(key_fn):
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
-        check_common(n_warmup, n_repeat, reduce, statistic, timer)
-        check_on_new_key(on_new_key, agree_every)
-        check_objective(objective, search, split)
-        self.objective, self.flush_l2, self.check, self.probe = objective, bool(flush_l2), check_spec(check), probe
+        self.options = Options.for_function(**options)
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")
@@ -109,19 +211,13 @@ class FunctionAutotuner:
         self.config_space = [dict(c) for c in config_space]
         self._tunables = frozenset(name for config in self.config_space for name in config)
         self.key_fn, self.prune_fn = key_fn, prune_fn
-        self.n_warmup, self.n_repeat = n_warmup, n_repeat
-        self.timer, self.reduce, self.statistic = timer, reduce, statistic
-        self.group = group if group is not None else comm
-        # a bad $DISTTUNE_TIMEOUT is raised on every rank by the first tuning's consensus
-        self.timeout_s, self._env_error = timeout_or_error(timeout_s)
-        check_path("cache_dir", cache_dir)
-        self.cache_dir, self.use_store = cache_dir, store
-        self.split = bool(split)
-        self.search = resolve_search(search)
+        o = self.options
+        self.group = o.group if o.group is not None else o.comm
+        self.check = o.check
+        self.policy = NEW_KEY_POLICIES[o.on_new_key]
         self.search_trace: Optional[SearchTrace] = None  # what the last model search proposed
-        self.pinned = stores.load_table(pinned) if pinned else None  # a deployed table: its keys are never tuned
+        self.pinned = stores.load_table(o.pinned) if o.pinned else None  # a deployed table: its keys are never tuned
         self.cache: dict[Any, dict] = {}  # key -> winning config, for this process
-        self.on_new_key, self.agree_every = on_new_key, agree_every
         self.fallbacks: dict[Any, tuple[dict, str]] = {}  # key -> (config, source): keys served without tuning
         self._countdown = NEVER  # calls to the next agreement on new keys (multi-rank "tune" only)
         self._saved_call: Optional[tuple[int, Any, tuple, dict]] = None  # (position, key, args, kwargs)
@@ -136,7 +232,7 @@ class FunctionAutotuner:
             raise TypeError(f"disttune.autotune: {self.__qualname__} got {clash} as keyword argument(s), "
                             "but the autotuner sets them from config_space; drop them from the call")
         if not autotune:
-            return self.fn(*args, **kwargs, **self._pruned(args, kwargs)[0])
+            return self.fn(*args, **kwargs, **self.pruned(args, kwargs)[0])
         self._countdown -= 1
         if not self._countdown:
             self._agree_on_new_keys(autotune_pg, autotune_verbose)
@@ -146,15 +242,16 @@ class FunctionAutotuner:
             winner = None
         if winner is not None:  # the fast path: one key_fn call and a dict lookup over the plain call
             return self.fn(*args, **kwargs, **winner)
-        return self._new_key_call(args, kwargs, self._communicator(autotune_pg), autotune_verbose)
+        return self._new_key_call(args, kwargs, self.communicator(autotune_pg), autotune_verbose)
 
     def _new_key_call(self, args: tuple, kwargs: dict, comm: Communicator, verbose: bool) -> Any:
         """A key with no winner yet: tuned (the first key, or any key in a world of one), served from the
         pinned table, or served by its fallback with no collective (see :mod:`disttune.unseen`)."""
+        o = self.options
         tunes_now = not self.cache and self.pinned is None
         try:
-            key = self._key(args, kwargs)
-            configs = self._pruned(args, kwargs)
+            key = self.key(args, kwargs)
+            configs = self.pruned(args, kwargs)
         except Exception as err:
             if comm.world_size == 1 or not tunes_now:
                 raise
@@ -170,37 +267,30 @@ class FunctionAutotuner:
                 self.cache[key] = pinned
                 return self.fn(*args, **kwargs, **pinned)
         if served is None:
-            if tunes_now or (self.on_new_key == "tune" and comm.world_size == 1):
-                result = self._tuning_call(key, configs, args, kwargs, comm, verbose)
-                if self.on_new_key == "tune" and comm.world_size > 1 and self._countdown > self.agree_every:
-                    self._countdown = self.agree_every  # the first key is tuned: later new keys wait for agreements
-                return result
+            if tunes_now or (self.policy.tunes and comm.world_size == 1):
+                call = self.tune_key(key, configs, args, kwargs, comm, verbose, final=True)
+                if self.policy.tunes and comm.world_size > 1 and self._countdown > o.agree_every:
+                    self._countdown = o.agree_every  # the first key is tuned: later new keys wait for agreements
+                return call.result
             served = self._fallback(key, configs)
-        if self.on_new_key == "tune" and self._saved_call is None:
-            self._saved_call = (self.agree_every - self._countdown, key, args, kwargs)
+        if self.policy.tunes and self._saved_call is None:
+            self._saved_call = (o.agree_every - self._countdown, key, args, kwargs)
         return self.fn(*args, **kwargs, **served[0])
 
-    def _tuning_call(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
-                     verbose: bool) -> Any:
-        """Tuning (or the stored winner) and the call with the winner, whose result it returns; an error on
-        one rank in the call is the same TuningError on every rank."""
-        agreement = self._agreement(comm)
-        with agreement.ending:  # the same ending on every rank (disttune.ending)
-            config, save = self._tune(key, configs, args, kwargs, agreement, verbose)
-            if comm.world_size == 1:
-                result = self.fn(*args, **kwargs, **config)
-            else:
-                try:
-                    result, error = self.fn(*args, **kwargs, **config), None
-                except Exception as err:
-                    result, error = None, (err, f"{type(err).__name__}: {err}")
-                agreement.final_run_status([], error, {}, "final call (with the winner)")
-        if save is not None:
-            save()
-        self.cache[key] = config
-        return result
+    def tune_key(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, comm: Communicator,
+                 verbose: bool = False, final: bool = False) -> FunctionTuningCall:
+        """Tune ``key`` over ``configs`` with ``args`` and ``kwargs`` on every rank of ``comm`` (or take its stored
+        winner), store it and serve it from now on; ``final=True`` also calls the function with the winner
+        (the call's ``result``). Returns the finished call (``results``, ``timings``)."""
+        call = FunctionTuningCall(self, key, configs, args, kwargs, comm, verbose, final)
+        call.run()
+        self.last_timings = call.timings
+        self.cache[key] = call.config  # type: ignore[assignment]
+        self.fallbacks.pop(key, None)
+        return call
 
-    def _key(self, args: tuple, kwargs: dict) -> Any:
+    def key(self, args: tuple, kwargs: dict) -> Any:
+        """``key_fn``'s key for these arguments; a TypeError when it is not hashable."""
         key = self.key_fn(*args, **kwargs)
         try:
             hash(key)
@@ -223,169 +313,64 @@ class FunctionAutotuner:
 
     def _fallback(self, key: Any, configs: list[dict]) -> tuple[dict, str]:
         """A key met after tuning: its fallback (nearest tuned key's winner, else the first config), no collective."""
-        if self.on_new_key == "error":
-            raise UnseenKeyError(f"disttune.autotune: {self.__qualname__} was called with key {key!r}, which it was "
-                                 "not tuned for (on_new_key='error'); tune it first (sweep)")
         candidates: dict = dict(self.cache)
         for tuned, text in table_candidates(self.pinned, self.entry(key, configs).name, 0).items():
             candidates.setdefault(tuned, text)
-        served = self.fallbacks[key] = choose(key, configs, candidates, _describe)
+        try:
+            served = self.fallbacks[key] = self.policy.fallback(key, configs, candidates, kwargs_text)
+        except UnseenKeyError as err:
+            raise UnseenKeyError(f"disttune.autotune: {self.__qualname__} was called with a key it was not tuned "
+                                 f"for: {err}; tune it first (sweep)") from None
         logging.getLogger("disttune").info("disttune.autotune %s: key %r served by the %s: %s", self.__qualname__,
-                                           key, served[1], _describe(served[0]))
+                                           key, served[1], kwargs_text(served[0]))
         return served
 
     def _agree_on_new_keys(self, group: Any, verbose: bool) -> None:
         """Every ``agree_every`` calls: the ranks' first calls with a new key; the same call on every rank is
         tuned with its arguments at the next point (see :mod:`disttune.unseen`); no wait for the peers."""
-        self._countdown = self.agree_every
+        self._countdown = self.options.agree_every
         saved, self._saved_call = self._saved_call, None
-        comm = self._communicator(group)
+        comm = self.communicator(group)
         due = self._votes.point(comm, saved)
         if due is None:
             return
         _, key, args, kwargs = due
         try:
-            agreement = self._agreement(comm)
-            with agreement.ending:
-                config, save = self._tune(key, self._pruned(args, kwargs), args, kwargs, agreement, verbose)
-            if save is not None:
-                save()
-            self.cache[key] = config
+            self.tune_key(key, self.pruned(args, kwargs), args, kwargs, comm, verbose)
         except (TuningError, AllConfigsFailed) as err:  # the same on every rank: the key keeps its fallback
             logging.getLogger("disttune").warning("disttune.autotune %s: tuning key %r failed, it keeps its "
                                                   "fallback: %s", self.__qualname__, key, err)
-            return
-        self.fallbacks.pop(key, None)
 
-    def _pruned(self, args: tuple, kwargs: dict) -> list[dict]:
+    def pruned(self, args: tuple, kwargs: dict) -> list[dict]:
+        """The configs ``prune_fn`` keeps for these arguments; a ValueError when it keeps none."""
         configs = [c for c in self.config_space if self.prune_fn is None or self.prune_fn(c, *args, **kwargs)]
         if not configs:
             raise ValueError(f"disttune.autotune: prune_fn rejected every config of {self.__qualname__}")
         return configs
 
-    def _communicator(self, group: Any) -> Communicator:
+    def communicator(self, group: Any = None) -> Communicator:
         """``group`` (``autotune_pg=``, else ``group=``/``comm=``): an mpi4py communicator, a torch process
         group, or None (torch.distributed's default group when it is initialised, else a world of one)."""
         import torch.distributed as dist
 
         group = self.group if group is None else group
+        timeout_s = self.options.timeout_s
         if is_comm(group):
-            return make_communicator(False, group, None, self.timeout_s)
+            return make_communicator(False, group, None, timeout_s)
         initialised = dist.is_available() and dist.is_initialized()
         if group is not None and not initialised:
             raise RuntimeError("disttune.autotune: a process group was given (group= or autotune_pg=) but "
                                "torch.distributed is not initialised")
-        return make_communicator(initialised, group, None, self.timeout_s)
+        return make_communicator(initialised, group, None, timeout_s)
 
     def entry(self, key: Any, configs: list[dict]) -> stores.EntryId:
         """The store identity of ``key`` tuned over ``configs`` (a checked tuning's winners are stored apart)."""
-        kind, name = "function checked" if self.check else "function", f"{self.fn.__module__}.{self.__qualname__}"
-        if measured(self.objective):  # winners of another score are stored apart
-            kind += f" objective={describe_objective(self.objective)}"
+        o = self.options
+        kind, name = "function checked" if o.check else "function", f"{self.fn.__module__}.{self.__qualname__}"
+        if measured(o.objective):  # winners of another score are stored apart
+            kind += f" objective={o.objective_text()}"
         return stores.EntryId(kind, name, stores.function_source_key(self.fn), repr(key), 0,
-                              tuple(_describe(c) for c in configs))
-
-    def _agreement(self, comm: Communicator) -> Agreement:
-        """The collectives of one tuning call over ``comm`` (enter its ``ending`` around the call)."""
-        return Agreement(comm, self.__qualname__, self.reduce, self.statistic, self.objective)
-
-    def _tune(self, key: Any, configs: list[dict], args: tuple, kwargs: dict, agreement: Agreement,
-              verbose: bool) -> tuple[dict, Optional[Callable[[], None]]]:
-        """Consensus, the scheduled whole calls and the agreement: the contextual tuner's walk.
-        Returns the winner and what writes it to the store once the call with it has run on every rank
-        (None: nothing to write here)."""
-        comm = agreement.comm
-        name = f"{self.fn.__module__}.{self.__qualname__}"
-        entry = self.entry(key, configs)
-        site = Site(SiteId(name, (repr(key),), 0), None, configs)
-        winners_store = engine.open_store(self.use_store, self.cache_dir, comm, timeout_s=self.timeout_s)
-        lookup = engine.lookup(winners_store, None, False, entry=lambda _: entry)
-        site.local_answer = None if lookup is None else lookup(site)
-        env_error = self._env_error
-        error = None if env_error is None else (env_error, f"{type(env_error).__name__}: {env_error}")
-        agreement.consensus([site], error, describe_options(n_warmup=self.n_warmup, n_repeat=self.n_repeat,
-                                                           reduce=self.reduce, statistic=self.statistic,
-                                                           split=self.split, search=describe_search(self.search),
-                                                           check=self.check, flush_l2=self.flush_l2,
-                                                           objective=self.objective, on_new_key=self.on_new_key,
-                                                           agree_every=self.agree_every,
-                                                           timeout_s=self.timeout_s),
-                            [self.split])
-        if site.decided is not None:
-            return configs[site.decided], None
-        if self.split:
-            site.share = (comm.rank, comm.world_size)
-        check: Optional[OutputCheck] = None  # one reference for every stage of the search
-
-        def stage(schedule: Schedule, label: str) -> int:
-            nonlocal check
-            check = self._timed_calls(site, schedule, key, args, kwargs, agreement, check)
-            return schedule.runs
-
-        _, self.search_trace, full_timing = narrow([site], self.search, self.n_warmup, self.n_repeat, stage,
-                                                   agreement.gather_agreed, comm.all_gather_objects)
-        if full_timing:
-            stage(Schedule(site.slots(), self.n_warmup, self.n_repeat), "tuning call")
-        (result,) = agreement.verdicts([site])
-        self.last_timings = {"configs": configs, "per_rank_ms": [list(row) for row in result.per_rank_ms],
-                             "agreed_ms": list(result.agreed_ms), "winner": result.winner,
-                             "measurements": list(result.measurements), "front": list(result.front)}
-        save = None
-        if winners_store is not None and comm.rank == 0:
-            save = lambda: engine.save_winners(winners_store, [(entry, result, site)], self.__qualname__)  # noqa: E731
-        if verbose and comm.rank == 0:
-            for i, config in enumerate(configs):
-                mark = "  <- winner" if i == result.winner else ""
-                extra = (f", {describe_measurements(result.measurements[i])}, score {result.scores[i]:.4g}"
-                         if result.measurements else "")
-                print(f"disttune.autotune {self.__qualname__} {_describe(config)}: {result.agreed_ms[i]:.4f} ms"
-                      f"{extra}{mark}", file=sys.stdout, flush=True)
-        return configs[result.winner], save
-
-    def _timed_calls(self, site: Site, schedule: Schedule, key: Any, args: tuple, kwargs: dict,
-                     agreement: Agreement, check: Optional[OutputCheck]) -> Optional[OutputCheck]:
-        """The tuning calls, each after a barrier so all ranks start together; samples and failures into ``site``.
-
-        ``check``: the output check of an earlier stage (None: made from this stage's first successful
-        call); returned for the next stage (a search's batches), so every config meets the same reference."""
-        timer = self.timer or default_timer()
-        if measured(self.objective):
-            timer = ProbingTimer(timer, self.probe or default_probe(
-                lambda step: agreement.wait_for_device(step, counted=False)))
-        if self.flush_l2:
-            timer = flushing(timer)
-        comm = agreement.comm
-        per_config = self.n_warmup + self.n_repeat
-        for run in range(schedule.runs):
-            slot, phase = divmod(run, per_config)
-            comm.barrier(f"function autotune config slot {slot} run {phase}")
-            position, timed = schedule.slot(run, len(site.active), site.share)
-            index = None if position is None else site.active[position]
-            outcome: dict = {}
-            read = None
-            if index is not None and index not in site.failures:
-                config = site.configs[index]
-                try:
-                    if not timed:
-                        outcome["result"] = self.fn(*args, **kwargs, **config)
-                    else:
-                        info = LaunchInfo(self.__qualname__, (repr(key),), 0, index, config, phase, comm.rank)
-                        read = timer.time(lambda: outcome.__setitem__("result", self.fn(*args, **kwargs, **config)),
-                                          info)
-                except Exception as err:  # scored inf on every rank through the agreement
-                    site.record_failure(index, err)
-            # every rank, every call: the timer and the check read the GPU's results
-            agreement.wait_for_device(f"function autotune config slot {slot} run {phase} (on the GPU)")
-            if index is None or index in site.failures:
-                continue
-            if read is not None:
-                site.add_sample(index, read(), time.time(), measures_of(read))
-            if self.check:  # the first successful call's result is the reference
-                if check is None:
-                    check = make_check(self.check, outcome["result"])
-                elif not check.matches(outcome["result"]):
-                    blame({site.id: site}, {site.id: index})
-        return check
+                              tuple(kwargs_text(c) for c in configs))
 
 
 def autotune(
@@ -409,16 +394,16 @@ def autotune(
     ``pinned`` (a winners table, e.g. written by ``sweep``: its keys are served from it with no tuning and
     no collective, so deploy the same file to every rank; other keys follow ``on_new_key``),
     ``objective`` (``"launch"`` or ``"step"``: the same here, each config is timed over whole calls; or a
-    callable over :class:`~disttune.measures.Measurements`, or :func:`~disttune.pareto`, scoring each
+    callable over :class:`~disttune.objective.Measurements`, or :func:`~disttune.pareto`, scoring each
     config by its agreed time, peak GPU memory and NVML energy, read around each timed call by
-    ``probe``, at the cost given in :mod:`disttune.measures`),
+    ``probe``, at the cost given in :mod:`disttune.objective`),
     ``flush_l2`` (evict the GPU's L2 before each timed call; see :mod:`disttune.timing`) and ``check``
     (``True`` or ``(reference, output) -> bool``: a config whose result differs from the first
     successful config's scores ``inf`` on every rank; see :mod:`disttune.checks`).
 
     The first call tunes its key on every rank. After that a key the wrapper has no winner for never
     starts a collective (only some ranks may meet it): it runs on the winner of the nearest tuned key
-    (:mod:`disttune.nearest`; the first config when none is a candidate), the same on every rank, and
+    (the rule in :mod:`disttune.unseen`; the first config when none is a candidate), the same on every rank, and
     ``fallbacks`` names it. With ``on_new_key="tune"`` (the default) every ``agree_every`` calls each
     rank gives one number (:class:`~disttune.unseen.NewKeyVotes`, no wait), and a key every rank met in
     the same call is tuned with that call's arguments at the point after; ``"nearest"`` never tunes it; ``"error"`` raises

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 from . import triton_launch as triton
 from .compile import CompilePool
 from .intercept import triton_run
-from .measures import measures_of
+from .objective import measures_of
 from .phases import Phases, span
 from .sites import Schedule, Site, SiteId
 from .timing import LaunchInfo, Timer

@@ -8,6 +8,9 @@
   most on, until no batch has improved the best agreed time by more than ``margin`` for ``patience``
   batches in a row (or ``budget`` of the configs were timed).
 
+They are :data:`SEARCHES`, by name: a new search is a :data:`SearchFunction` and one line there
+(``docs/extending.md``).
+
 The model is a few lines of numpy (an RBF Gaussian process with its length scale chosen by marginal
 likelihood, expected improvement, batches by the "kriging believer" rule), so it needs no dependency.
 
@@ -29,10 +32,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .sites import Schedule, Site, SiteId, screening_keep, survivors
+from .sites import Schedule, Site, SiteId
 
-SEARCHES = ("exhaustive", "screen", "model")
-
+INF = float("inf")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSearch:
@@ -75,24 +77,31 @@ class ModelSearch:
 Search = Union[str, ModelSearch]
 
 
+def survivors(agreed: Sequence[float], keep: int) -> list[int]:
+    """The ``keep`` fastest finite entries (ties to the lowest index): who goes on after screening."""
+    ranked = sorted((t, i) for i, t in enumerate(agreed) if t < INF and not math.isnan(t))
+    return [i for _, i in ranked[:keep]]
+
+
+def screening_keep(n_configs: int) -> int:
+    """How many configs survive screening: a quarter, at least two."""
+    return max(2, -(-n_configs // 4))
+
+
 def resolve_search(search: Optional[Search], early_stop: bool = False) -> Search:
-    """``"exhaustive"``, ``"screen"`` or a :class:`ModelSearch`; ``early_stop=True`` is ``"screen"``."""
+    """A name in :data:`SEARCHES` or a :class:`ModelSearch` (``"model"`` is ``ModelSearch()``); ``early_stop=True``
+    is ``"screen"``."""
     if search is None:
         return "screen" if early_stop else "exhaustive"
     if isinstance(search, ModelSearch):
         chosen: Search = search
-    elif search in SEARCHES:
+    elif isinstance(search, str) and search in SEARCHES:
         chosen = ModelSearch() if search == "model" else search
     else:
-        raise ValueError(f"disttune: search must be one of {SEARCHES} or a ModelSearch, got {search!r}")
+        raise ValueError(f"disttune: search must be one of {tuple(SEARCHES)} or a ModelSearch, got {search!r}")
     if early_stop and chosen != "screen":
         raise ValueError(f"disttune: early_stop=True is search='screen'; it contradicts search={search!r}")
     return chosen
-
-
-def describe_search(search: Search) -> str:
-    """The text the consensus compares (equal on every rank for the same setting)."""
-    return search if isinstance(search, str) else repr(search)
 
 
 # -- config features ---------------------------------------------------------------------------------------
@@ -227,29 +236,70 @@ class SearchTrace:
     mismatches: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchRun:
+    """What a search works with in one tuning call: ``stage(schedule, label)`` makes the tuning runs a
+    :class:`~disttune.sites.Schedule` gives the sites' ``active`` configs (returns how many), ``gather(sites,
+    label)`` agrees on their times so far, ``exchange(value, label)`` all-gathers a small value; ``n_warmup``
+    and ``n_repeat`` are the tuner's."""
+
+    n_warmup: int
+    n_repeat: int
+    stage: Stage
+    gather: Gather
+    exchange: Callable[[Any, str], list]
+
+
+@dataclasses.dataclass(frozen=True)
+class Searched:
+    """What a search did: the runs it made, a model search's trace, and whether the full timing of every
+    ``active`` config (``n_warmup + n_repeat`` runs each) is still due."""
+
+    runs: int
+    trace: Optional[SearchTrace] = None
+    full_timing: bool = True
+
+
+#: ``search(sites, run) -> Searched``: narrows each site's ``active`` configs (the same on every rank: decide
+#: from agreed times only) before the full timing. Leave a config out of ``active`` and it cannot win.
+SearchFunction = Callable[[Sequence[Site], SearchRun], Searched]
+
+
+def exhaustive(sites: Sequence[Site], run: SearchRun) -> Searched:
+    """Every config gets the full timing."""
+    return Searched(0)
+
+
+def screen(sites: Sequence[Site], run: SearchRun) -> Searched:
+    """One warm-up and one timed run per config, agreed; the fastest quarter (at least two) goes on to the full
+    timing (nothing to screen where no site has more than two configs)."""
+    if max(len(s.configs) for s in sites) <= 2:
+        return Searched(0)
+    runs = run.stage(Schedule(max(s.slots() for s in sites), 1, 1), "screening run")
+    for site, (per_rank, agreed) in zip(sites, run.gather(sites, "screening agreement")):
+        site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
+    return Searched(runs)
+
+
+def model(sites: Sequence[Site], run: SearchRun, plan: Optional[ModelSearch] = None) -> Searched:
+    """:class:`ModelSearch` batches (``plan``, default ``ModelSearch()``), which are the full timing."""
+    runs, trace = model_search(sites, plan or ModelSearch(), run.n_warmup, run.n_repeat, run.stage, run.gather,
+                               run.exchange)
+    return Searched(runs, trace, full_timing=False)
+
+
+#: ``search=`` by name. A new search is one :data:`SearchFunction` and one line here (``docs/extending.md``).
+SEARCHES: dict[str, SearchFunction] = {"exhaustive": exhaustive, "screen": screen, "model": model}
+
+
 def narrow(sites: Sequence[Site], search: Search, n_warmup: int, n_repeat: int, stage: Stage, gather: Gather,
            exchange: Callable[[Any, str], list]) -> tuple[int, Optional[SearchTrace], bool]:
-    """What ``search`` does before the full timing; returns (runs made, model trace, full timing still due).
-
-    ``"exhaustive"``: nothing. ``"screen"``: :func:`screen` (when some site has more than two configs).
-    A :class:`ModelSearch`: :func:`model_search`, whose batches are the full timing.
-    """
+    """What ``search`` does before the full timing; returns (runs made, model trace, full timing still due)."""
     if not sites:
         return 0, None, False
-    if isinstance(search, ModelSearch):
-        runs, trace = model_search(sites, search, n_warmup, n_repeat, stage, gather, exchange)
-        return runs, trace, False
-    if search == "screen" and max(len(s.configs) for s in sites) > 2:
-        return screen(sites, stage, gather), None, True
-    return 0, None, True
-
-
-def screen(sites: Sequence[Site], stage: Stage, gather: Gather) -> int:
-    """One warm-up and one timed run per config, agreed; the fastest quarter (at least two) goes on."""
-    runs = stage(Schedule(max(s.slots() for s in sites), 1, 1), "screening run")
-    for site, (per_rank, agreed) in zip(sites, gather(sites, "screening agreement")):
-        site.keep_only(survivors(agreed, screening_keep(len(site.configs))), per_rank, agreed)
-    return runs
+    run = SearchRun(n_warmup, n_repeat, stage, gather, exchange)
+    done = model(sites, run, search) if isinstance(search, ModelSearch) else SEARCHES[search](sites, run)
+    return done.runs, done.trace, done.full_timing
 
 
 class _SiteSearch:

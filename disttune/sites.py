@@ -10,18 +10,14 @@ rank and hands the gathered matrix to :func:`agree`. :func:`split_predicate` tur
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-import re
 import statistics as _stats
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .compat import config_text
+from .configs import config_text
 
 INF = float("inf")
 NAN = float("nan")
@@ -32,7 +28,6 @@ STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
     "mean": _stats.fmean,
     "min": min,
 }
-REDUCTIONS = ("max", "mean", "min")
 
 
 class AllConfigsFailed(RuntimeError):
@@ -127,7 +122,7 @@ class Site:
 
     def add_sample(self, index: int, ms: float, at: float, measures: Optional[dict] = None) -> None:
         """One timed run of config ``index``: ``ms``, read at ``at`` (seconds since the epoch), and what a
-        probe read beside it (``{name: value or None}``, see :mod:`disttune.measures`)."""
+        probe read beside it (``{name: value or None}``, see :mod:`disttune.objective`)."""
         self.samples[index].append(ms)
         self.sample_times[index].append(at)
         for name, value in (measures or {}).items():
@@ -189,74 +184,6 @@ class Site:
         ]
 
 
-# How a Config option reads in a label; options not listed read ``name=value``.
-_OPTION_LABELS = {"num_warps": "w{}", "num_stages": "s{}", "num_ctas": "ctas{}", "maxnreg": "maxnreg{}"}
-_ALWAYS_SHOWN = ("num_warps", "num_stages")  # tuned in most config lists, so shown even at Triton's default
-_NOT_SHOWN = ("pre_hook",)  # a callable: no readable value
-_CONFIG_TEXT = re.compile(r"(\w+): ((?:[^,(\[{]|\([^)]*\)|\[[^\]]*\]|\{[^}]*\})+)(?:, |$)")
-
-
-def describe_config(config: Any) -> str:
-    """The one short label of a config, used by the demo, the tuner's summary, the report and ``show``.
-
-    ``BLOCK_M=128 BLOCK_N=256 w8 s3``: the meta-parameters, then warps and stages, then any other
-    option that differs from Triton's default (``ctas2``, ``maxnreg128``, ``name=value`` for options
-    newer Triton versions add); options at their default (``maxnreg=None``, ``ir_override=None``,
-    ``num_ctas=1``) are left out. Takes a ``triton.Config`` (any version), a plain dict of
-    keyword arguments (function-level configs), or ``str(triton.Config)`` as the logs and the store
-    hold it; anything else comes back as ``str(config)``. Cost: a few microseconds.
-    """
-    if isinstance(config, str):
-        parsed = _parse_config_text(config)
-        return config if parsed is None else _label(*parsed)
-    if isinstance(config, dict):
-        return _label(config, {}, {})
-    if not isinstance(getattr(config, "kwargs", None), dict):
-        return str(config)
-    options = {name: value for name, value in vars(config).items() if name != "kwargs"}
-    return _label(dict(config.kwargs), options, _option_defaults(type(config)))
-
-
-def _label(kwargs: dict, options: dict, defaults: dict) -> str:
-    parts = [f"{name}={value}" for name, value in kwargs.items()]
-    ordered = sorted(options.items(), key=lambda item: item[0] not in _ALWAYS_SHOWN)  # w and s first
-    for name, value in ordered:
-        at_default = value is None or value == "None" or name in defaults and _same(value, defaults[name])
-        if name in _NOT_SHOWN or (at_default and name not in _ALWAYS_SHOWN):
-            continue
-        parts.append(_OPTION_LABELS.get(name, f"{name}={{}}").format(value))
-    return " ".join(parts)
-
-
-def _same(value: Any, default: Any) -> bool:
-    """A value equals its default; text read back from a log compares by its printed form."""
-    return value == default or isinstance(value, str) and value == str(default)
-
-
-@functools.lru_cache(maxsize=None)
-def _option_defaults(config_type: type) -> dict:
-    """``{option: default}`` from the Config constructor, so options of any Triton version are known."""
-    try:
-        parameters = inspect.signature(config_type.__init__).parameters.values()
-    except (TypeError, ValueError):
-        parameters = ()
-    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-    return {**{"num_ctas": 1, "maxnreg": None}, **defaults}
-
-
-def _parse_config_text(text: str) -> Optional[tuple[dict, dict, dict]]:
-    """``str(triton.Config)`` split into (kwargs, options, defaults); None when the text is not one.
-
-    Triton prints the meta-parameters first, then the options from ``num_warps`` on.
-    """
-    pairs = _CONFIG_TEXT.findall(text)
-    if not pairs or ", ".join(f"{k}: {v}" for k, v in pairs) != text:
-        return None
-    names = [name for name, _ in pairs]
-    split = names.index("num_warps") if "num_warps" in names else len(pairs)
-    return dict(pairs[:split]), dict(pairs[split:]), {"num_ctas": 1, "maxnreg": None}
-
-
 def resolve_statistic(statistic: Statistic) -> Callable[[Sequence[float]], float]:
     if callable(statistic):
         return statistic
@@ -306,63 +233,6 @@ def total_function_runs(longest: int, n_warmup: int, n_repeat: int) -> int:
     if longest == 0:
         return 1
     return 2 + longest * (n_warmup + n_repeat)
-
-
-def agree(per_rank: np.ndarray, reduce: str, split: bool = False) -> np.ndarray:
-    """Combine ``[world, n]`` per-rank times into one agreed vector.
-
-    A config that is ``inf`` on any rank is ``inf`` in the result (a config that
-    fails anywhere fails everywhere); otherwise max, mean or min over ranks.
-    With ``split=True`` a ``nan`` entry means "not timed by this rank": the reduction
-    runs over the ranks that timed the config (in a split site, its one owner), and a
-    config no rank timed is ``inf``.
-    """
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"disttune: unknown reduce {reduce!r}; use one of {REDUCTIONS}")
-    per_rank = np.asarray(per_rank, dtype=np.float64)
-    if split:
-        finite = np.isfinite(per_rank)
-        failed = np.isinf(per_rank).any(axis=0) | ~finite.any(axis=0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-nan columns: replaced by inf below
-            combined = {"max": np.nanmax, "mean": np.nanmean, "min": np.nanmin}[reduce](
-                np.where(finite, per_rank, np.nan), axis=0
-            )
-        return np.where(failed, INF, combined)
-    failed = ~np.isfinite(per_rank).all(axis=0)
-    combined = {"max": np.max, "mean": np.mean, "min": np.min}[reduce](
-        np.where(np.isfinite(per_rank), per_rank, 0.0), axis=0
-    )
-    return np.where(failed, INF, combined)
-
-
-def agree_measure(per_rank: np.ndarray, reduce: str) -> np.ndarray:
-    """Combine ``[world, n]`` per-rank readings of a measurement: ``nan`` (not read) on any rank is ``nan``
-    for everyone, otherwise max, mean or min over ranks (as :func:`agree` does for times)."""
-    per_rank = np.asarray(per_rank, dtype=np.float64)
-    missing = np.isnan(per_rank).any(axis=0)
-    combined = {"max": np.max, "mean": np.mean, "min": np.min}[reduce](np.where(missing, 0.0, per_rank), axis=0)
-    return np.where(missing, NAN, combined)
-
-
-def survivors(agreed: Sequence[float], keep: int) -> list[int]:
-    """The ``keep`` fastest finite entries (ties to the lowest index): who goes on after screening."""
-    ranked = sorted((t, i) for i, t in enumerate(agreed) if t < INF and not math.isnan(t))
-    return [i for _, i in ranked[:keep]]
-
-
-def screening_keep(n_configs: int) -> int:
-    """How many configs survive screening: a quarter, at least two."""
-    return max(2, -(-n_configs // 4))
-
-
-def winner_index(agreed: Sequence[float]) -> Optional[int]:
-    """argmin, ties to the lowest index; None when every entry is inf."""
-    best, best_time = None, INF
-    for i, t in enumerate(agreed):
-        if t < best_time:
-            best, best_time = i, t
-    return best if best_time < INF and not math.isnan(best_time) else None
 
 
 def split_predicate(spec: Any) -> Callable[["Site"], bool]:

@@ -42,13 +42,12 @@ from typing import Any, Iterator, Optional
 import filelock
 
 from . import env, files
+from .comm import Communicator, global_rank
+from .configs import config_text
+from .errors import StoreWarning
 
 SCHEMA = 1
 CHECKS = ("strict", "warn")
-
-
-class StoreWarning(UserWarning):
-    """A store file could not be used or written; tuning goes on without it."""
 
 
 def default_cache_dir() -> Path:
@@ -571,3 +570,55 @@ def pinned_lookup(table: dict, entry: EntryId) -> Optional[int]:
                 f"this kernel's {current[:12]}): tune again and export a new table")
         return int(record["winner"])
     return None
+
+
+# -- what a tuning call asks of the store ------------------------------------------------------------------------
+
+def open_store(use: bool, cache_dir: Any, comm: Communicator, check: str = "strict",
+               timeout_s: float = env.DEFAULT_TIMEOUT_S) -> Optional[WinnerStore]:
+    """The winner store of this environment (None when ``use`` is off).
+
+    A write waits at most half the tuner's ``timeout_s`` for another process's lock on its entry, so
+    that peers already in their next collective (which waits ``timeout_s``) still hear from the writer.
+    """
+    if not use:
+        return None
+    fingerprint = environment_fingerprint(comm.world_size, env.local_world_size())
+    return WinnerStore(cache_dir, fingerprint, check, lock_timeout_s=timeout_s / 2)
+
+
+def kernel_entry(site: Any, kind: str = "kernel") -> EntryId:
+    """The store identity of a contextual tuner's site (a :class:`disttune.sites.Site`); ``kind`` tells winners of
+    different objectives apart."""
+    return EntryId(kind, site.id.kernel, kernel_source_key(site.autotuner), repr(site.id.key), site.id.occurrence,
+                   tuple(config_text(c) for c in site.configs), kernel_source_digest(site.autotuner))
+
+
+def lookup(winners_store: Optional[WinnerStore], table: Optional[dict], always_tune: bool,
+           entry: Any = kernel_entry) -> Optional[Any]:
+    """How this rank answers for a new site: ``site -> its pinned-table or stored winner index, or None`` (tune);
+    None when nothing answers (no store, ``always_tune``, ``DISTTUNE_ALWAYS_TUNE=1``)."""
+    if table is not None:  # a table made for another kernel source raises PinnedTableError here
+        return lambda site: pinned_lookup(table, entry(site))
+    if winners_store is None or always_tune or env.always_tune():
+        return None
+
+    def stored(site: Any) -> Optional[int]:
+        record = winners_store.load(entry(site))
+        return None if record is None else record["winner"]
+
+    return stored
+
+
+def save_winners(winners_store: WinnerStore, tuned: Any, function: str) -> None:
+    """Store each tuned winner of ``tuned`` (``(entry, SiteResult, noise)`` triples) with its agreed times and its
+    noise on this rank; the caller is the one writer (``disttune verify`` allows a later time the larger of
+    that noise and its threshold)."""
+    for entry, result, noise in tuned:
+        if result.source == "tuned":
+            winners_store.save(entry, result.winner, list(result.agreed_ms), {"function": function, "noise": noise})
+
+
+def is_store_writer(writer: str, comm: Communicator) -> bool:
+    """``"global"``: global rank 0 writes; ``"node"``: local rank 0 of each node does."""
+    return env.local_rank() == 0 if writer == "node" else global_rank(comm) == 0

@@ -27,9 +27,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
-from . import engine, env
+from . import console, env
 from . import store as stores
-from .sites import describe_config
+from .comm import global_rank
+from .configs import describe_config, kwargs_text
 
 Case = tuple  # (args tuple, kwargs dict)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -60,16 +61,6 @@ def _pairs(cases: Iterable[Any]) -> Iterable[tuple[tuple, dict]]:
         if not (isinstance(case, (tuple, list)) and len(case) == 2 and isinstance(case[1], dict)):
             raise TypeError(f"disttune: sweep case {number} must be an (args, kwargs) pair, got {case!r}")
         yield tuple(case[0]), dict(case[1])
-
-
-def _bar(total: Optional[int], wanted: bool, description: str) -> Any:
-    if not wanted or not env.progress_enabled():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=description, unit="case", file=sys.stderr, leave=False)
 
 
 def _stored_times(winners_store: stores.WinnerStore, entry: stores.EntryId) -> tuple:
@@ -104,7 +95,7 @@ def _finish(rows: list[SweepRow], records: dict, comm: Any, name: str, table: Op
             verbose: bool) -> list[SweepRow]:
     table = table or env.sweep_table()
     if table is not None:
-        if engine.global_rank(comm) == 0:
+        if global_rank(comm) == 0:
             stores.write_table(table, list(records.values()))
         comm.barrier("sweep: pinned table written")
     if verbose and comm.rank == 0:
@@ -119,35 +110,33 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
     """:meth:`ContextualAutotuner.sweep <disttune.contextual.ContextualAutotuner.sweep>`: see the module doc."""
     total = len(cases) if hasattr(cases, "__len__") else None  # type: ignore[arg-type]
     options, name = tuner.options, tuner.__qualname__
-    tuner.options = dataclasses.replace(options, verbose=False)  # the sweep prints one table instead
-    comm = tuner._get_communicator()
-    bar = _bar(total, verbose and comm.rank == 0, f"disttune sweep {name}")
+    comm = tuner.communicator()
+    bar = console.progress_bar(verbose and comm.rank == 0, total, f"disttune sweep {name}", unit="case")
     rows: list[SweepRow] = []
     records: dict[str, dict] = {}
     fingerprint = stores.environment_fingerprint(comm.world_size, env.local_world_size())
-    winners_store = engine.open_store(options.store, options.cache_dir, comm, options.store_check, options.timeout_s)
+    winners_store = stores.open_store(options.store, options.cache_dir, comm, options.store_check, options.timeout_s)
     try:
         for number, (args, kwargs) in enumerate(_pairs(cases)):
-            tuner._tuning_call(args, kwargs)
+            tuner.tuning_call(args, kwargs, verbose=False)  # the sweep prints one table instead
             for result in tuner.report.results:
-                site = tuner._known_sites[result.site]
+                site = tuner.known_sites[result.site]
                 index = result.winner  # -1: a kernel's cached winner outside its candidate list
                 config = site.preset if result.source == "cached" else result.config
                 if result.source == "store" and winners_store is not None:  # the times it was stored with
-                    result = dataclasses.replace(result, agreed_ms=_stored_times(winners_store, tuner._entry(site)))
+                    result = dataclasses.replace(result, agreed_ms=_stored_times(winners_store, tuner.entry(site)))
                 rows.append(SweepRow(number, result.site.kernel.rsplit(".", 1)[-1]
                                      + (f" #{result.site.occurrence}" if result.site.occurrence else ""),
                                      repr(result.site.key), describe_config(config),
                                      _timed(result.agreed_ms, result.winner), _timed(result.agreed_ms, 0),
                                      result.source))
                 if index >= 0:
-                    entry = tuner._entry(site)
+                    entry = tuner.entry(site)
                     records[entry.digest()] = stores.make_record(entry, index, list(result.agreed_ms), fingerprint,
                                                                  {"function": name, "source": result.source})
             if bar is not None:
                 bar.update(1)
     finally:
-        tuner.options = options
         if bar is not None:
             bar.close()
     return _finish(rows, records, comm, name, table, verbose)
@@ -156,35 +145,26 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
 def sweep_function(tuner: Any, cases: Iterable[Any], table: Optional[PathLike] = None, verbose: bool = True,
                    group: Any = None) -> list[SweepRow]:
     """:meth:`FunctionAutotuner.sweep <disttune.function.FunctionAutotuner.sweep>`: see the module doc."""
-    from .function import _describe
 
     total = len(cases) if hasattr(cases, "__len__") else None  # type: ignore[arg-type]
     name = f"{tuner.fn.__module__}.{tuner.__qualname__}"
-    comm = tuner._communicator(group)
-    bar = _bar(total, verbose and comm.rank == 0, f"disttune sweep {tuner.__qualname__}")
+    comm = tuner.communicator(group)
+    bar = console.progress_bar(verbose and comm.rank == 0, total, f"disttune sweep {tuner.__qualname__}", unit="case")
     rows: list[SweepRow] = []
     records: dict[str, dict] = {}
     fingerprint = stores.environment_fingerprint(comm.world_size, env.local_world_size())
     try:
         for number, (args, kwargs) in enumerate(_pairs(cases)):
-            key, configs = tuner.key_fn(*args, **kwargs), tuner._pruned(args, kwargs)
+            key, configs = tuner.key(args, kwargs), tuner.pruned(args, kwargs)
             agreed: tuple = ()
             if key in tuner.cache:
                 source = "cached"
             else:
-                tuner.last_timings = None
-                agreement = tuner._agreement(comm)
-                with agreement.ending:
-                    config, save = tuner._tune(key, configs, args, kwargs, agreement, False)
-                if save is not None:
-                    save()
-                tuner.cache[key] = config
-                tuner.fallbacks.pop(key, None)
-                source = "store" if tuner.last_timings is None else "tuned"
-                agreed = () if tuner.last_timings is None else tuple(tuner.last_timings["agreed_ms"])
+                (result,) = tuner.tune_key(key, configs, args, kwargs, comm).results
+                source, agreed = result.source, tuple(result.agreed_ms)
             winner = tuner.cache[key]
             index = configs.index(winner) if winner in configs else -1
-            rows.append(SweepRow(number, tuner.__qualname__, repr(key), _describe(winner), _timed(agreed, index),
+            rows.append(SweepRow(number, tuner.__qualname__, repr(key), kwargs_text(winner), _timed(agreed, index),
                                  _timed(agreed, 0), source))
             if index >= 0:
                 entry = tuner.entry(key, configs)

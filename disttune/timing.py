@@ -35,7 +35,7 @@ Reader = Callable[[], float]
 class LaunchInfo:
     """What is being timed: one launch of one config at one tuning site.
 
-    ``repeat`` (set for a probe by :class:`~disttune.measures.ProbingTimer` where the launch may be made again,
+    ``repeat`` (set for a probe by :class:`~disttune.objective.ProbingTimer` where the launch may be made again,
     a kernel launch of the contextual tuner): the bare launch, for a probe that needs a longer window than
     one launch (NVML's energy counter)."""
 

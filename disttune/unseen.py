@@ -6,7 +6,7 @@ collective: it would wait for peers that are busy with their own collectives. ``
 says what happens instead:
 
 * ``"nearest"``: the launch runs at once, with no collective, on the winner of the nearest tuned
-  key (:mod:`disttune.nearest`, over this wrapper's agreed winners and its pinned table), or on
+  key (the rule below, over this wrapper's agreed winners and its pinned table), or on
   the first config when no tuned key is a candidate. Every rank that meets the key computes the
   same fallback from the same agreed table. The key is never tuned in traffic.
 * ``"tune"`` (the default): served the same way, and remembered as pending. Every ``agree_every``
@@ -30,19 +30,41 @@ than one rank only), three or four operations on the rendezvous store and no wai
 unless one is a whole period behind (never a wait on the GPU); a launch on a fallback costs a dict
 lookup over the planned launch, and the first one per key the nearest search and a line in the
 rank log.
+
+The policies are :data:`NEW_KEY_POLICIES`, by name: a new one is a :class:`NewKeyPolicy` (its fallback
+function, and whether its keys are tuned later) and one line there (``docs/extending.md``).
+
+**The nearest tuned key.** The rule, the same on every rank because it reads only the agreed table (a wrapper's agreed
+winners, a pinned table) and the key:
+
+1. A key is flattened into its parts (nested tuples and lists, ``torch.Size`` included, are walked
+   in order). A part is *numeric* when it is an ``int`` or ``float`` (not a ``bool``), finite and
+   greater than zero; every other part (dtypes, strings, flags, zero, negative numbers) is
+   *exact*.
+2. A tuned key is a candidate only when it has the same structure (the same nesting and
+   lengths), numeric parts in the same positions, and equal exact parts.
+3. Among the candidates the nearest has the smallest distance, the sum over numeric parts of
+   ``|log2 a - log2 b|`` (rounded to 9 decimals, so that equal ratios tie: 8 and 32 are equally
+   near to 16).
+4. Ties go to the smaller key (its numeric parts compared in order), then to the smaller
+   ``repr`` of the key.
+5. No candidate: ``None`` (the caller serves the first config).
+
+Cost: one pass over the candidates, a few microseconds each; callers remember the answer per key.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import ast
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Optional
 
 from . import triton_launch as triton
 from .comm import Communicator, start_gather_floats
-from .compat import config_text
-from .nearest import nearest_key, parse_key
-from .sites import SiteId, describe_config
+from .configs import config_text, describe_config
+from .sites import SiteId
 
-ON_NEW_KEY = ("tune", "nearest", "error")
 DEFAULT_AGREE_EVERY = 128
 NEVER = 1 << 62  # a countdown that never reaches zero in a process's life
 
@@ -51,13 +73,78 @@ class UnseenKeyError(RuntimeError):
     """``on_new_key="error"``: a launch met a key that no tuning call and no pinned table covers."""
 
 
-def check_on_new_key(on_new_key: Any, agree_every: Any) -> None:
-    """The checks of ``on_new_key=`` and ``agree_every=``, shared by both tuners."""
-    if on_new_key not in ON_NEW_KEY:
-        raise ValueError(f"disttune: on_new_key must be one of {ON_NEW_KEY}, got {on_new_key!r}")
-    if isinstance(agree_every, bool) or not isinstance(agree_every, int) or agree_every < 1:
-        raise ValueError(f"disttune: agree_every must be an integer >= 1, got {agree_every!r}")
+# -- the nearest tuned key ---------------------------------------------------------------------------------
 
+_NUMERIC = object()  # what a numeric part looks like in a key's structure
+
+
+def _numeric(part: Any) -> bool:
+    return (isinstance(part, (int, float)) and not isinstance(part, bool)
+            and math.isfinite(part) and part > 0)
+
+
+def _flatten(key: Any) -> tuple[tuple, tuple]:
+    """(the key's structure with numeric parts replaced by a marker, its numeric parts in order)."""
+    numbers: list[float] = []
+
+    def walk(part: Any) -> Any:
+        if isinstance(part, (tuple, list)):
+            return ("seq", len(part), tuple(walk(p) for p in part))
+        if _numeric(part):
+            numbers.append(part)
+            return _NUMERIC
+        return ("exact", part)
+
+    return walk(key), tuple(numbers)
+
+
+def key_distance(key: Any, other: Any) -> Optional[float]:
+    """The distance of two keys under the rule above, or None when ``other`` is not a candidate for ``key``."""
+    shape, numbers = _flatten(key)
+    other_shape, other_numbers = _flatten(other)
+    if not _same_structure(shape, other_shape):
+        return None
+    return _distance(numbers, other_numbers)
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # exact parts whose == does not give a bool (tensors): never a match
+        return False
+
+
+def _distance(numbers: tuple, other: tuple) -> float:
+    return round(sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(numbers, other)), 9)
+
+
+def nearest_key(key: Any, candidates: Iterable[Hashable]) -> Optional[Hashable]:
+    """The candidate nearest to ``key`` (see the module doc), or None when none is a candidate.
+
+    ``key`` itself among the candidates is its own nearest (distance 0).
+    """
+    shape, numbers = _flatten(key)
+    best, best_rank = None, None
+    for candidate in candidates:
+        other_shape, other_numbers = _flatten(candidate)
+        if not _same_structure(shape, other_shape):
+            continue
+        rank = (_distance(numbers, other_numbers), other_numbers, repr(candidate))
+        if best_rank is None or rank < best_rank:
+            best, best_rank = candidate, rank
+    return best
+
+
+def parse_key(text: str) -> Any:
+    """A key as the store and pinned tables hold it (its ``repr``) back as a value; the text itself when
+    it does not parse (such a key then matches only an equal text)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+# -- fallbacks -----------------------------------------------------------------------------------------------
 
 def table_candidates(table: Optional[dict], name: str, occurrence: int) -> dict:
     """``{key: winner config text}`` of a pinned table's entries for kernel (or function) ``name``."""
@@ -85,6 +172,31 @@ def choose(key: Any, configs: list, candidates: dict, describe: Callable[[Any], 
     return configs[usable[nearest]], f"nearest tuned key {nearest!r}"
 
 
+def refuse(key: Any, configs: list, candidates: dict, describe: Callable[[Any], str] = config_text) -> tuple[Any, str]:
+    """``on_new_key="error"``'s fallback: none, an :class:`UnseenKeyError` (the caller names the site)."""
+    raise UnseenKeyError(f"key {key!r} was not tuned for (on_new_key='error')")
+
+
+@dataclass(frozen=True)
+class NewKeyPolicy:
+    """What a call after tuning does with a key it was not tuned for: it runs on ``fallback(key, configs,
+    candidates, describe)`` (a config of ``configs`` and where it came from; ``candidates`` maps the tuned keys
+    to their winners), which may raise instead; with ``tunes`` the key is tuned later, at an agreement point
+    (with several ranks) or at the next call (a world of one). The fallback must be the same on every rank:
+    compute it from its arguments only."""
+
+    fallback: Callable[..., tuple[Any, str]]
+    tunes: bool = False
+
+
+#: ``on_new_key=`` by name. A new policy is one function and one line here.
+NEW_KEY_POLICIES: dict[str, NewKeyPolicy] = {
+    "tune": NewKeyPolicy(choose, tunes=True),
+    "nearest": NewKeyPolicy(choose),
+    "error": NewKeyPolicy(refuse),
+}
+
+
 class NewKeys:
     """The unseen-key policy of one contextual wrapper: its agreed winners, fallbacks, pending keys.
 
@@ -94,7 +206,7 @@ class NewKeys:
 
     def __init__(self, name: str, mode: str, table: Optional[dict] = None,
                  log: Optional[Callable[[SiteId, Any, str], None]] = None) -> None:
-        self.name, self.mode, self.table, self.log = name, mode, table, log
+        self.name, self.policy, self.table, self.log = name, NEW_KEY_POLICIES[mode], table, log
         self.known: dict[SiteId, Any] = {}
         self.served: dict[SiteId, tuple[Any, str]] = {}
         self.pinned: dict[SiteId, Any] = {}  # sites the pinned table has a winner for: served as tuned
@@ -125,15 +237,16 @@ class NewKeys:
             if exact is not None:
                 self.pinned[ident] = exact
                 return triton.launch_winner(autotuner, args, kwargs, exact)
-            if self.mode == "error":
+            try:
+                served = self.served[ident] = self.policy.fallback(key, configs, self._candidates(ident))
+            except UnseenKeyError as err:
                 raise UnseenKeyError(
                     f"disttune: {self.name} launched {ident.describe()}, which no tuning call and no pinned "
-                    "table covers (on_new_key='error'); tune it (step.sweep) and deploy the table, or pass "
-                    "on_new_key='nearest'")
-            served = self.served[ident] = self._choose(ident, key, configs)
+                    f"table covers: {err}; tune it (step.sweep) and deploy the table, or pass "
+                    "on_new_key='nearest'") from None
             if self.log is not None:
                 self.log(ident, served[0], served[1])
-        if self.mode == "tune":
+        if self.policy.tunes:
             self.pending.add(ident)
             self.met_in_call = True
         return triton.launch_winner(autotuner, args, kwargs, served[0])
@@ -150,12 +263,13 @@ class NewKeys:
                 return configs[int(record["winner"])]
         return None
 
-    def _choose(self, ident: SiteId, key: tuple, configs: list) -> tuple[Any, str]:
+    def _candidates(self, ident: SiteId) -> dict:
+        """The tuned keys of ``ident``'s kernel and occurrence, with their winners (this wrapper's, then the table's)."""
         candidates = {known.key: config for known, config in self.known.items()
                       if known.kernel == ident.kernel and known.occurrence == ident.occurrence}
         for tuned, text in table_candidates(self.table, ident.kernel, ident.occurrence).items():
             candidates.setdefault(tuned, text)
-        return choose(key, configs, candidates)
+        return candidates
 
 
 class NewKeyVotes:

@@ -18,7 +18,7 @@ import disttune
 from disttune import benchmark
 from disttune import dist as dt_dist
 from disttune.logs import resolve_log_dir
-from disttune.sites import winner_index
+from disttune.agreement import winner_index
 
 
 def run(main: Callable[[], int]) -> int:

@@ -1,4 +1,4 @@
-"""Multi-rank cases for measured objectives, run under torchrun (``test_measures.py`` launches this file).
+"""Multi-rank cases for measured objectives, run under torchrun (``test_objective_measures.py`` launches this file).
 
     python tests/measure_cases.py CASE [CASE ...] [--out DIR]
 
@@ -16,7 +16,7 @@ from rank_cases import Cases, Ranks
 import torch  # noqa: E402
 
 import disttune  # noqa: E402
-from disttune.measures import Measurements  # noqa: E402
+from disttune.objective import Measurements  # noqa: E402
 from tiny_kernels import TableProbe, TableTimer, launch_add, make_kernel  # noqa: E402
 
 cases = Cases(__doc__)

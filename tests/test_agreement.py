@@ -15,7 +15,7 @@ import torch
 
 import disttune
 from disttune.agreement import Agreement
-from disttune.options import describe_options
+from disttune.options import Options
 from tiny_kernels import DEV, launch_add, make_kernel, TableTimer, tuner
 
 
@@ -97,7 +97,7 @@ def on_every_rank(size: int, body) -> list:
 
 def test_options_that_differ_are_the_same_error_on_every_rank_naming_option_and_values():
     def body(comm):
-        options = describe_options(reduce=("max", "min")[comm.rank], n_repeat=5, split=("add_block", True)[comm.rank])
+        options = Options(reduce=("max", "min")[comm.rank], n_repeat=5, split=("add_block", True)[comm.rank]).agreed()
         Agreement(comm, "step").consensus([], None, options, [])
 
     outcomes = on_every_rank(2, body)

@@ -148,7 +148,7 @@ def test_the_energy_of_a_gemm_is_its_power_draw_times_its_time():
     repeats, is neither 0 nor off by more than 2x from the board's power draw times the GEMM's time (CUDA
     events). The draw is NVML's power reading, which averages over about a second: it is sampled in the last
     second of 3 s of the same GEMMs back to back."""
-    from disttune.measures import DeviceProbe, counter_period_s, energy_window_s
+    from disttune.objective import DeviceProbe, counter_period_s, energy_window_s
     from disttune.timing import LaunchInfo
 
     probe = DeviceProbe()
@@ -192,7 +192,7 @@ def test_a_pareto_front_over_time_and_energy_of_the_12_config_gemm(tmp_path):
     read (none is 0), and the front is printed."""
     import disttune
     from disttune.kernels.matmul import HOPPER_GEMM_CONFIGS, make_matmul_kernel, matmul
-    from disttune.measures import nvml_handle
+    from disttune.objective import nvml_handle
 
     if nvml_handle(torch.cuda.current_device()) is None:
         pytest.skip("pynvml or the GPU's energy counter is missing")

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 import disttune
-from disttune.objective import STEP
+from disttune.pipeline import STEP
 from disttune.search import ModelSearch
 from disttune.timing import HostTimer, L2FlushingTimer, flushing
 from tiny_kernels import DEV, TableTimer, grid, launch_add, make_kernel, tuner

@@ -19,7 +19,7 @@ import triton
 from disttune.logs import RankLog
 from disttune.logs import read_records as read_rank_records
 from disttune.report import build_report
-from disttune.sites import describe_config
+from disttune.configs import describe_config
 from helpers import failure, read_records, run_cases
 
 CASES = Path(__file__).with_name("dist_cases.py")

@@ -28,7 +28,7 @@ def test_split_schedule_gives_each_rank_a_disjoint_share():
 
 
 def test_split_agreement_takes_the_owner_time_and_keeps_failures():
-    from disttune.sites import agree
+    from disttune.agreement import agree
 
     nan, inf = float("nan"), float("inf")
     per_rank = [[1.0, nan, 3.0, nan], [nan, 2.0, inf, nan]]

@@ -1,6 +1,6 @@
 """Merge the ranks' records into site summaries: one :class:`SiteSummary` per tuning site, a row per config.
 
-    sites, problems = collect_sites(logs)                # logs: report_logs.load_rank_log per rank
+    sites, problems = collect_sites(logs)                # logs: disttune.report.logs.load_rank_log per rank
     sites, problems = collect_sites(logs, history=True)  # every tuning of each site, oldest first
 
 A site is (function, kernel, key, occurrence). In each rank's file, a tuning of a site is the ``config``
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from .report_logs import RankLogData
-from .sites import describe_config
+from .logs import RankLogData
+from ..configs import describe_config
 
 _SAME_CALL_S = 300.0  # ranks' winner records of one tuning call are logged within this (clock skew included)
 

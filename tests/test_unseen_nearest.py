@@ -2,7 +2,7 @@
 
 import torch
 
-from disttune.nearest import key_distance, nearest_key, parse_key
+from disttune.unseen import key_distance, nearest_key, parse_key
 
 
 def test_numeric_parts_by_log2_distance():

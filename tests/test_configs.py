@@ -12,7 +12,7 @@ import torch
 import triton
 
 from disttune import store
-from disttune.compat import config_text
+from disttune.configs import config_text
 from tiny_kernels import TableTimer, device, make_kernel, preferring, tuned_step
 
 # Triton 3.6's str() of tiny_kernels' configs: what a table exported there holds.

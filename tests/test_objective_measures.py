@@ -12,7 +12,7 @@ import torch
 import disttune
 from disttune.contextual import Options
 from disttune.logs import read_records
-from disttune.measures import Measurements, NoProbe, Pareto, choose, default_probe, nvml_handle
+from disttune.objective import Measurements, NoProbe, Pareto, choose, default_probe, nvml_handle
 from disttune.report import build_report
 from helpers import run_cases
 from tiny_kernels import DEV, TableProbe, TableTimer, launch_add, make_kernel, tuner

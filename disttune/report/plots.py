@@ -14,8 +14,8 @@ import math
 import textwrap
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .report_logs import clip
-from .report_sites import SiteSummary
+from .logs import clip
+from .sites import SiteSummary
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from ..configs import describe_config
 from .diagnostics import format_diagnostics
-from .report_logs import clip
-from .report_sites import ConfigRow, SiteSummary
-from .sites import describe_config
+from .logs import clip
+from .sites import ConfigRow, SiteSummary
 
 # where a site's latest winner came from when it was not tuned in that call
 _SOURCES = {"store": "the store", "pinned": "the pinned table", "cached": "the kernel's cache"}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .logs import read_lines, read_records
+from ..logs import read_lines, read_records
 
 _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
 _READABLE_LINE = re.compile(r"^\d{4}-\d{2}-\d{2}T\S+ rank=-?\d+ ")

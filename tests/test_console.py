@@ -1,4 +1,4 @@
-"""What a tuning call shows: per-rank logs, the progress bar, Triton's own autotuning printout.
+"""What a tuning call shows: per-rank logs, the progress bar, Triton's own autotuning printout (disttune.console).
 
 Kernels run under TRITON_INTERPRET=1 on the CPU (see conftest.py); fake timers from
 ``tiny_kernels.TableTimer`` make the expected winners computable.
@@ -33,7 +33,7 @@ def test_logs_append_and_honour_the_environment(tmp_path, monkeypatch, capsys):
 
 
 def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch):
-    from disttune.engine import progress_bar as _progress_bar
+    from disttune.console import progress_bar as _progress_bar
 
     class Terminal:
         def isatty(self):

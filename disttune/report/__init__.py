@@ -9,9 +9,10 @@ Each rank appends ``<log_dir>/rank-<r>.log`` (see :mod:`disttune.logs`). For eve
 that logged into the folder (``all_runs=True``, ``--all-runs``: every run, each in its own section).
 
 This module runs the steps and writes the files; each step has a module of its own:
-:mod:`disttune.report_logs` reads the rank logs, :mod:`disttune.report_sites` merges them into
-site summaries, :mod:`disttune.report_markdown` renders the text and :mod:`disttune.report_plots`
-draws the figures.
+:mod:`disttune.report.logs` reads the rank logs, :mod:`disttune.report.sites` merges them into
+site summaries, :mod:`disttune.report.diagnostics` explains each site's winner,
+:mod:`disttune.report.markdown` renders the text and :mod:`disttune.report.plots` draws the figures.
+:mod:`disttune.report.verify` is ``disttune verify``, which reads the same logs.
 
 Nothing in a damaged log directory raises (except a directory without any ``rank-<r>.log``): missing
 rank logs, empty files, lines that are neither a readable log line nor parsable JSON, records
@@ -28,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from ..logs import resolve_log_dir
 from .diagnostics import attach as attach_diagnostics
-from .logs import resolve_log_dir
-from .report_logs import find_rank_logs, load_rank_log
-from .report_markdown import format_markdown
-from .report_plots import agreed_figure, heatmap_figure
-from .report_sites import (ConfigRow, SiteSummary, collect_sites, missing_rank_problems, of_run, runs_of,
+from .logs import find_rank_logs, load_rank_log
+from .markdown import format_markdown
+from .plots import agreed_figure, heatmap_figure
+from .sites import (ConfigRow, SiteSummary, collect_sites, missing_rank_problems, of_run, runs_of,
                            world_size_of)
 
 if TYPE_CHECKING:
@@ -144,7 +145,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for problem in report.problems:
         print(f"  problem: {problem}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
