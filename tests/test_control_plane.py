@@ -81,10 +81,10 @@ class _Recording(LocalComm):
 def test_new_key_votes_tune_a_period_at_the_next_point_when_every_rank_named_the_same_call():
     comm = _Recording(peers=[5.0])
     votes = NewKeyVotes("step")
-    assert votes.point(comm, (5, "args of call 5")) is None  # gathered now, decided at the next point
-    assert votes.point(comm, None) == (5, "args of call 5")  # every rank named call 5: tune it now
-    assert votes.point(comm, (7, "args of call 7")) is None  # the last period met nothing here
-    assert votes.point(comm, None) is None  # rank 1 named call 5 again, this rank call 7: no agreement
+    assert votes.point(comm, (5, "args of the fifth call")) is None  # gathered now, decided at the next point
+    assert votes.point(comm, None) == (5, "args of the fifth call")  # every rank named the fifth call: tune it now
+    assert votes.point(comm, (7, "args of the seventh call")) is None  # the last period met nothing here
+    assert votes.point(comm, None) is None  # rank 1 named the fifth call again, this rank the seventh: no agreement
     assert comm.sent == [[5.0], [-1.0], [7.0], [-1.0]]
 
 
