@@ -268,7 +268,7 @@ class DeviceProbe:
         self._device = torch.cuda.current_device()
         self._nvml = nvml_handle(self._device)
         self.wait = wait or (lambda step: torch.cuda.synchronize())
-        self._energy: dict[tuple, float] = {}  # (site, config) -> mJ per launch, read once per tuning call
+        self._energy: dict[tuple, float] = {}  # (site, config) -> mJ per launch: the tuners make a probe per call
 
     def start(self, info: LaunchInfo) -> Any:
         self._cuda.reset_peak_memory_stats()
@@ -293,10 +293,6 @@ class DeviceProbe:
             self._energy[which] = self._window(info.repeat)
         read["energy_mj"] = self._energy[which]
         return read
-
-    def forget(self) -> None:
-        """Read every config's energy again (a new tuning call)."""
-        self._energy.clear()
 
     def _counter(self) -> int:
         return self._nvml[0].nvmlDeviceGetTotalEnergyConsumption(self._nvml[1])  # type: ignore[index]

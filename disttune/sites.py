@@ -1,11 +1,11 @@
-"""Tuning sites, the rank-independent schedule, per-rank statistics and the agreed winner.
+"""Tuning sites, the rank-independent schedule and the per-rank statistics.
 
 A *site* is one autotuned launch within a run of the wrapped function, named by
 (kernel, tuning key, occurrence of that kernel and key within the run). It owns its
 candidate configs and the samples this rank measured for them. Nothing here talks
 to other ranks: :mod:`disttune.agreement` gathers :meth:`Site.local_times` from every
-rank and hands the gathered matrix to :func:`agree`. :func:`split_predicate` turns the
-``split=`` option into a test on a site.
+rank and reduces the gathered matrix (:func:`disttune.agreement.agree`). :func:`split_predicate` turns
+the ``split=`` option into a test on a site.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ INF = float("inf")
 NAN = float("nan")
 
 Statistic = Union[str, Callable[[Sequence[float]], float]]
+#: ``statistic=`` by name: one config's timed samples on one rank -> one number. A new one is one line here.
 STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
     "median": _stats.median,
     "mean": _stats.fmean,
