@@ -419,7 +419,7 @@ class Agreement:
             rows: tuple = ()
             choice = None
             if self.extra:
-                rows = tuple(Measurements(float(agreed[c]), **{name: _known(extra[name][1][c]) for name in self.extra})
+                rows = tuple(Measurements(float(agreed[c]), **{name: known_value(extra[name][1][c]) for name in self.extra})
                              for c in range(len(agreed)))
                 try:
                     choice = choose(self.objective, rows, site.active)
@@ -508,7 +508,7 @@ class Agreement:
         return results, dropped
 
 
-def _known(value: float) -> Optional[float]:
+def known_value(value: float) -> Optional[float]:
     """A gathered measurement as the objective sees it: None where it was not read."""
     return None if math.isnan(value) else float(value)
 

@@ -89,6 +89,7 @@ class KernelTuningCall(TuningCall):
             self.setup_failed = True
             self.error = (err, f"before the discovery run: {type(err).__name__}: {err}")
         self.runs: Optional[Runs] = None
+        self.winners: dict[SiteId, Any] = {}  # committed by the agree step, launched by the final run
 
     def entry(self, site: Site) -> stores.EntryId:
         return self.tuner.entry(site)
@@ -170,11 +171,10 @@ class KernelTuningCall(TuningCall):
         super().agree()
         compiled = self.compiles.compiled if self.compiles is not None else {}
         diagnostics.log_tuned(self.log, self.sites, self.results, compiled)
-        winners = self.tuner.commit(self.sites, self.results, self.elapsed())
+        self.winners = self.tuner.commit(self.sites, self.results, self.elapsed())
         for ident, (config, source) in self.from_nearest.items():  # the same on every rank: the table is agreed
             self.tuner.new_key_fallback(ident, config, source)
             self.log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)  # type: ignore[union-attr]
-        self.winners = winners
 
     def final(self) -> None:
         """The run with the winners (none is needed when every site was in the kernels' caches: the discovery run

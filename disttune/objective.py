@@ -159,7 +159,7 @@ def check_objective(objective: Any, search: Any = None, split: Any = False) -> N
                          "objective='launch'")
 
 
-def describe_objective(objective: Any, describe: Callable[[Any], str] = repr) -> str:
+def describe_objective(objective: Any, describe: Callable[[Any], str]) -> str:
     """``objective=`` as text for the consensus and the store: a function's name and the line it starts on, so
     that two lambdas of one module given on different ranks differ (``describe`` gives the rest)."""
     code = getattr(objective, "__code__", None)

@@ -35,7 +35,8 @@ import numpy as np
 
 from . import console
 from . import triton_launch as triton
-from .agreement import Agreement, SiteResult, TuningError, TuningReport, Verdict, settled_results, winner_index
+from .agreement import (Agreement, SiteResult, TuningError, TuningReport, Verdict, known_value, settled_results,
+                        winner_index)
 from .checks import OutputCheck, blame, scheduled_configs
 from .comm import Communicator
 from .compile import CompilePool
@@ -69,7 +70,8 @@ class TuningCall:
 
     def __init__(self, name: str, comm: Communicator, options: Options) -> None:
         self.name, self.comm, self.options = name, comm, options
-        self.agreement = Agreement(comm, name, options.reduce, options.statistic, options.objective, options.agreed())
+        self.agreement = Agreement(comm, name, options.reduce, options.statistic, options.objective,
+                                   self.agreed_options())
         self.phases = Phases()
         self.started = time.perf_counter()
         self.sites: dict[SiteId, Site] = {}
@@ -111,7 +113,7 @@ class TuningCall:
 
     def consensus(self) -> None:
         found = list(self.sites.values())
-        self.agreement.consensus(found, self.error, self.agreed_options(), self.split_flags(found),
+        self.agreement.consensus(found, self.error, self.agreement.texts, self.split_flags(found),
                                  **self.consensus_inputs())
         self.tuned = [s for s in found if s.preset is None and s.decided is None]
 
@@ -120,7 +122,8 @@ class TuningCall:
         return [bool(self.options.split)] * len(sites)
 
     def agreed_options(self) -> dict[str, str]:
-        """The text every rank must share: the options and the ``DISTTUNE_*`` settings that change the tuning."""
+        """The text every rank must share: the options and the ``DISTTUNE_*`` settings that change the tuning
+        (read once, when the call is made: ``agreement.texts``)."""
         return self.options.agreed()
 
     def tune(self) -> None:
@@ -174,10 +177,6 @@ def winner_noise(site: Site, result: SiteResult) -> Optional[float]:
 
 # -- the rank log's records of a verdict ------------------------------------------------------------------------
 
-def _known(value: float) -> Optional[float]:
-    return None if math.isnan(value) else float(value)
-
-
 def log_verdicts(log: RankLog, verdicts: Sequence[Verdict], extra: Sequence[str]) -> None:
     """Each tuned site's samples, every config's per-rank and agreed time (and measurements), and its winner."""
     for verdict in verdicts:
@@ -189,7 +188,7 @@ def log_verdicts(log: RankLog, verdicts: Sequence[Verdict], extra: Sequence[str]
             measures = None
             if choice is not None:
                 measures = {"agreed": {name: getattr(verdict.measurements[c], name) for name in extra},
-                            "per_rank": {name: [_known(v) for v in readings[:, c]]
+                            "per_rank": {name: [known_value(v) for v in readings[:, c]]
                                          for name, readings in verdict.readings.items()},
                             "score": choice.scores[c], "front": c in choice.front}
             log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, config_text(config),
