@@ -9,6 +9,9 @@ Every helper works on a GPU and on a CPU, in one process and over ``torch.distri
   ahead, as in a model's forward pass), per call; the median of ``runs`` such runs.
 * :func:`max_over_ranks` -- the slowest rank's value (one ``all_reduce``); the value itself without
   ``torch.distributed``.
+* :func:`interleaved` -- several contenders timed in interleaved rounds (steady state or one call from
+  idle), each round's time the slowest rank's, reported as median and spread with each rank's median and
+  the host's time to issue the calls beside it: what every speed ratio in ``bench/`` is taken from.
 * :func:`host_and_wall_us` -- per call, the host's time to issue ``calls`` calls and the wall time
   until their device work is done, in interleaved rounds: when host ~ wall, the step is host-bound.
 * :func:`capture_graph` -- a step captured in a CUDA graph, for replays that cost a few µs of host.
@@ -45,12 +48,15 @@ from .timing import interpreting
 
 __all__ = [
     "HostWall",
+    "Spread",
     "append_rows",
     "capture_graph",
     "cprofile",
     "distributed",
     "environment",
+    "gather_over_ranks",
     "host_and_wall_us",
+    "interleaved",
     "max_over_ranks",
     "on_gpu",
     "one_call_ms",
@@ -182,6 +188,90 @@ def max_over_ranks(value: Union[float, Sequence[float]]) -> Union[float, list[fl
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         values = tensor.tolist()
     return values[0] if scalar else values
+
+
+def gather_over_ranks(values: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``values`` (one ``all_gather`` in float64, on the GPU under NCCL); ``[values]`` alone."""
+    if not distributed():
+        return [[float(v) for v in values]]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One contender's times over the rounds of :func:`interleaved`, ms per call.
+
+    ``rounds``: each round's time, the slowest rank's; ``median``, ``low`` and ``high`` over them;
+    ``per_rank``: each rank's own median (a rank that is always the slowest shows here);
+    ``host``: the median ms the host took to issue a round's calls, per call (close to ``median``: the
+    step runs at the host's pace, not the GPU's)."""
+
+    rounds: tuple
+    per_rank: tuple
+    host: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rounds)
+
+    @property
+    def low(self) -> float:
+        return min(self.rounds)
+
+    @property
+    def high(self) -> float:
+        return max(self.rounds)
+
+    def text(self) -> str:
+        """``median [low-high]`` with three decimals."""
+        return f"{self.median:.3f} [{self.low:.3f}-{self.high:.3f}]"
+
+
+def interleaved(contenders: Mapping[str, Step], *, rounds: int = 10, calls: int = 10, warmup: int = 3,
+                barrier: Optional[bool] = None) -> dict[str, Spread]:
+    """Time ``contenders`` in interleaved rounds: each round times every contender once, in an order that
+    rotates from round to round, so a drift of the machine (clocks, a neighbour's load) hits them alike and
+    no contender always follows the same one.
+
+    One timing is ``calls`` calls back to back between two CUDA events (the host clock on CPUs), per call,
+    started after a device sync and, when distributed, a barrier: ``calls=10`` is the steady state of a
+    model's forward pass, ``calls=1`` one call from an idle device (the host's launch latency counts).
+    Returns a :class:`Spread` per contender, whose round times are the slowest rank's. Every rank must
+    call this with the same contenders in the same order (it holds collectives).
+    Cost: ``warmup + rounds * calls`` calls per contender, a sync and a barrier per timing, one all-gather.
+    """
+    names, rounds = list(contenders), max(1, rounds)
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    watch = _Stopwatch()
+    device_ms = {name: [] for name in names}
+    host_ms = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = contenders[name]
+            _start_together(barrier)
+            started = time.perf_counter()
+            watch.start()
+            for _ in range(calls):
+                fn()
+            watch.stop()
+            host_ms[name].append((time.perf_counter() - started) * 1e3 / calls)
+            device_ms[name].append(watch.ms() / calls)
+    flat = [v for name in names for v in device_ms[name]] + [statistics.median(host_ms[name]) for name in names]
+    everyone = gather_over_ranks(flat)
+    result = {}
+    for i, name in enumerate(names):
+        span = slice(i * rounds, (i + 1) * rounds)
+        per_round = tuple(max(ranks) for ranks in zip(*(values[span] for values in everyone)))
+        per_rank = tuple(statistics.median(values[span]) for values in everyone)
+        host = max(values[len(names) * rounds + i] for values in everyone)
+        result[name] = Spread(per_round, per_rank, host)
+    return result
 
 
 @dataclass(frozen=True)

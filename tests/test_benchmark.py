@@ -59,6 +59,22 @@ def test_host_and_wall_interleaves_rounds_of_every_step():
     assert min(s.wall_us for s in samples["slow"]) >= 1000.0 > max(s.wall_us for s in samples["fast"])
 
 
+def test_interleaved_rotates_the_contenders_and_reports_median_spread_and_host_time():
+    order: list[str] = []
+    steps = {name: (lambda name=name, step=Counter(seconds): (order.append(name), step()))
+             for name, seconds in (("a", 0.0), ("b", 0.002), ("c", 0.0))}
+    spreads = benchmark.interleaved(steps, rounds=3, calls=2, warmup=1)
+    assert order[:3] == ["a", "b", "c"]  # the warm-up calls
+    rounds = [order[3 + 6 * r: 3 + 6 * (r + 1)][::2] for r in range(3)]  # each timing is 2 calls of one contender
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert all(len(spread.rounds) == 3 and len(spread.per_rank) == 1 for spread in spreads.values())
+    slow = spreads["b"]
+    assert 2.0 <= slow.low <= slow.median <= slow.high < 40.0  # per call, not per timing of 2 calls
+    assert slow.per_rank == (slow.median,)
+    assert slow.host >= 2.0 > spreads["a"].median  # on the host clock, issuing is the whole call
+    assert slow.text().startswith(f"{slow.median:.3f} [")
+
+
 def test_max_over_ranks_without_torch_distributed_is_the_value():
     assert not benchmark.distributed()
     assert benchmark.max_over_ranks(1.5) == 1.5
@@ -75,9 +91,13 @@ def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
         scalar = benchmark.max_over_ranks(1.0 + r)
         values = benchmark.max_over_ranks([5.0 - r, 1.0 + 10 * r])
         ms = benchmark.one_call_ms(lambda: None, samples=3, warmup=0)  # a barrier per sample
+        import time
+        spread = benchmark.interleaved({{"fast": lambda: None, "slower on rank 1": lambda: time.sleep(0.001 + 0.01 * r)}},
+                                       rounds=3, calls=2, warmup=0)["slower on rank 1"]
         written = benchmark.append_rows({str(tmp_path / "rows.jsonl")!r}, [{{"rank": r}}])
         env = benchmark.environment()
-        result = dict(rank=r, scalar=scalar, values=values, written=written is not None, world=env["world"], ms=ms)
+        result = dict(rank=r, scalar=scalar, values=values, written=written is not None, world=env["world"], ms=ms,
+                      rounds=spread.rounds, per_rank=spread.per_rank)
         with open({str(tmp_path)!r} + f"/result.rank{{r}}.json", "w") as out:
             json.dump(result, out)
         dist.destroy()
@@ -98,6 +118,9 @@ def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
         assert result["world"] == 2
         assert result["written"] == (r == 0)
         assert result["ms"] >= 0
+        # each round is the slowest rank's (rank 1 sleeps 11 ms a call); the ranks' own medians tell them apart
+        assert len(result["rounds"]) == 3 and min(result["rounds"]) >= 11.0
+        assert result["per_rank"][0] < 11.0 <= result["per_rank"][1]
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [row["rank"] for row in rows] == [0] and rows[0]["world"] == 2
 
