@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
-from .symm import ShardPusher, chunk_rows, overlap_support, refuse_epoch_capture, uses_nccl
+from .symm import (DEFAULT_STREAMS, ShardPusher, Timeline, arrival_order, chunk_rows, overlap_support,
+                   refuse_epoch_capture, uses_nccl)
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
@@ -59,21 +60,26 @@ class AllGatherGEMM:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, design: str = "auto", kernel=None,
-                 chunks: int = 1, streams: int = 1, gemm: str = "triton") -> None:
+                 chunks: int = 1, streams: int = DEFAULT_STREAMS, gemm: str = "triton") -> None:
         if design not in DESIGNS:
             raise ValueError(f"AllGatherGEMM: design must be one of {DESIGNS}, got {design!r}")
         self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         self.requested_design = design
-        # fused: each shard arrives in ``chunks`` flagged pieces; both designs push over ``streams``
-        # copy streams (values above 1 are covered by the GPU checks in tests/tp_cases.py).
+        # each shard travels in ``pieces`` flagged pieces spread over ``streams`` copy streams (at least one
+        # piece per stream): the fused GEMM's tiles wait for their own piece, the decomposed GEMMs for the shard
         self.chunks = int(chunks)
         self.streams = int(streams)
+        if self.chunks < 1 or self.streams < 1:
+            raise ValueError(f"AllGatherGEMM: chunks and streams must be >= 1, got {chunks} and {streams}")
+        self.pieces = max(self.chunks, self.streams)
         self._checked: set = set()
         if gemm not in ("triton", "cublas"):
             raise ValueError(f"AllGatherGEMM: gemm must be 'triton' or 'cublas', got {gemm!r}")
         self.gemm = gemm
         self._pusher = None  # kernels.symm.ShardPusher, made on the first GPU call
+        #: a kernels.symm.Timeline to mark each step of the GPU calls in (for benchmarks; None: no marks)
+        self.timeline: Optional[Timeline] = None
 
     # ------------------------------------------------------------------ public
 
@@ -95,7 +101,7 @@ class AllGatherGEMM:
         if out is None:
             out = torch.empty(M, N, dtype=a_shard.dtype, device=a_shard.device)
         design = self.design_for(a_shard.device)
-        signature = (rows, K, str(a_shard.dtype), design)
+        signature = (rows, K, str(a_shard.dtype), design, self.pieces)
 
         def local_check() -> None:
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N):
@@ -105,7 +111,7 @@ class AllGatherGEMM:
 
         check_inputs(info, "AllGatherGEMM", self._checked, signature,
                      {"a_shard": tuple(a_shard.shape), "b_local": tuple(b_local.shape), "dtype": str(a_shard.dtype),
-                      "shard_rows": list(rows), "design": design}, local_check)
+                      "shard_rows": list(rows), "design": design, "pieces": self.pieces}, local_check)
         if M == 0:  # N may differ between ranks: a rank without columns still takes part in the gather
             return out
         if a_shard.device.type == "cuda" and uses_nccl(info.group):
@@ -121,12 +127,16 @@ class AllGatherGEMM:
                 raise RuntimeError(f"AllGatherGEMM: the {design} GPU design is unavailable here: {why}")
             self._pusher = ShardPusher(self.info.group, streams=self.streams)
         rank, world = self.info.rank, self.info.world_size
-        pusher = self._pusher
+        pusher, timeline = self._pusher, self.timeline
+        pusher.timeline = timeline
+        current = torch.cuda.current_stream()
+        if timeline is not None:
+            timeline.mark("call starts", current)
         starts = row_starts(rows)
         if design == "fused":
-            workspace = pusher.gather(a_shard, rows, self.chunks, include_own=True)
+            workspace = pusher.gather(a_shard, rows, self.pieces, include_own=True)
             shard_gemm(workspace, b_local, out, rows, rank, flags=pusher.arrival_flags, kernel=self.kernel,
-                       chunks=self.chunks, chunk_rows=chunk_rows(rows, self.chunks), epoch=pusher.epoch)
+                       chunks=self.pieces, chunk_rows=chunk_rows(rows, self.pieces), epoch=pusher.epoch)
         else:
             def gemm(a, block):
                 if self.gemm == "cublas":
@@ -137,14 +147,19 @@ class AllGatherGEMM:
             def local_gemm():  # needs nothing from the peers: the GPU starts on it at once
                 if rows[rank]:
                     gemm(a_shard, slice(starts[rank], starts[rank] + rows[rank]))
+                    if timeline is not None:
+                        timeline.mark(f"GEMM of own shard {rank} done", current)
 
-            workspace = pusher.gather(a_shard, rows, 1, local_work=local_gemm)
-            for step in range(1, world):
-                s = (rank + step) % world
+            workspace = pusher.gather(a_shard, rows, self.pieces, local_work=local_gemm)
+            for s in arrival_order(rank, world)[1:]:
                 if rows[s]:
                     pusher.wait_shard(s)
+                    if timeline is not None:
+                        timeline.mark(f"shard {s} landed, or the GEMM before done", current)
                     block = slice(starts[s], starts[s] + rows[s])
                     gemm(workspace[block], block)
+                    if timeline is not None:
+                        timeline.mark(f"GEMM of shard {s} done", current)
         pusher.finish()
         return out
 
@@ -162,13 +177,11 @@ class AllGatherGEMM:
         dist.all_gather(list(gathered.unbind(0)), send, group=info.group)
         a_full = torch.cat([gathered[s, : rows[s]] for s in range(world)])
         if design == "fused":
-            from .symm import chunk_rows
-
-            ready = torch.ones(world * self.chunks, dtype=torch.int32, device=a_shard.device)
-            return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel, chunks=self.chunks,
-                              chunk_rows=chunk_rows(rows, self.chunks))
+            ready = torch.ones(world * self.pieces, dtype=torch.int32, device=a_shard.device)
+            return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel, chunks=self.pieces,
+                              chunk_rows=chunk_rows(rows, self.pieces))
         starts = row_starts(rows)
-        for s in [(rank + i) % world for i in range(world)]:
+        for s in arrival_order(rank, world):
             rows_s = slice(starts[s], starts[s] + rows[s])
             if rows[s]:
                 shard_gemm(a_full[rows_s], b_local, out[rows_s], (rows[s],), 0, kernel=self.kernel)

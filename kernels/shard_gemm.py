@@ -88,8 +88,8 @@ def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_
     """(shard, first row of the tile, rows left in the shard from there, pid_n, the tile's first row
     counted from the shard's start) of persistent tile ``tile``.
 
-    Shards are visited in the order rank, rank+1, ...; each shard's tiles are grouped by
-    GROUP_M row-tiles for L2 reuse of B.
+    Shards are visited in the order they arrive (``kernels.symm.arrival_order``): rank, rank-1, ...;
+    each shard's tiles are grouped by GROUP_M row-tiles for L2 reuse of B.
     """
     first = 0
     shard = rank
@@ -97,7 +97,7 @@ def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_
     row_start = 0
     rows = 0
     for i in tl.static_range(WORLD):
-        s = (rank + i) % WORLD
+        s = (rank + WORLD - i) % WORLD
         s_start = tl.load(offsets_ptr + s)
         s_rows = tl.load(offsets_ptr + s + 1) - s_start
         count = tl.cdiv(s_rows, BLOCK_M) * num_pid_n

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from .tp_common import row_starts
 
 __all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at",
-           "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "uses_nccl", "overlap_support", "flag_writer_available",
-           "capturing", "refuse_capture", "refuse_epoch_capture"]
+           "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "DEFAULT_STREAMS", "push_order", "arrival_order", "uses_nccl", "overlap_support", "flag_writer_available",
+           "capturing", "refuse_capture", "refuse_epoch_capture", "Timeline"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,6 +174,11 @@ class SymmetricBuffer:
         self.handle.barrier(channel=channel)
 
 
+#: Copy streams the overlapped kernels spread a push's pieces over by default. One copy engine already moves
+#: 367 GB/s to a peer on 2 x H200 (both ways at once), and more streams moved less (docs/benchmarks.md,
+#: "The transport for N peers"); ``streams=`` tries more.
+DEFAULT_STREAMS = 1
+
 #: Chunks of a pushed shard start at multiples of this many rows (``shard_gemm.MAX_BLOCK_M``),
 #: so no GEMM tile spans two chunks.
 CHUNK_ALIGN = 256
@@ -253,6 +258,33 @@ def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=N
         write_flag_at(stream, flag, epoch)
 
 
+class Timeline:
+    """Where one call's GPU time goes: CUDA events recorded at named points on the streams that reach them.
+
+    The overlapped kernels take one as ``timeline=`` and mark their steps (a GEMM done, a shard landed, a
+    push done, on the stream that did it); :meth:`read` gives each point's milliseconds after the first.
+    For benchmarks and diagnosis: each mark costs an event record (a few µs of host), so leave it None in
+    production."""
+
+    def __init__(self) -> None:
+        self.marks: list = []
+
+    def mark(self, label: str, stream) -> None:
+        """An event on ``stream`` (a torch stream) labelled ``label``."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        self.marks.append((label, event))
+
+    def read(self) -> list[tuple[str, float]]:
+        """``[(label, ms after the first mark)]`` in the order marked (waits for the last events)."""
+        if not self.marks:
+            return []
+        for _, event in self.marks:
+            event.synchronize()
+        first = self.marks[0][1]
+        return [(label, first.elapsed_time(event)) for label, event in self.marks]
+
+
 class ShardPusher:
     """All-gather of row shards by copy-engine *pushes*, signalled by stream memory operations.
 
@@ -261,15 +293,17 @@ class ShardPusher:
 
     ``gather(local, rows)`` makes ``streams`` side streams wait for the current stream (so
     ``local`` is ready), runs ``local_work()`` if given (launch the GEMM on the local shard
-    there: it needs nothing from the peers), then for each peer ``p`` (in the order rank+1,
-    rank+2, ...) on a side stream: waits until ``p`` has finished reading what this rank
-    pushed into the same half of its workspace two calls ago (epoch mode; graph-safe: below),
-    copies ``local`` into ``p``'s
-    workspace in ``chunks`` pieces (multiples of 256 rows; ``cuMemcpyDtoDAsync``, copy
-    engine), and after each piece sets the piece's arrival flag *in ``p``'s memory* to this
-    call's epoch (1 when graph-safe). With ``include_own`` the local shard is also copied into the own workspace
-    and flagged (for a kernel that reads every shard from the workspace). It returns the
-    ``[sum(rows), H]`` workspace at once.
+    there: it needs nothing from the peers), then pushes ``local`` to each peer ``p`` in
+    :func:`push_order` (rank+1, rank+2, ...: at each step every rank sends to one rank and
+    receives from one, so shards land one after another in :func:`arrival_order`). A push is cut
+    into ``chunks`` pieces (multiples of 256 rows) spread over the side streams, so that several
+    copy engines carry one shard at once (one engine alone moves a fraction of what NVLink can);
+    each stream waits until ``p`` has finished reading what this rank pushed into the same half of
+    its workspace two calls ago (epoch mode; graph-safe: below), copies its pieces
+    (``cuMemcpyDtoDAsync``, copy engine) and after each sets the piece's arrival flag *in ``p``'s
+    memory* to this call's epoch (1 when graph-safe). With ``include_own`` the local shard is also
+    copied into the own workspace and flagged (for a kernel that reads every shard from the
+    workspace). It returns the ``[sum(rows), H]`` workspace at once.
 
     Consume shard ``s`` after :meth:`wait_shard` (a stream wait, no host wait) or from a kernel
     that spins until ``arrival_flags[s * chunks + c] >= epoch``; call :meth:`finish` after
@@ -277,16 +311,16 @@ class ShardPusher:
     rank's half of the workspace (its only one, graph-safe) is free again.
 
     Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, one half when graph-safe;
-    grown as needed, a regrowth is a collective) and a small int32 signal buffer. Cost per call: ``w - 1`` copies
-    on the copy engines, ~``3 (w - 1)`` stream memory operations and no local copy; on the
-    host, a few driver calls per peer (the addresses are computed once per shape).
+    grown as needed, a regrowth is a collective) and a small int32 signal buffer. Cost per call: ``(w - 1) chunks``
+    copies on the copy engines, about ``(w - 1) (chunks + streams)`` stream memory operations and no local copy; on
+    the host, a driver call per operation (the addresses are computed once per shape).
 
     ``graph_safe=True``: every value written is fixed, so a CUDA graph that captured calls
     (``torch.cuda.graph``) can replay them. Epochs would be baked into the graph and repeat on
     replay, letting a reader pass a flag set by the previous replay. Instead:
 
     * a sender waits until the destination's "read it" flag is 1 and sets it back to 0 before it
-      pushes, then sets the arrival flags to 1 (:attr:`epoch` stays 1). A sender without rows still
+      pushes (all of a destination's pieces go on one stream, the one that did the handshake), then sets the arrival flags to 1 (:attr:`epoch` stays 1). A sender without rows still
       does this (it sets its first arrival flag, copying nothing), so the handshake pairs up every call;
     * :meth:`finish` (after the readers) waits until each arrival flag of the call is 1, sets it
       back to 0, *then* sets the "read it" flag of each peer to 1, so a peer's next arrival can only
@@ -316,6 +350,7 @@ class ShardPusher:
         self._plans: dict = {}
         self._plan = None
         self._retired: list = []  # graph-safe: outgrown workspaces that captured graphs may still use
+        self.timeline: Optional[Timeline] = None  # marks each push's end on its stream when set
 
     @property
     def arrival_flags(self) -> torch.Tensor:
@@ -362,10 +397,10 @@ class ShardPusher:
         starts = row_starts(rows)
         step_rows = chunk_rows(rows, chunks)
         row_bytes = buf.shape[2] * buf.local.element_size()
-        targets = ([rank] if include_own else []) + [(rank + i) % world for i in range(1, world)]
         safe = self.graph_safe
         pushes = []  # (side index or None = current stream, free flag, pieces)
-        for n, p in enumerate(targets):
+        targets = []  # the rank each push goes to
+        for p in push_order(rank, world, include_own):
             arrival = lambda c, p=p: board.address(p, board.ARRIVED, rank * chunks + c)  # noqa: E731
             free = board.address(rank, board.FREED, p) if p != rank else None
             if rows[rank]:
@@ -375,14 +410,19 @@ class ShardPusher:
                 pieces = [(0, 0, 0, arrival(0))]
             else:  # a rank without rows sends nothing, and nobody waits for its empty shard
                 continue
-            pushes.append((None if safe and p == rank else n % len(self._sides), free, pieces))
-        last_piece = [board.address(rank, board.ARRIVED, s * chunks + -(-rows[s] // step_rows) - 1) if rows[s] else None
-                      for s in range(world)]
+            if safe:  # one stream per target: the "read it" handshake resets its flag, so only one stream may wait on it
+                groups = [(None if p == rank else len(pushes) % len(self._sides), pieces)]
+            else:  # the target's pieces spread over every copy stream, each stream waiting for the target's free flag
+                groups = [(side, pieces[side::len(self._sides)]) for side in range(min(len(self._sides), len(pieces)))]
+            pushes += [(side, free, part) for side, part in groups]
+            targets += [p] * len(groups)
+        shard_flags = [[board.address(rank, board.ARRIVED, s * chunks + c) for c in range(-(-rows[s] // step_rows))]
+                       for s in range(world)]
         frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
         arrivals = [board.address(rank, board.ARRIVED, s * chunks + c)
                     for s in range(world) if (s != rank or include_own) and (rows[s] or (safe and s != rank))
                     for c in range(max(1, -(-rows[s] // step_rows)))]
-        return _PushPlan(pushes, last_piece, frees, arrivals, buf.local[parity, :sum(rows)])
+        return _PushPlan(pushes, targets, shard_flags, frees, arrivals, buf.local[parity, :sum(rows)])
 
     def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
                include_own: bool = False) -> torch.Tensor:
@@ -407,16 +447,20 @@ class ShardPusher:
         if local_work is not None:
             local_work()
         source = local.data_ptr()
-        for side, free, pieces in plan.pushes:
+        for (side, free, pieces), target in zip(plan.pushes, plan.targets):
             handle = self._handles[side] if side is not None else stream_handle(current)
             push_pieces(handle, source, pieces, epoch, free, self.graph_safe)
+            if self.timeline is not None:
+                self.timeline.mark(f"pushed to rank {target} (copy stream {side})", self._sides[side] if side is not None
+                                   else current)
         return plan.workspace
 
     def wait_shard(self, shard: int) -> None:
-        """Make the current stream wait (on the GPU) until every piece of ``shard`` has arrived."""
-        address = self._plan.last_piece[shard]
-        if address is not None:
-            wait_flag_at(torch.cuda.current_stream(self._device_index), address, self.epoch)
+        """Make the current stream wait (on the GPU) until every piece of ``shard`` has arrived (one stream
+        wait per piece: pieces travel on several copy streams, so the last one sent need not land last)."""
+        current = torch.cuda.current_stream(self._device_index)
+        for address in self._plan.shard_flags[shard]:
+            wait_flag_at(current, address, self.epoch)
 
     def finish(self) -> None:
         """After the last reader of the workspace: the current stream waits for this rank's pushes
@@ -434,9 +478,24 @@ class ShardPusher:
             write_flag_at(current, address, self.epoch)
 
 
+def push_order(rank: int, world: int, include_own: bool = False) -> list[int]:
+    """The ranks ``rank`` pushes its shard to, in order: itself first (``include_own``), then ``rank + 1``,
+    ``rank + 2``, ... So at step ``k`` every rank sends to the rank ``k`` after it: each rank receives from one
+    sender at a time, the shard of ``rank - k``, and consumes shards in :func:`arrival_order`."""
+    return ([rank] if include_own else []) + [(rank + k) % world for k in range(1, world)]
+
+
+def arrival_order(rank: int, world: int) -> list[int]:
+    """The shards ``rank`` receives, in the order :func:`push_order` delivers them: its own, then ``rank - 1``,
+    ``rank - 2``, ... A consumer that walks shards in this order waits for each only as long as the transport
+    takes to deliver it."""
+    return [(rank - k) % world for k in range(world)]
+
+
 class _PushPlan(NamedTuple):
     pushes: list  # (side index or None = current stream, own free flag or None, [(offset, dest, bytes, flag)])
-    last_piece: list  # per shard: the address of its last piece's arrival flag here (None: empty shard)
+    targets: list  # the rank each of ``pushes`` goes to
+    shard_flags: list  # per shard: the addresses of its pieces' arrival flags here (empty: an empty shard)
     frees: list  # the peers' free-flag addresses for this rank
     arrivals: list  # every arrival flag here that a call of this plan sets (graph-safe finish resets them)
     workspace: torch.Tensor

@@ -30,6 +30,9 @@ from disttune.kernels import symm
 from symm_standins import simulated_pusher, workspaces
 
 WIDTH = 4
+COPY_STREAMS = 2  # each rank's side streams: a shard's pieces spread over them (epoch mode)
+PIECES = 3  # pieces per shard (of at least 256 rows each: shards of more rows travel in several)
+ROW_SCALE = 300  # the tests' row counts are in units of this many rows, so shards span several pieces
 
 
 class Event:
@@ -60,12 +63,12 @@ class Gpu:
             for slot in range(world):
                 self.flags[(owner, symm.SignalBoard.FREED, slot)] = 1 if graph_safe else 0
         self.current = [Stream(self, f"rank {r} current") for r in range(world)]
-        self.sides = [Stream(self, f"rank {r} side") for r in range(world)]
+        self.sides = [[Stream(self, f"rank {r} side {n}") for n in range(COPY_STREAMS)] for r in range(world)]
         self.collectives = [0] * world  # collectives each rank has reached (executed or at a stream's head)
         self.failures: list = []
 
     def streams(self) -> list:
-        return self.current + self.sides
+        return self.current + [side for sides in self.sides for side in sides]
 
     def ready(self, op) -> bool:
         kind = op[0]
@@ -129,24 +132,26 @@ class Job:
     def __init__(self, state: dict, world: int, capacity: int, graph_safe: bool) -> None:
         self.state, self.world, self.graph_safe = state, world, graph_safe
         self.gpu = state["gpu"] = Gpu(world, graph_safe)
-        self.spaces = workspaces(world, capacity, WIDTH, graph_safe)
-        self.tokens = [torch.zeros(capacity, WIDTH) for _ in range(world)]
-        self.pushers = [simulated_pusher(r, self.spaces, graph_safe, sides=(self.gpu.sides[r],), ready=Event(),
-                                         pushed=[Event()]) for r in range(world)]
+        self.spaces = workspaces(world, capacity * ROW_SCALE, WIDTH, graph_safe)
+        self.tokens = [torch.zeros(capacity * ROW_SCALE, WIDTH) for _ in range(world)]
+        self.pushers = [simulated_pusher(r, self.spaces, graph_safe, sides=tuple(self.gpu.sides[r]), ready=Event(),
+                                         pushed=[Event() for _ in self.gpu.sides[r]]) for r in range(world)]
         self.collective = 0
         self.checked = 0
 
     def enqueue_call(self, rows: tuple, call: list) -> None:
-        """Every rank's host side of one call (``call[0]``: the call number the tags and checks use when run)."""
+        """Every rank's host side of one call (``call[0]``: the call number the tags and checks use when run);
+        ``rows`` in units of ROW_SCALE rows."""
+        rows = tuple(r * ROW_SCALE for r in rows)
         for rank in range(self.world):
             self.state["rank"] = rank
             pusher, current = self.pushers[rank], self.gpu.current[rank]
             local = self.tokens[rank][: rows[rank]]
             current.ops.append(("tag", None, lambda r=rank, n=rows[rank]: self.tokens[r][:n].fill_(_tag(r, call[0]))))
-            workspace = pusher.gather(local, rows, include_own=True)
+            workspace = pusher.gather(local, rows, PIECES, include_own=True)
             current.ops.append(("collective", self.collective))
             plan = pusher._plan
-            waits = [(flag, pusher.epoch) for flag in plan.last_piece if flag is not None]
+            waits = [(flag, pusher.epoch) for flags in plan.shard_flags for flag in flags]
             current.ops.append(("gemm", waits, lambda r=rank, w=workspace: self.check(r, w, rows, call[0])))
             pusher.finish()
         self.collective += 1
