@@ -7,9 +7,10 @@ fp32 accumulation inside each GEMM; the other ranks' partials travel rounded to 
 (as with ``matmul`` then ``reduce_scatter_tensor``), the own partial is summed before rounding.
 
 GPU design (push, overlapped, no reduction kernel): the partial for each destination rank is
-computed in turn, starting with the next rank's rows and ending with this rank's own. As soon
-as a partial is done, the copy engines push it in ``chunks`` pieces into the destination's
-symmetric-memory receive slot on a side stream, flagging each piece in the destination's
+computed in turn, in ``kernels.symm.push_order`` (the next rank's rows first, so at each step
+every rank sends to a different rank) and ending with this rank's own. As soon as a partial is
+done, the copy engines push it in ``chunks`` pieces, spread over ``streams`` copy streams, into
+the destination's symmetric-memory receive slot, flagging each piece in the destination's
 memory (``cuStreamWriteValue32``) while the GEMM goes on with the next destination. The own
 rows' GEMM then adds the received partials in its epilogue, each tile after spinning on its
 piece's flag (the pieces have landed long before: each was computed one GEMM earlier).
@@ -34,11 +35,14 @@ import torch.distributed as dist
 
 from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
 from .symm import (
+    DEFAULT_STREAMS,
     SignalBoard,
     SymmetricBuffer,
+    Timeline,
     chunk_rows,
     overlap_support,
     pieces_of,
+    push_order,
     push_pieces,
     refuse_epoch_capture,
     stream_handle,
@@ -57,18 +61,27 @@ class GemmReduceScatter:
     collective on GPUs) and checks that all ranks agree on the shapes.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: int = 4) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: int = 4,
+                 streams: int = DEFAULT_STREAMS, last_launches: int = 2) -> None:
         self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
-        self.chunks = int(chunks)
+        if int(chunks) < 1 or int(streams) < 1:
+            raise ValueError(f"GemmReduceScatter: chunks and streams must be >= 1, got {chunks} and {streams}")
+        # each partial travels in ``chunks`` flagged pieces (at least one per copy stream) spread over ``streams``
+        self.chunks = max(int(chunks), int(streams))
+        self.streams = int(streams)
+        # the last partial before the own rows' GEMM is computed in this many GEMMs, each pushed as it is done
+        self.last_launches = max(1, int(last_launches))
         self._checked: set = set()
         self._buffers: dict = {}
         self._epoch = 0
         self._board = None  # kernels.symm.SignalBoard, made on the first GPU call
-        self._side: Optional[torch.cuda.Stream] = None
-        self._side_handle = None
+        self._sides: list = []  # copy streams
+        self._side_handles: list = []
         self._events: list = []
         self._plans: dict = {}  # (rows, N, dtype, parity) -> _RsPlan: the addresses of one call's pushes
+        #: a kernels.symm.Timeline to mark each step of the GPU calls in (for benchmarks; None: no marks)
+        self.timeline: Optional[Timeline] = None
 
     def __call__(self, a_local: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
                  out_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -81,7 +94,7 @@ class GemmReduceScatter:
         mine = rows[info.rank]
         if out is None:
             out = torch.empty(mine, N, dtype=a_local.dtype, device=a_local.device)
-        signature = (rows, a_local.shape[1], N, str(a_local.dtype))
+        signature = (rows, a_local.shape[1], N, str(a_local.dtype), self.chunks)
 
         def local_check() -> None:
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (mine, N):
@@ -92,7 +105,7 @@ class GemmReduceScatter:
 
         check_inputs(info, "GemmReduceScatter", self._checked, signature,
                      {"a_local": tuple(a_local.shape), "b_local": tuple(b_local.shape), "dtype": str(a_local.dtype),
-                      "out_rows": list(rows)}, local_check)
+                      "out_rows": list(rows), "chunks": self.chunks}, local_check)
         if M == 0 or N == 0:
             return out
         if a_local.device.type == "cuda" and uses_nccl(info.group):
@@ -108,9 +121,9 @@ class GemmReduceScatter:
             if not ok:
                 raise RuntimeError(f"GemmReduceScatter: the overlapped GPU path is unavailable: {why}")
             self._board = SignalBoard(self.info.group, device)
-            self._side = torch.cuda.Stream(device=device)
-            self._side_handle = stream_handle(self._side)
-            self._events = [torch.cuda.Event() for _ in range(self.info.world_size)]
+            self._sides = [torch.cuda.Stream(device=device) for _ in range(self.streams)]
+            self._side_handles = [stream_handle(side) for side in self._sides]
+            self._events = [torch.cuda.Event() for _ in range(self.info.world_size + self.chunks)]
         key = (N, dtype)
         bufs = self._buffers.get(key)
         if bufs is None or bufs[0].shape[2] < max(rows):
@@ -137,33 +150,48 @@ class GemmReduceScatter:
             pushes = [(d, board.address(rank, board.FREED, d),
                        pieces_of(rows[d], recv.peer(d)[parity, rank].data_ptr(), row_bytes, step_rows,
                                  lambda c, d=d: board.address(d, board.ARRIVED, rank * chunks + c)))
-                      for d in [(rank + i) % world for i in range(1, world)] if rows[d]]
+                      for d in push_order(rank, world) if rows[d]]
             frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
-            plan = self._plans[key] = _RsPlan(pushes, frees, step_rows)
+            plan = self._plans[key] = _RsPlan(launch_groups(pushes, rows, step_rows, self.last_launches), frees,
+                                              step_rows)
         return plan
 
     def _gpu_step(self, a_local, b_local, out, rows):
         info = self.info
         rank = info.rank
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
-        board, side, handle = self._board, self._side, self._side_handle
+        board, sides, handles = self._board, self._sides, self._side_handles
         starts = row_starts(rows)
         self._epoch += 1
         epoch, parity = self._epoch, self._epoch % 2
         plan = self._push_plan(rows, recv, staging, parity)
-        current = torch.cuda.current_stream()
-        for d, free, pieces in plan.pushes:  # the next ranks' partials first, each pushed while the next computes
+        current, timeline = torch.cuda.current_stream(), self.timeline
+        if timeline is not None:
+            timeline.mark("call starts", current)
+        for n_group, (d, free, first, end, pieces) in enumerate(plan.groups):  # each pushed while the next computes
             part = staging[d, : rows[d]]
-            shard_gemm(a_local[starts[d]: starts[d] + rows[d]], b_local, part, (rows[d],), 0, kernel=self.kernel)
-            self._events[d].record(current)
-            side.wait_event(self._events[d])
-            push_pieces(handle, part.data_ptr(), pieces, epoch, free)
+            shard_gemm(a_local[starts[d] + first: starts[d] + end], b_local, part[first:end], (end - first,), 0,
+                       kernel=self.kernel)
+            done = self._events[n_group]
+            done.record(current)
+            if timeline is not None:
+                timeline.mark(f"partial for rank {d}, rows {first}-{end}, done", current)
+            for n, (side, handle) in enumerate(zip(sides, handles)):  # its pieces spread over the copy streams
+                share = pieces[(n - n_group) % len(sides)::len(sides)]
+                if share:
+                    side.wait_event(done)
+                    push_pieces(handle, part.data_ptr(), share, epoch, free)
+                    if timeline is not None:
+                        timeline.mark(f"pushed to rank {d}, rows {first}-{end} (copy stream {n})", side)
         mine = rows[rank]
         if mine:  # the own rows' GEMM adds every peer's partial in its epilogue, piece by piece as they land
             shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
                        chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch,
                        addend=recv.local[parity, :, :mine], addend_flags=board.arrived, addend_skip=rank)
-        current.wait_stream(side)
+            if timeline is not None:
+                timeline.mark("own rows' GEMM (with the peers' partials) done", current)
+        for side in sides:
+            current.wait_stream(side)
         for address in plan.frees:
             write_flag_at(current, address, epoch)
         return out
@@ -189,16 +217,35 @@ class GemmReduceScatter:
         if mine:
             received = torch.stack([everyone[s][rank, :mine] for s in range(world)])
             ready = torch.ones(world * self.chunks, dtype=torch.int32, device=a_local.device)
-            from .symm import chunk_rows
-
             shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
                        chunks=self.chunks, chunk_rows=chunk_rows(rows, self.chunks), addend=received,
                        addend_flags=ready, addend_skip=rank)
         return out
 
 
+def launch_groups(pushes: list, rows: Sequence[int], step_rows: int, last_launches: int) -> list:
+    """The partial GEMMs of one call and what each pushes: ``[(destination, free flag, first row, end row,
+    pieces)]`` from ``pushes`` (``[(destination, free flag, pieces of step_rows rows)]`` in push order).
+
+    Each destination's partial is one GEMM, except the last one's: it is computed in up to ``last_launches``
+    GEMMs of whole pieces, each pushed while the next is computed. That partial is the one the destination's
+    own GEMM, which comes right after it there, waits for; computed whole, its push would start only when
+    that GEMM does. (The earlier partials are pushed while the later ones are computed.) More launches start
+    the push sooner, but each smaller GEMM fills the GPU's last wave less well."""
+    groups = []
+    for n, (d, free, pieces) in enumerate(pushes):
+        if n < len(pushes) - 1:
+            groups.append((d, free, 0, rows[d], pieces))
+            continue
+        per_launch = -(-len(pieces) // last_launches)
+        for first in range(0, len(pieces), per_launch):
+            end = min(len(pieces), first + per_launch)
+            groups.append((d, free, first * step_rows, min(rows[d], end * step_rows), pieces[first:end]))
+    return groups
+
+
 class _RsPlan(NamedTuple):
-    pushes: list  # (destination, its free-flag address here, pieces_of(...) into its receive slot)
+    groups: list  # launch_groups(...): (destination, free flag here, first row, end row, pieces into its slot)
     frees: list  # the peers' free-flag addresses for this rank
     step_rows: int  # rows per piece
 

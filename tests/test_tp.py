@@ -112,3 +112,32 @@ def test_configs_whose_tiles_could_span_two_pushed_chunks_are_pruned():
     assert [c.kwargs["BLOCK_M"] for c in kept] == [64]
     with pytest.raises(ValueError, match="a tile must not span two pushed chunks"):
         prune_shard_configs([config(2 * MAX_BLOCK_M)], args)
+
+
+@pytest.mark.parametrize("last_launches", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("rows", [(4096, 4096), (2048,) * 4, (3001, 0, 2999, 5), (100, 300)], ids=str)
+def test_gemm_rs_computes_each_partial_once_and_the_last_in_pieces_pushed_as_they_are_done(rows, last_launches):
+    """The partial GEMMs GEMM-RS launches cover every destination's rows exactly once, in push order; the last
+    destination's partial comes in up to ``last_launches`` GEMMs of whole pieces, each pushing its own pieces."""
+    from disttune.kernels.gemm_rs import launch_groups
+    from disttune.kernels.symm import chunk_rows, push_order
+
+    chunks = 4
+    step = chunk_rows(rows, chunks)
+    for rank in range(len(rows)):
+        pushes = [(d, f"free {d}", [f"piece {d}.{c}" for c in range(-(-rows[d] // step))])
+                  for d in push_order(rank, len(rows)) if rows[d]]
+        groups = launch_groups(pushes, rows, step, last_launches)
+        assert [d for d, *_ in groups] == sorted((d for d, *_ in groups), key=[d for d, _, _ in pushes].index)
+        for d, free, pieces in pushes:
+            mine = [(first, end, part) for dest, f, first, end, part in groups if dest == d and f == free]
+            assert [piece for _, _, part in mine for piece in part] == pieces  # each piece pushed once, in order
+            assert [first for first, _, _ in mine] == [0] + [end for _, end, _ in mine[:-1]]  # rows contiguous
+            assert mine[-1][1] == rows[d]
+            for first, end, part in mine:  # a launch computes exactly the rows of the pieces it pushes
+                assert first == pieces.index(part[0]) * step and end == min(rows[d], (pieces.index(part[-1]) + 1) * step)
+            last = d == pushes[-1][0]
+            per_launch = -(-len(pieces) // last_launches)  # pieces per GEMM: at most last_launches GEMMs
+            assert len(mine) == (-(-len(pieces) // per_launch) if last else 1)
+            if last:
+                assert all(len(part) == per_launch for _, _, part in mine[:-1])
