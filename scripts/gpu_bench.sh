@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: the GPU checks and every benchmark in bench/, in one call.
-# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [ag|moe|moehost|tuning|tuning_moe|fast|plane|stephost|faults|
+# Usage: OUT=DIR bash scripts/gpu_bench.sh [NPROC] [transport|ag|moe|moehost|tuning|tuning_moe|fast|plane|stephost|faults|
 #                                                   moeexit|owngroup|demo|energy|tests|gputests|moetests|all ...]
 # NPROC defaults to the GPU count; OUT to a new temporary directory. Each step has its own time limit
 # and logs to $OUT/<step>.log, so one failing step does not hide the others; the last lines of each
@@ -33,8 +33,11 @@ fi
 if want moetests; then  # the MoE suite on the GPUs: single-GPU GEMM cases, and the 2-rank cases under NCCL
     run moe_tests 300 python3 -m pytest -q -x tests/test_moe.py -k "not 4_ranks"
 fi
+if want transport; then  # what the copy engines give a push: GB/s by streams and pieces, beside a GEMM
+    TAIL=20 run transport 120 "${launch[@]}" bench/transport.py --out "$OUT/transport.jsonl"
+fi
 if want ag; then
-    TAIL=40 run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --samples 30 --out "$OUT/ag_gemm.jsonl"
+    TAIL=40 run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --out "$OUT/ag_gemm.jsonl"
 fi
 if want moe; then
     TAIL=60 run moe 240 "${launch[@]}" bench/moe.py --out "$OUT/moe.jsonl"
