@@ -72,22 +72,23 @@ def compare(tuned: Callable[[], object], baseline: Callable[[], object], baselin
             gpu: bool, world: int, samples: int) -> dict:
     """Time the tuned step against ``baseline`` in this run and return what rank 0 prints.
 
-    On GPUs both are timed in steady state (10 calls back to back between CUDA events, median of
-    ``samples`` runs, max over ranks); the baseline first, so that a baseline that tunes on its
-    first call has done so before the step is timed. Under the CPU interpreter a speed ratio means nothing,
-    so only the tuned step's host time is given.
+    On GPUs both are timed in steady state (10 calls back to back between CUDA events), in ``samples``
+    interleaved rounds (``disttune.benchmark.interleaved``: a drift of the machine hits both alike), each
+    round's time the slowest rank's; the medians are compared and their spread printed. Under the CPU
+    interpreter a speed ratio means nothing, so only the tuned step's host time is given.
     """
     if not gpu:
         ms = benchmark.max_over_ranks(benchmark.one_call_ms(tuned, samples=max(3, samples // 10), warmup=1))
         return {"line": f"tuned step: {ms:.1f} ms per call (host clock, CPU interpreter: not a speed "
                         f"comparison; run on GPUs for one)"}
-    theirs = benchmark.max_over_ranks(benchmark.steady_ms(baseline, runs=samples))
-    ours = benchmark.max_over_ranks(benchmark.steady_ms(tuned, runs=samples))
-    line = (f"tuned step: {ours:.3f} ms per call; {baseline_name}: {theirs:.3f} ms "
-            f"({theirs / ours:.2f}x), steady state, max over ranks")
+    spreads = benchmark.interleaved({"baseline": baseline, "tuned": tuned}, rounds=samples, calls=10)
+    ours, theirs = spreads["tuned"], spreads["baseline"]
+    line = (f"tuned step: {ours.median:.3f} ms per call; {baseline_name}: {theirs.median:.3f} ms "
+            f"({theirs.median / ours.median:.2f}x), steady state, max over ranks, median of {samples} interleaved "
+            f"rounds (spread {ours.low:.3f}-{ours.high:.3f} and {theirs.low:.3f}-{theirs.high:.3f})")
     if world == 1:
         line += "\n(one GPU: there is no communication to overlap, so this compares the GEMMs alone)"
-    return {"line": line, "ours_ms": ours, "baseline_ms": theirs}
+    return {"line": line, "ours_ms": ours.median, "baseline_ms": theirs.median}
 
 
 def check_output(out, reference, tolerance: float) -> tuple[bool, float]:
