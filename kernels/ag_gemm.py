@@ -5,10 +5,12 @@ Each rank holds ``A_r`` (``[rows_r, K]``, its row shard of A; shards may be ragg
 fp16/bf16 (fp32 too), fp32 accumulation.
 
 Transport (GPUs, ``kernels.symm.ShardPusher``): each rank pushes its shard into every peer's
-symmetric-memory workspace with the copy engines and flags each piece in the peer's memory
-with ``cuStreamWriteValue32``; receivers wait with ``cuStreamWaitValue32`` (decomposed) or
-spin in the kernel (fused). Neither side needs an SM or a barrier kernel, so the GEMM on the
-local shard is launched first, before any communication is even enqueued.
+symmetric-memory workspace with the copy engines, one peer at a time (rank+1, rank+2, ...), and
+flags each piece in the peer's memory with ``cuStreamWriteValue32``; receivers walk the shards in
+the order they land (own, rank-1, rank-2, ...) and wait with ``cuStreamWaitValue32`` (decomposed)
+or spin in the kernel (fused). Neither side needs an SM or a barrier kernel, so the GEMM on the
+local shard is launched first, before any communication is even enqueued. ``chunks`` and
+``streams`` cut each push into flagged pieces spread over several copy streams.
 
 Designs (``design=``):
 
@@ -28,8 +30,9 @@ and then run the same GEMM code (fused: flags preset), so CI checks tile mapping
 Both GEMMs are ``triton.autotune`` kernels: wrap the step that calls :class:`AllGatherGEMM`
 with ``disttune.contextual_autotune`` to tune them while the copies really run.
 
-Cost per call (GPU): ``w - 1`` pushes of the local shard on the copy engines (fused: plus a
-local copy), a few stream memory operations, the GEMM(s). Memory: a ``[2, M, K]`` symmetric
+Cost per call (GPU): ``w - 1`` pushes of the local shard on the copy engines, in
+``max(chunks, streams)`` pieces each (fused: plus a local copy), a few stream memory operations per
+piece, the GEMM(s). Memory: a ``[2, M, K]`` symmetric
 workspace (double-buffered) and a 8 KB signal buffer per rank.
 """
 
