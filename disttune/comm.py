@@ -24,10 +24,16 @@ call). A rank that fails where its peers may be waiting elsewhere posts its erro
 reads the channel's post counter every 0.1 s once the wait has lasted 0.1 s, and leaves with
 :class:`PeerFailed` when a peer has posted. A collective that completes in time reads no post.
 MPI and custom communicators have no posts: their waits end by timeout.
+
+When the rendezvous store itself cannot be reached (its host is gone: torchrun's agent, or rank 0 of a
+job started without torchrun), every store operation of the control plane raises
+:class:`ControlPlaneLost`, the first with torch's reason and every later one at once, without another
+attempt on the dead connection (each failed attempt also makes TCPStore log a C++ stack).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -40,8 +46,9 @@ from . import wire
 from .env import DEFAULT_TIMEOUT_S
 from .wire import MalformedMessage
 
-__all__ = ["CollectiveTimeout", "PeerFailed", "MalformedMessage", "Communicator", "ControlPlane", "LocalComm",
-           "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats", "global_rank"]
+__all__ = ["CollectiveTimeout", "PeerFailed", "ControlPlaneLost", "MalformedMessage", "Communicator", "ControlPlane",
+           "LocalComm", "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats",
+           "global_rank"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -64,6 +71,11 @@ class PeerFailed(RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int]) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class ControlPlaneLost(RuntimeError):
+    """The rendezvous store cannot be reached any more: its host (torchrun's agent, or rank 0 of a job started
+    without torchrun) is gone, so no collective of the tuner can complete."""
 
 
 @runtime_checkable
@@ -200,6 +212,31 @@ def control_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+class PlaneStore:
+    """A c10d store as the control plane uses it: the same operations, but a lost connection is
+    :class:`ControlPlaneLost`, and once lost every later operation (from any thread) raises it at once.
+    Costs one attribute lookup and a ``try`` per operation."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.lost: Optional[str] = None  # why the store was lost, once it was
+
+    def __getattr__(self, name: str) -> Any:
+        operation = getattr(self.store, name)
+        return functools.partial(self._call, operation) if callable(operation) else operation
+
+    def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
+        from torch.distributed import DistNetworkError
+
+        if self.lost is None:
+            try:
+                return operation(*args)
+            except DistNetworkError as err:
+                self.lost = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ControlPlaneLost(f"disttune: the rendezvous store is unreachable ({self.lost}): its host is gone "
+                               "(torchrun's agent, or rank 0 when the job was started without torchrun)")
+
+
 class TorchComm:
     """The control plane of a ``torch.distributed`` job: collectives and posts through its rendezvous store.
 
@@ -225,7 +262,7 @@ class TorchComm:
         self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(self.world_size))
         self.backend = str(dist.get_backend(group))
         self.timeout_s = float(timeout_s)
-        self.store = store if store is not None else control_store()
+        self.store = PlaneStore(store if store is not None else control_store())
         self._prefix = "disttune/" + ("all" if group is None else ",".join(map(str, self.ranks)))
         self._channel: Optional[str] = None
         self._own_posts: defaultdict[str, int] = defaultdict(int)
@@ -309,15 +346,7 @@ class TorchComm:
             return CollectiveTimeout(f"disttune: step '{step}': {who} within {limit:g} s (a rank died, hung, or "
                                      "skipped the step)", missing)
 
-        def checked() -> bool:
-            try:
-                return ready()
-            except (MalformedMessage, CollectiveTimeout, PeerFailed):
-                raise
-            except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
-                raise CollectiveTimeout(f"disttune: step '{step}': the rendezvous store is unreachable: {err}") from err
-
-        _poll(checked, time.monotonic() + limit, timed_out, look)
+        _poll(ready, time.monotonic() + limit, timed_out, look)
 
     # -- collectives ---------------------------------------------------------------------------------------------
 

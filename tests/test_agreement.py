@@ -124,12 +124,12 @@ def test_the_function_tuner_agrees_its_options_and_its_winner():
     assert "n_repeat: rank 0: 1, rank 1: 2" in str(outcomes[0]) and str(outcomes[0]) == str(outcomes[1])
 
 
-def test_a_discovery_error_on_one_rank_is_the_same_error_on_all():
+def test_an_error_before_tuning_on_one_rank_is_the_same_error_on_all():
     def body(comm):
         error = (ValueError("bad input"), "ValueError: bad input") if comm.rank == 1 else None
         Agreement(comm, "step").consensus([], error, {}, [])
 
     outcomes = on_every_rank(2, body)
     assert [type(o) for o in outcomes] == [disttune.TuningError] * 2 and str(outcomes[0]) == str(outcomes[1])
-    assert "discovery run raised on rank(s) 1" in str(outcomes[0]) and "rank 1: ValueError: bad input" in str(outcomes[0])
+    assert str(outcomes[0]) == "disttune: step: tuning could not start on rank(s) 1:\n  rank 1: ValueError: bad input"
     assert isinstance(outcomes[1].__cause__, ValueError), "the failing rank chains its own exception"
