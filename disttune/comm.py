@@ -215,11 +215,13 @@ def control_store() -> Any:
 class PlaneStore:
     """A c10d store as the control plane uses it: the same operations, but a lost connection is
     :class:`ControlPlaneLost`, and once lost every later operation (from any thread) raises it at once.
-    Costs one attribute lookup and a ``try`` per operation."""
+    Operations take turns (as TCPStore's own client does on its one socket), so no second thread tries the
+    dead connection after the first has found it dead. Costs a lock and a ``try`` per operation."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
         self.lost: Optional[str] = None  # why the store was lost, once it was
+        self._turn = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         operation = getattr(self.store, name)
@@ -228,11 +230,12 @@ class PlaneStore:
     def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
         from torch.distributed import DistNetworkError
 
-        if self.lost is None:
-            try:
-                return operation(*args)
-            except DistNetworkError as err:
-                self.lost = str(err).splitlines()[0] if str(err) else type(err).__name__
+        with self._turn:
+            if self.lost is None:
+                try:
+                    return operation(*args)
+                except DistNetworkError as err:
+                    self.lost = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ControlPlaneLost(f"disttune: the rendezvous store is unreachable ({self.lost}): its host is gone "
                                "(torchrun's agent, or rank 0 when the job was started without torchrun)")
 
