@@ -133,3 +133,38 @@ def test_an_error_before_tuning_on_one_rank_is_the_same_error_on_all():
     assert [type(o) for o in outcomes] == [disttune.TuningError] * 2 and str(outcomes[0]) == str(outcomes[1])
     assert str(outcomes[0]) == "disttune: step: tuning could not start on rank(s) 1:\n  rank 1: ValueError: bad input"
     assert isinstance(outcomes[1].__cause__, ValueError), "the failing rank chains its own exception"
+
+
+def test_the_function_tuners_errors_name_the_cause_first_in_the_one_wording():
+    """Rank 1's function raises in a tuning run, in the final run, or its key_fn raises: every rank raises the same
+    TuningError, headed by where it failed, then rank 1's own exception (as the contextual tuner words them)."""
+
+    def tune(comm, fail_at: int, where: str = "call"):
+        calls = {"n": 0}
+
+        def fn(*, variant):
+            calls["n"] += 1
+            if comm.rank == 1 and where == "call" and calls["n"] == fail_at:
+                raise ValueError("user bug")
+            return variant
+
+        def key_fn():
+            if comm.rank == 1 and where == "key_fn":
+                raise KeyError("no key")
+            return 0
+
+        pick = disttune.autotune([{"variant": v} for v in range(3)], key_fn=key_fn, n_warmup=0, n_repeat=1,
+                                 timer=TableTimer(lambda info: 1.0), group=comm, store=False)(fn)
+        return pick()
+
+    name = "test_the_function_tuners_errors_name_the_cause_first_in_the_one_wording.<locals>.tune.<locals>.fn"
+
+    for fail_at, where, heading, cause in (
+            (2, "call", "tuning run 2/3 failed", "ValueError: user bug"),
+            (4, "call", "the final run (with the winners) failed", "ValueError: user bug"),
+            (0, "key_fn", "tuning could not start", "KeyError: 'no key' (in key_fn)")):
+        outcomes = on_every_rank(2, lambda comm: tune(comm, fail_at, where))
+        expected = f"disttune: {name}: {heading} on rank(s) 1:\n  rank 1: {cause}"
+        assert [type(o) for o in outcomes] == [disttune.TuningError] * 2, outcomes
+        assert [str(o) for o in outcomes] == [expected] * 2
+        assert isinstance(outcomes[1].__cause__, (ValueError, KeyError)), "the failing rank chains its own exception"
