@@ -5,7 +5,8 @@ ranks agree here. Every verdict is computed from gathered data only, so every ra
 one: the same winners, or the same :class:`TuningError` with the same message, before the next
 collective. In the order a tuning call meets them:
 
-1. :meth:`Agreement.consensus` (one all-gather): the discovery run's error, the options that change
+1. :meth:`Agreement.consensus` (one all-gather): each rank's error before tuning (a setting, ``key_fn``,
+   the discovery run), the options that change
    the schedule or the verdict, each rank's site digests, which sites are split, the pinned table's
    digest, each rank's stored/pinned answer (rank 0's decides for everyone, unless it failed to launch
    on some rank in the discovery run: then a stored winner is tuned again without it, a pinned one is
@@ -26,6 +27,8 @@ for the GPU (:meth:`Agreement.wait_for_device`). A rank that brings an error of 
 also posts it on the tuning call's channel, so a peer held up elsewhere (inside the function's own
 collective, or behind it on the GPU) still hears of it: any wait here that breaks, times out or is
 left for a peer's post ends in the one verdict of :mod:`disttune.ending`, the same on every rank.
+Either way an error some ranks brought reads the same (:func:`~disttune.errors.failed_on_ranks`): headed by
+where it arose (the ``failed`` of :meth:`Agreement._together`), then each rank's own exception first.
 """
 
 from __future__ import annotations

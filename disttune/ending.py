@@ -73,6 +73,37 @@ def abort_process_groups() -> None:
         pass
 
 
+def describe(name: str, err: BaseException, step: Optional[str], failed: Optional[str], notes: dict[int, Any]
+             ) -> dict[str, str]:
+    """A rank's candidate verdict for ``err`` (met at ``step``, where its own errors arose as ``failed``), given the
+    ``notes`` posted so far by rank. An error every rank computed alike (from a completed collective) stands as
+    it is; otherwise every posted error, headed by where the lowest posting rank failed, and the timeout if one
+    ended the wait."""
+    if isinstance(err, (TuningError, AllConfigsFailed)):
+        return {"type": type(err).__name__, "text": str(err)}
+    timeout = str(err).replace("disttune: ", "", 1) if isinstance(err, CollectiveTimeout) else ""
+    posted_failed, lines = None, []
+    for rank in sorted(notes):
+        note = notes[rank]
+        if isinstance(note, dict) and isinstance(note.get("lines"), list):
+            lines.extend(str(line) for line in note["lines"])
+            if posted_failed is None and isinstance(note.get("failed"), str):
+                posted_failed = note["failed"]
+        else:  # not disttune's plain data: one line naming the rank that sent it
+            lines.append(str(note) if isinstance(note, MalformedMessage) else
+                         f"disttune: rank {rank} posted a note that is not disttune's ({type(note).__name__})")
+    if lines:
+        what = posted_failed or failed or (f"{step} failed" if step else CALL_FAILED)
+        lines += [timeout] if timeout else []
+        return {"type": "TuningError", "text": failed_on_ranks(name, what, list(notes), lines)}
+    if timeout:
+        return {"type": "CollectiveTimeout", "text": f"disttune: {name}: {timeout}"}
+    if isinstance(err, PeerFailed):
+        return {"type": "TuningError", "text": f"disttune: {name}: rank(s) {list(err.ranks)} left the tuning call at "
+                                               f"step '{step}' with no error posted"}
+    return {"type": "TuningError", "text": f"disttune: {name}: {type(err).__name__}: {err}"}
+
+
 class Ending:
     """The ending of one tuning call of ``name`` on ``channel`` over ``comm`` (see the module doc).
 
@@ -120,25 +151,6 @@ class Ending:
         waiting anywhere; ``failed`` says where they arose (default: ``step`` failed)."""
         if self.plane is not None and lines and self._state is None:
             self.plane.post(self.channel, "note", {"step": step, "failed": failed or f"{step} failed", "lines": lines})
-
-    def posted_errors(self) -> tuple[Optional[str], list[int], list[str]]:
-        """The errors posted on the channel so far: where the lowest posting rank failed (None if it did not
-        say), the posting ranks, and every line in rank order (a post that is not disttune's plain data is one
-        line naming the rank that sent it)."""
-        if self.plane is None:
-            return None, [], []
-        notes = self.plane.posted(self.channel, "note")
-        failed, lines = None, []
-        for rank in sorted(notes):
-            note = notes[rank]
-            if isinstance(note, dict) and isinstance(note.get("lines"), list):
-                lines.extend(str(line) for line in note["lines"])
-                if failed is None and isinstance(note.get("failed"), str):
-                    failed = note["failed"]
-            else:
-                lines.append(str(note) if isinstance(note, MalformedMessage) else
-                             f"disttune: rank {rank} posted a note that is not disttune's ({type(note).__name__})")
-        return failed, sorted(notes), lines
 
     # -- the verdict ---------------------------------------------------------------------------------------------
 
@@ -206,7 +218,8 @@ class Ending:
             plane.post(self.channel, "settle", "drained" if device.drained(DRAIN_S) else "stuck")
         entries = self._settled(plane)
         abort = len(entries) < plane.world_size or any(state != "drained" for state in entries.values())
-        verdict = plane.decide(self.channel, "verdict", {**self._describe(err, step, failed), "abort": abort})
+        candidate = describe(self.name, err, step, failed, plane.posted(self.channel, "note"))
+        verdict = plane.decide(self.channel, "verdict", {**candidate, "abort": abort})
         if verdict.get("abort"):
             abort_process_groups()
         kind = _KINDS.get(verdict.get("type"), TuningError)
@@ -223,27 +236,6 @@ class Ending:
             if len(entries) >= plane.world_size or time.monotonic() > deadline:
                 return entries
             time.sleep(0.01)
-
-    def _describe(self, err: BaseException, step: Optional[str], failed: Optional[str]) -> dict[str, str]:
-        """This rank's candidate verdict. An error every rank computed alike (from a completed collective) stands
-        as it is; otherwise every error the ranks posted, headed by where the first of them failed, and the
-        timeout if one ended the wait."""
-        if isinstance(err, (TuningError, AllConfigsFailed)):
-            return {"type": type(err).__name__, "text": str(err)}
-        timeout = ""
-        if isinstance(err, CollectiveTimeout):
-            timeout = str(err).replace("disttune: ", "", 1)
-        posted_failed, posters, lines = self.posted_errors()
-        if lines:
-            what = posted_failed or failed or (f"{step} failed" if step else CALL_FAILED)
-            return {"type": "TuningError",
-                    "text": failed_on_ranks(self.name, what, posters, lines + ([timeout] if timeout else []))}
-        if timeout:
-            return {"type": "CollectiveTimeout", "text": f"disttune: {self.name}: {timeout}"}
-        if isinstance(err, PeerFailed):
-            return {"type": "TuningError", "text": f"disttune: {self.name}: rank(s) {list(err.ranks)} left the "
-                                                   f"tuning call at step '{step}' with no error posted"}
-        return {"type": "TuningError", "text": f"disttune: {self.name}: {type(err).__name__}: {err}"}
 
     # -- the watcher ------------------------------------------------------------------------------------------------
 
