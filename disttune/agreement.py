@@ -255,10 +255,6 @@ class Agreement:
                 raise
             raise TuningError(failed_on_ranks(self.name, failed, [self.comm.rank], lines)) from err
 
-    def barrier(self, step: str) -> None:
-        """A barrier of this tuning call (bounded, and left for a peer's post like every collective here)."""
-        self._together(step, [], lambda: self.comm.barrier(step))
-
     def wait_for_device(self, step: str, counted: bool = True) -> None:
         """Wait until this rank's GPU has done the work queued so far, through the communicator's wait loop:
         the collectives' deadline, and a peer's post ends it (the same verdict as a collective's).
