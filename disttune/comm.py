@@ -123,6 +123,7 @@ class ControlPlane(Communicator, Protocol):
     ``posted(channel, slot)`` reads every rank's value there (a :class:`MalformedMessage` where one does not
     decode); ``decide(channel, slot, value)`` sets
     ``value`` unless some rank set one first, and returns the one that stands (the same on every rank);
+    ``decided(channel, slot)`` reads it without setting one (None while none stands);
     ``peers_posted(channel)`` tells cheaply whether any peer has posted on ``channel``;
     ``note_progress(channel, count)`` / ``progress(channel)`` say how far each rank got.
     """
@@ -138,6 +139,8 @@ class ControlPlane(Communicator, Protocol):
     def peers_posted(self, channel: str) -> bool: ...
 
     def decide(self, channel: str, slot: str, value: Any) -> Any: ...
+
+    def decided(self, channel: str, slot: str) -> Any: ...
 
     def wait_until(self, ready: Callable[[], bool], step: str, timeout_s: Optional[float] = None,
                    behind: Optional[Callable[[], list[int]]] = None) -> None: ...
@@ -312,6 +315,11 @@ class TorchComm:
         key = self._key(channel, slot)
         standing = self.store.compare_set(key, "", wire.pack(value))
         return wire.unpack(standing, -1, f"'{slot}' on {channel}")
+
+    def decided(self, channel: str, slot: str) -> Any:
+        """The value :meth:`decide` left in ``slot`` of ``channel``, or None while none stands (one or two operations)."""
+        key = self._key(channel, slot)
+        return wire.unpack(self.store.get(key), -1, f"'{slot}' on {channel}") if self.store.check([key]) else None
 
     def note_progress(self, channel: str, count: int) -> None:
         """Say that this rank has reached its ``count``-th wait on the GPU on ``channel`` (one operation)."""

@@ -229,11 +229,14 @@ class Ending:
         return self._verdict
 
     def _settled(self, plane: ControlPlane) -> dict[int, Any]:
-        """Every rank's settle answer, waiting up to :data:`SETTLE_S` for the missing ones."""
+        """Every rank's settle answer, waiting up to :data:`SETTLE_S` for the missing ones, or until a peer has
+        decided the verdict (it stands for every rank; a peer that hosts the store may leave soon after)."""
         deadline = time.monotonic() + SETTLE_S
         while True:
             entries = plane.posted(self.channel, "settle")
             if len(entries) >= plane.world_size or time.monotonic() > deadline:
+                return entries
+            if plane.decided(self.channel, "verdict") is not None:
                 return entries
             time.sleep(0.01)
 
