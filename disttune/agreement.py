@@ -5,7 +5,8 @@ ranks agree here. Every verdict is computed from gathered data only, so every ra
 one: the same winners, or the same :class:`TuningError` with the same message, before the next
 collective. In the order a tuning call meets them:
 
-1. :meth:`Agreement.consensus` (one all-gather): the discovery run's error, the options that change
+1. :meth:`Agreement.consensus` (one all-gather): each rank's error before tuning (a setting, ``key_fn``,
+   the discovery run), the options that change
    the schedule or the verdict, each rank's site digests, which sites are split, the pinned table's
    digest, each rank's stored/pinned answer (rank 0's decides for everyone, unless it failed to launch
    on some rank in the discovery run: then a stored winner is tuned again without it, a pinned one is
@@ -26,6 +27,8 @@ for the GPU (:meth:`Agreement.wait_for_device`). A rank that brings an error of 
 also posts it on the tuning call's channel, so a peer held up elsewhere (inside the function's own
 collective, or behind it on the GPU) still hears of it: any wait here that breaks, times out or is
 left for a peer's post ends in the one verdict of :mod:`disttune.ending`, the same on every rank.
+Either way an error some ranks brought reads the same (:func:`~disttune.errors.failed_on_ranks`): headed by
+where it arose (the ``failed`` of :meth:`Agreement._together`), then each rank's own exception first.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from . import device
 from .comm import CollectiveTimeout, Communicator, PeerFailed, wait_until
 from .configs import config_text, describe_config
 from .ending import Ending
-from .errors import StoreWarning, TuningError
+from .errors import FINAL_RUN_FAILED, NOT_STARTED, StoreWarning, TuningError, failed_on_ranks
 from .objective import EXTRA, Choice, Measurements, choose, measured
 from .sites import AllConfigsFailed, Site, SiteId, Statistic
 
@@ -205,12 +208,12 @@ def checked_times(site: Site, statistic: Statistic) -> list[float]:
     return times
 
 
-def _raise_rank_errors(message: str, errors: list[tuple[int, str]], local: Optional[tuple]) -> None:
-    """Raise ``message`` and every rank's error as one TuningError, chained to this rank's own exception."""
-    text = (message + " on rank(s) " + ", ".join(str(r) for r, _ in errors) + ":\n  "
-            + "\n  ".join(f"rank {r}: {msg}" for r, msg in errors))
-    if local:
-        raise TuningError(text) from local[0]
+def _raise_rank_errors(name: str, what: str, errors: list[tuple[int, str]], local: Optional[BaseException]) -> None:
+    """Raise every rank's error (``(rank, message)``) as one TuningError in the one wording
+    (:func:`~disttune.errors.failed_on_ranks`), chained to this rank's own exception."""
+    text = failed_on_ranks(name, what, [r for r, _ in errors], [f"rank {r}: {msg}" for r, msg in errors])
+    if local is not None:
+        raise TuningError(text) from local
     raise TuningError(text)
 
 
@@ -231,24 +234,26 @@ class Agreement:
         self._device_waits = 0
         self.run: Optional[str] = None  # the job's run, rank 0's (set by the consensus)
 
-    def _together(self, step: str, own: Sequence[str], collective: Callable[[], T]) -> T:
-        """Run one collective of this tuning call; ``own`` is this rank's errors, if it brings any.
+    def _together(self, step: str, own: Sequence[str], collective: Callable[[], T], failed: Optional[str] = None) -> T:
+        """Run one collective of this tuning call; ``own`` is this rank's errors, if it brings any, which arose
+        where ``failed`` says (default: ``step`` failed; it heads the error, whichever path raises it).
 
         Those are posted on the call's channel first. When the collective breaks, times out or is left
         for a peer's post, the ranks settle on one verdict (:mod:`disttune.ending`). Without a rendezvous
         store (MPI), this rank's own errors and the collective's exception make the TuningError.
         """
-        self.ending.check(step)
+        failed = failed or f"{step} failed"
+        self.ending.check(step, failed)
         lines = [f"rank {self.comm.rank}: {msg}" for msg in own]
-        self.ending.post_errors(step, lines)
+        self.ending.post_errors(step, lines, failed)
         try:
             return collective()
         except (CollectiveTimeout, PeerFailed) as err:
             if self.ending.plane is not None:
-                raise self.ending.settle(err, step) from err
+                raise self.ending.settle(err, step, failed) from err
             if not lines:
                 raise
-            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines)) from err
+            raise TuningError(failed_on_ranks(self.name, failed, [self.comm.rank], lines)) from err
 
     def wait_for_device(self, step: str, counted: bool = True) -> None:
         """Wait until this rank's GPU has done the work queued so far, through the communicator's wait loop:
@@ -303,11 +308,11 @@ class Agreement:
         }
         step = "consensus (site digest)"
         everyone = self._together(step, [error[1]] if error else [],
-                                  lambda: self.comm.all_gather_objects(mine, step))
+                                  lambda: self.comm.all_gather_objects(mine, step), NOT_STARTED)
         self.run = everyone[0].get("run")
         failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if failed:
-            _raise_rank_errors(f"disttune: {self.name}: the discovery run raised", failed, error)
+            _raise_rank_errors(self.name, NOT_STARTED, failed, error[0] if error else None)
         differing = describe_option_mismatch([d["options"] for d in everyone])
         if differing:
             raise TuningError(f"disttune: {self.name}: ranks set different tuning options (every rank must pass "
@@ -355,13 +360,18 @@ class Agreement:
                               "(a pinned table is never re-tuned; export one made on these ranks):\n  "
                               + "\n  ".join(broken))
 
-    def check_run(self, problems: list[str], step: str) -> None:
-        """After each tuning run: one flag per rank; any rank's problem is the same TuningError on all."""
+    def check_run(self, problems: list[str], step: str, raised: Optional[BaseException] = None) -> None:
+        """After each tuning run: one flag per rank; any rank's problem is the same TuningError on all (chained to
+        ``raised``, what the run raised on this rank). ``problems`` start with the run's own exception."""
         flags = self._together(step, problems, lambda: self.comm.all_gather_floats([1.0 if problems else 0.0], step))
         if flags.any():
-            reports = self._together(step, problems, lambda: self.comm.all_gather_objects(problems, step + " (errors)"))
-            lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
-            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
+            self._raise_reports(step, problems, raised)
+
+    def _raise_reports(self, step: str, problems: list[str], raised: Optional[BaseException] = None) -> None:
+        """Some rank flagged a problem at ``step``: gather every rank's (a second all-gather) and raise them all."""
+        reports = self._together(step, problems, lambda: self.comm.all_gather_objects(problems, step + " (errors)"))
+        _raise_rank_errors(self.name, f"{step} failed", [(r, msg) for r, msgs in enumerate(reports) for msg in msgs],
+                           raised)
 
     def gather_agreed(self, tuned: Sequence[Site], step: str) -> list[tuple]:
         """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site."""
@@ -392,10 +402,7 @@ class Agreement:
         gathered = self._together(step, problems,
                                   lambda: self.comm.all_gather_floats([1.0 if problems else 0.0] + local, step))
         if gathered[:, 0].any():
-            reports = self._together(step, problems,
-                                     lambda: self.comm.all_gather_objects(problems, step + " (errors)"))
-            lines = [f"rank {r}: {msg}" for r, msgs in enumerate(reports) for msg in msgs]
-            raise TuningError(f"disttune: {self.name}: {step} failed on some rank(s):\n  " + "\n  ".join(lines))
+            self._raise_reports(step, problems)
         gathered = gathered[:, 1:]
         out, offset = [], 0
         for site in tuned:
@@ -466,10 +473,10 @@ class Agreement:
         """
         failed = [(i, *failures[r.site]) for i, r in enumerate(results) if r.site in failures]
         everyone = self._together(step, [error[1]] if error else [], lambda: self.comm.all_gather_objects(
-            {"error": error[1] if error else None, "failed": failed}, step))
+            {"error": error[1] if error else None, "failed": failed}, step), FINAL_RUN_FAILED)
         errors = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if errors:
-            _raise_rank_errors(f"disttune: {self.name}: the final run (with the winners) failed", errors, error)
+            _raise_rank_errors(self.name, FINAL_RUN_FAILED, errors, error[0] if error else None)
         gathered: dict[tuple, list[str]] = {}
         for rank, report in enumerate(everyone):
             for i, config_index, msg in report["failed"]:

@@ -24,10 +24,16 @@ call). A rank that fails where its peers may be waiting elsewhere posts its erro
 reads the channel's post counter every 0.1 s once the wait has lasted 0.1 s, and leaves with
 :class:`PeerFailed` when a peer has posted. A collective that completes in time reads no post.
 MPI and custom communicators have no posts: their waits end by timeout.
+
+When the rendezvous store itself cannot be reached (its host is gone: torchrun's agent, or rank 0 of a
+job started without torchrun), every store operation of the control plane raises
+:class:`ControlPlaneLost`, the first with torch's reason and every later one at once, without another
+attempt on the dead connection (each failed attempt also makes TCPStore log a C++ stack).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -40,8 +46,9 @@ from . import wire
 from .env import DEFAULT_TIMEOUT_S
 from .wire import MalformedMessage
 
-__all__ = ["CollectiveTimeout", "PeerFailed", "MalformedMessage", "Communicator", "ControlPlane", "LocalComm",
-           "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats", "global_rank"]
+__all__ = ["CollectiveTimeout", "PeerFailed", "ControlPlaneLost", "MalformedMessage", "Communicator", "ControlPlane",
+           "LocalComm", "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats",
+           "global_rank"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -64,6 +71,11 @@ class PeerFailed(RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int]) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class ControlPlaneLost(RuntimeError):
+    """The rendezvous store cannot be reached any more: its host (torchrun's agent, or rank 0 of a job started
+    without torchrun) is gone, so no collective of the tuner can complete."""
 
 
 @runtime_checkable
@@ -111,6 +123,7 @@ class ControlPlane(Communicator, Protocol):
     ``posted(channel, slot)`` reads every rank's value there (a :class:`MalformedMessage` where one does not
     decode); ``decide(channel, slot, value)`` sets
     ``value`` unless some rank set one first, and returns the one that stands (the same on every rank);
+    ``decided(channel, slot)`` reads it without setting one (None while none stands);
     ``peers_posted(channel)`` tells cheaply whether any peer has posted on ``channel``;
     ``note_progress(channel, count)`` / ``progress(channel)`` say how far each rank got.
     """
@@ -126,6 +139,8 @@ class ControlPlane(Communicator, Protocol):
     def peers_posted(self, channel: str) -> bool: ...
 
     def decide(self, channel: str, slot: str, value: Any) -> Any: ...
+
+    def decided(self, channel: str, slot: str) -> Any: ...
 
     def wait_until(self, ready: Callable[[], bool], step: str, timeout_s: Optional[float] = None,
                    behind: Optional[Callable[[], list[int]]] = None) -> None: ...
@@ -200,6 +215,34 @@ def control_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+class PlaneStore:
+    """A c10d store as the control plane uses it: the same operations, but a lost connection is
+    :class:`ControlPlaneLost`, and once lost every later operation (from any thread) raises it at once.
+    Operations take turns (as TCPStore's own client does on its one socket), so no second thread tries the
+    dead connection after the first has found it dead. Costs a lock and a ``try`` per operation."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.lost: Optional[str] = None  # why the store was lost, once it was
+        self._turn = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        operation = getattr(self.store, name)
+        return functools.partial(self._call, operation) if callable(operation) else operation
+
+    def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
+        from torch.distributed import DistNetworkError
+
+        with self._turn:
+            if self.lost is None:
+                try:
+                    return operation(*args)
+                except DistNetworkError as err:
+                    self.lost = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ControlPlaneLost(f"disttune: the rendezvous store is unreachable ({self.lost}): its host is gone "
+                               "(torchrun's agent, or rank 0 when the job was started without torchrun)")
+
+
 class TorchComm:
     """The control plane of a ``torch.distributed`` job: collectives and posts through its rendezvous store.
 
@@ -225,7 +268,7 @@ class TorchComm:
         self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(self.world_size))
         self.backend = str(dist.get_backend(group))
         self.timeout_s = float(timeout_s)
-        self.store = store if store is not None else control_store()
+        self.store = PlaneStore(store if store is not None else control_store())
         self._prefix = "disttune/" + ("all" if group is None else ",".join(map(str, self.ranks)))
         self._channel: Optional[str] = None
         self._own_posts: defaultdict[str, int] = defaultdict(int)
@@ -273,6 +316,11 @@ class TorchComm:
         standing = self.store.compare_set(key, "", wire.pack(value))
         return wire.unpack(standing, -1, f"'{slot}' on {channel}")
 
+    def decided(self, channel: str, slot: str) -> Any:
+        """The value :meth:`decide` left in ``slot`` of ``channel``, or None while none stands (one or two operations)."""
+        key = self._key(channel, slot)
+        return wire.unpack(self.store.get(key), -1, f"'{slot}' on {channel}") if self.store.check([key]) else None
+
     def note_progress(self, channel: str, count: int) -> None:
         """Say that this rank has reached its ``count``-th wait on the GPU on ``channel`` (one operation)."""
         self.store.set(self._key(channel, "at", self.rank), str(count))
@@ -309,15 +357,7 @@ class TorchComm:
             return CollectiveTimeout(f"disttune: step '{step}': {who} within {limit:g} s (a rank died, hung, or "
                                      "skipped the step)", missing)
 
-        def checked() -> bool:
-            try:
-                return ready()
-            except (MalformedMessage, CollectiveTimeout, PeerFailed):
-                raise
-            except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
-                raise CollectiveTimeout(f"disttune: step '{step}': the rendezvous store is unreachable: {err}") from err
-
-        _poll(checked, time.monotonic() + limit, timed_out, look)
+        _poll(ready, time.monotonic() + limit, timed_out, look)
 
     # -- collectives ---------------------------------------------------------------------------------------------
 

@@ -87,7 +87,7 @@ class KernelTuningCall(TuningCall):
             self.table = stores.load_table(o.pinned) if o.pinned else None
         except Exception as err:
             self.setup_failed = True
-            self.error = (err, f"before the discovery run: {type(err).__name__}: {err}")
+            self.error = (err, f"{type(err).__name__}: {err} (while setting up)")
         self.runs: Optional[Runs] = None
         self.winners: dict[SiteId, Any] = {}  # committed by the agree step, launched by the final run
 
@@ -101,7 +101,7 @@ class KernelTuningCall(TuningCall):
             lookup = pinned_or_nearest(lookup, self.table, self.from_nearest)
         handler = Discover(self.sites, o.always_tune, lookup, self.compiles, self.phases)
         self.result, error = run_once(self.tuner.fn, handler, self.args, self.kwargs)
-        self.error = self.error or error
+        self.error = self.error or (error and (error[0], f"{error[1]} (in the discovery run)"))
         self.function_runs = 1
         if self.compiles is not None and not self.overlap:  # (overlapping: the tuning runs wait config by config)
             with self.phases.span("compile wait"):

@@ -19,6 +19,13 @@ GPU, or in a collective of the tuner. Every rank then ends with the same excepti
    not) into the rendezvous store; every rank raises exactly that one. A rank that arrives late (a
    stalled rank, a rank freed by the abort) raises the verdict standing there.
 
+Every verdict that carries the ranks' errors has the one wording of :func:`~disttune.errors.failed_on_ranks`,
+headed by where the first failing rank failed (its post says so), so a fault reads the same whichever rank
+settled first and whichever tuner raised it.
+
+When the rendezvous store itself is gone (:class:`~disttune.comm.ControlPlaneLost`) nothing can be posted or
+decided: each surviving rank raises that error at once, naming the step it was in, and aborts its groups.
+
 Cost: nothing while nothing fails, but a watcher thread per tuning call that reads one store counter
 every 0.1 s. On failure: up to :data:`DRAIN_S` for the GPU, up to :data:`SETTLE_S` for the peers.
 MPI and a world of one have no rendezvous store: their errors are left as the collectives give them.
@@ -31,8 +38,8 @@ import time
 from typing import Any, Optional
 
 from . import device
-from .comm import CollectiveTimeout, Communicator, ControlPlane, MalformedMessage, PeerFailed
-from .errors import TuningError
+from .comm import CollectiveTimeout, Communicator, ControlPlane, ControlPlaneLost, MalformedMessage, PeerFailed
+from .errors import CALL_FAILED, TuningError, failed_on_ranks
 from .sites import AllConfigsFailed
 
 #: How long a peer's post stands before the watcher answers for a main thread held up elsewhere.
@@ -66,12 +73,45 @@ def abort_process_groups() -> None:
         pass
 
 
+def describe(name: str, err: BaseException, step: Optional[str], failed: Optional[str], notes: dict[int, Any]
+             ) -> dict[str, str]:
+    """A rank's candidate verdict for ``err`` (met at ``step``, where its own errors arose as ``failed``), given the
+    ``notes`` posted so far by rank. An error every rank computed alike (from a completed collective) stands as
+    it is; otherwise every posted error, headed by where the lowest posting rank failed, and the timeout if one
+    ended the wait."""
+    if isinstance(err, (TuningError, AllConfigsFailed)):
+        return {"type": type(err).__name__, "text": str(err)}
+    timeout = str(err).replace("disttune: ", "", 1) if isinstance(err, CollectiveTimeout) else ""
+    posted_failed, lines = None, []
+    for rank in sorted(notes):
+        note = notes[rank]
+        if isinstance(note, dict) and isinstance(note.get("lines"), list):
+            lines.extend(str(line) for line in note["lines"])
+            if posted_failed is None and isinstance(note.get("failed"), str):
+                posted_failed = note["failed"]
+        else:  # not disttune's plain data: one line naming the rank that sent it
+            lines.append(str(note) if isinstance(note, MalformedMessage) else
+                         f"disttune: rank {rank} posted a note that is not disttune's ({type(note).__name__})")
+    if lines:
+        what = posted_failed or failed or (f"{step} failed" if step else CALL_FAILED)
+        lines += [timeout] if timeout else []
+        return {"type": "TuningError", "text": failed_on_ranks(name, what, list(notes), lines)}
+    if timeout:
+        return {"type": "CollectiveTimeout", "text": f"disttune: {name}: {timeout}"}
+    if isinstance(err, PeerFailed):
+        return {"type": "TuningError", "text": f"disttune: {name}: rank(s) {list(err.ranks)} left the tuning call at "
+                                               f"step '{step}' with no error posted"}
+    return {"type": "TuningError", "text": f"disttune: {name}: {type(err).__name__}: {err}"}
+
+
 class Ending:
     """The ending of one tuning call of ``name`` on ``channel`` over ``comm`` (see the module doc).
 
     Use as a context manager around the call: it runs the watcher, and an exception leaving the call
     leaves it as the verdict (:meth:`conclude`). :meth:`settle` turns an exception into the one every
-    rank raises; :meth:`check` raises the verdict if the watcher has already settled.
+    rank raises; :meth:`check` (which every wait of the call makes first) raises the verdict if the watcher
+    has already settled. ``failed`` arguments say where a rank's errors arose, for the verdict's heading
+    (``"tuning run 4/9 failed"``; see :func:`~disttune.errors.failed_on_ranks`).
     """
 
     def __init__(self, comm: Communicator, name: str, channel: str) -> None:
@@ -82,6 +122,7 @@ class Ending:
         self._verdict: Optional[BaseException] = None
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
+        self.step: Optional[str] = None  # the last step this rank's main thread entered (it names a lost store)
 
     def __enter__(self) -> "Ending":
         if self.plane is not None:
@@ -98,64 +139,77 @@ class Ending:
             self._watcher.join()
         if self.plane is not None:
             self.plane.watch(None)
+        if isinstance(ended, ControlPlaneLost):
+            raise ended from None  # the one error of this rank: torch's reason is in its text
         if ended is not None and ended is not err:
             raise ended from err
 
     # -- posting ---------------------------------------------------------------------------------------------
 
-    def post_errors(self, step: str, lines: list[str]) -> None:
-        """Post this rank's ``lines`` (each ``"rank r: ..."``) on the channel, for peers waiting anywhere."""
+    def post_errors(self, step: str, lines: list[str], failed: Optional[str] = None) -> None:
+        """Post this rank's ``lines`` (each ``"rank r: ..."``, its own exception first) on the channel, for peers
+        waiting anywhere; ``failed`` says where they arose (default: ``step`` failed)."""
         if self.plane is not None and lines and self._state is None:
-            self.plane.post(self.channel, "note", {"step": step, "lines": lines})
-
-    def posted_lines(self) -> list[str]:
-        """Every error line posted on the channel so far, in rank order (a post that is not disttune's plain data
-        is one line naming the rank that sent it)."""
-        if self.plane is None:
-            return []
-        notes = self.plane.posted(self.channel, "note")
-        lines = []
-        for rank in sorted(notes):
-            note = notes[rank]
-            if isinstance(note, dict) and isinstance(note.get("lines"), list):
-                lines.extend(str(line) for line in note["lines"])
-            else:
-                lines.append(str(note) if isinstance(note, MalformedMessage) else
-                             f"disttune: rank {rank} posted a note that is not disttune's ({type(note).__name__})")
-        return lines
+            self.plane.post(self.channel, "note", {"step": step, "failed": failed or f"{step} failed", "lines": lines})
 
     # -- the verdict ---------------------------------------------------------------------------------------------
 
-    def check(self, step: Optional[str] = None) -> None:
-        """Raise the verdict now if the watcher answered for this rank: what the main thread would bring to the
-        next collective is a consequence of the abort, not news."""
+    def check(self, step: str, failed: Optional[str] = None) -> None:
+        """Enter ``step``: raise the verdict now if the watcher answered for this rank (what the main thread would
+        bring to the step is a consequence of the abort, not news)."""
+        self.step = step
         if self._state == "blocked" and self.plane is not None:
             posters = sorted(set(self.plane.posted(self.channel, "note")) | set(self.plane.posted(self.channel, "settle"))
                              - {self.plane.rank})
-            raise self.settle(PeerFailed("held up while a peer failed", posters), step)
+            raise self.settle(PeerFailed("held up while a peer failed", posters), step, failed)
 
     def conclude(self, err: BaseException) -> BaseException:
         """What the tuning call raises for ``err`` on this rank: the verdict, or ``err`` itself where there is none
         to settle (no rendezvous store, one rank). A ``KeyboardInterrupt`` is posted for the peers and kept here."""
         if self.plane is None:
             return err
+        if isinstance(err, ControlPlaneLost):
+            return self.lost(err)
         if not isinstance(err, Exception):  # Ctrl-C, SystemExit: the peers hear of it and settle without this rank
-            self.post_errors("interrupted", [f"rank {self.plane.rank}: {type(err).__name__}"])
-            with self._lock:
-                answer, self._state = self._state is None, self._state or "settling"
-            if answer:
-                self.plane.post(self.channel, "settle", "interrupted")
+            try:
+                self.post_errors("interrupted", [f"rank {self.plane.rank}: {type(err).__name__}"], CALL_FAILED)
+                with self._lock:
+                    answer, self._state = self._state is None, self._state or "settling"
+                if answer:
+                    self.plane.post(self.channel, "settle", "interrupted")
+            except ControlPlaneLost:
+                pass  # nobody is left to tell
             abort_process_groups()
             return err
-        if not isinstance(err, (TuningError, AllConfigsFailed, CollectiveTimeout, PeerFailed)):
-            self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"])
-        return self.settle(err)
+        try:
+            if not isinstance(err, (TuningError, AllConfigsFailed, CollectiveTimeout, PeerFailed)):
+                self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"], CALL_FAILED)
+            return self.settle(err)
+        except ControlPlaneLost as lost:
+            return self.lost(lost)
 
-    def settle(self, err: BaseException, step: Optional[str] = None) -> BaseException:
-        """The exception every rank raises for ``err`` (met at ``step``): settle, decide once, abort if due."""
+    def lost(self, err: ControlPlaneLost) -> ControlPlaneLost:
+        """This rank's error once the rendezvous store is gone: no post, no verdict (nothing can be decided without
+        the store); it names the step this rank was in, and the job's process groups are aborted."""
+        if self._verdict is None:
+            at = f"step '{self.step}': " if self.step else ""
+            self._verdict = ControlPlaneLost(f"disttune: {self.name}: {at}{str(err).removeprefix('disttune: ')}. "
+                                             "No rank can finish the tuning call: end the job and start it again.")
+            abort_process_groups()
+        return self._verdict  # type: ignore[return-value]
+
+    def settle(self, err: BaseException, step: Optional[str] = None, failed: Optional[str] = None) -> BaseException:
+        """The exception every rank raises for ``err`` (met at ``step``, where this rank's own errors arose as
+        ``failed``): settle, decide once, abort if due."""
         if self.plane is None or self._verdict is not None:
             return self._verdict or err
-        plane = self.plane
+        try:
+            return self._settle(self.plane, err, step, failed)
+        except ControlPlaneLost as lost:
+            return self.lost(lost)
+
+    def _settle(self, plane: ControlPlane, err: BaseException, step: Optional[str], failed: Optional[str]
+                ) -> BaseException:
         with self._lock:
             answer = self._state is None
             if answer:
@@ -164,7 +218,8 @@ class Ending:
             plane.post(self.channel, "settle", "drained" if device.drained(DRAIN_S) else "stuck")
         entries = self._settled(plane)
         abort = len(entries) < plane.world_size or any(state != "drained" for state in entries.values())
-        verdict = plane.decide(self.channel, "verdict", {**self._describe(err, step), "abort": abort})
+        candidate = describe(self.name, err, step, failed, plane.posted(self.channel, "note"))
+        verdict = plane.decide(self.channel, "verdict", {**candidate, "abort": abort})
         if verdict.get("abort"):
             abort_process_groups()
         kind = _KINDS.get(verdict.get("type"), TuningError)
@@ -174,33 +229,16 @@ class Ending:
         return self._verdict
 
     def _settled(self, plane: ControlPlane) -> dict[int, Any]:
-        """Every rank's settle answer, waiting up to :data:`SETTLE_S` for the missing ones."""
+        """Every rank's settle answer, waiting up to :data:`SETTLE_S` for the missing ones, or until a peer has
+        decided the verdict (it stands for every rank; a peer that hosts the store may leave soon after)."""
         deadline = time.monotonic() + SETTLE_S
         while True:
             entries = plane.posted(self.channel, "settle")
             if len(entries) >= plane.world_size or time.monotonic() > deadline:
                 return entries
+            if plane.decided(self.channel, "verdict") is not None:
+                return entries
             time.sleep(0.01)
-
-    def _describe(self, err: BaseException, step: Optional[str]) -> dict[str, str]:
-        """This rank's candidate verdict. An error every rank computed alike (from a completed collective) stands
-        as it is; otherwise every error the ranks posted, and the timeout if one ended the wait."""
-        if isinstance(err, (TuningError, AllConfigsFailed)):
-            return {"type": type(err).__name__, "text": str(err)}
-        timeout = ""
-        if isinstance(err, CollectiveTimeout):
-            timeout = str(err).replace("disttune: ", "", 1)
-        lines = self.posted_lines()
-        if lines:
-            where = f"{step} failed" if step else "the tuning call failed"
-            return {"type": "TuningError", "text": f"disttune: {self.name}: {where} on some rank(s):\n  "
-                                                   + "\n  ".join(lines + ([timeout] if timeout else []))}
-        if timeout:
-            return {"type": "CollectiveTimeout", "text": f"disttune: {self.name}: {timeout}"}
-        if isinstance(err, PeerFailed):
-            return {"type": "TuningError", "text": f"disttune: {self.name}: rank(s) {list(err.ranks)} left the "
-                                                   f"tuning call at step '{step}' with no error posted"}
-        return {"type": "TuningError", "text": f"disttune: {self.name}: {type(err).__name__}: {err}"}
 
     # -- the watcher ------------------------------------------------------------------------------------------------
 
@@ -223,6 +261,8 @@ class Ending:
                 self._state = "blocked"
             try:
                 plane.post(self.channel, "settle", "blocked")
+            except ControlPlaneLost:
+                pass  # the main thread's next wait says so
             finally:
                 abort_process_groups()  # frees this rank's host if it is stuck in a CUDA call behind the GPU
             return

@@ -3,25 +3,30 @@
 The counterpart of Triton-distributed's ``tune.autotune`` for functions whose tunables
 are arbitrary keyword arguments (algorithm choices, chunk counts, a ``triton.Config``
 handed to a kernel by hand). Each config of the pruned space is timed over whole
-calls of the function, with a barrier before every timed call so all ranks start
+calls of the function, every call starting right after a collective so all ranks start
 together; per-rank statistics are all-gathered and combined like the contextual
-tuner's (max over ranks by default, ``inf`` if a config failed on any rank), and the
-winner is stored so later processes skip tuning.
+tuner's (max over ranks by default, ``inf`` if a config's result failed ``check=`` on any
+rank), and the winner is stored so later processes skip tuning.
 
 A tuning is a :class:`FunctionTuningCall`, the pipeline's steps (:mod:`disttune.pipeline`) with a whole
 call in place of an intercepted launch: the key becomes one site whose candidates are the configs,
-each tuning call runs the config the shared :class:`~disttune.sites.Schedule` gives it and is timed by
-the Timer (its own way of timing, after a barrier), and the ranks agree, run the winner and store it
-through the same steps as the contextual tuner's.
+each tuning run (a call of the function) runs the config the shared :class:`~disttune.sites.Schedule`
+gives it and is timed by the Timer, and the ranks agree, run the winner and store it through the same
+steps, and end alike through the same :mod:`disttune.ending`, as the contextual tuner's.
+
+The function's own exceptions end the tuning, as in the contextual tuner: one raised in a tuning run or
+in the final run on any rank, before or after the function's own collectives, is the same TuningError
+on every rank, naming each rank's exception, within seconds (a peer stranded in the function's own
+collective is freed by aborting the job's process groups; :mod:`disttune.ending`). A config that
+cannot run is not scored ``inf``: leave it out with ``prune_fn``.
 
 Cost of one tuning: ``len(space) * (n_warmup + n_repeat) + 1`` calls of the function
-(the last with the winner, whose result is returned), one barrier per call, and three
-all-gathers: the consensus, the agreement, and the final call's status, so that an error in that
-call on one rank is the same TuningError on all. On the first call an error of ``key_fn`` or
-``prune_fn`` on one rank is one too (every rank is tuning then; later, a rank cannot know
-whether its peers are, and raises alone). Every collective uses ``group=`` (a torch process
-group or an mpi4py communicator; ``comm=`` is the older name for the latter), or
-``autotune_pg=`` at call time.
+(the last with the winner, whose result is returned), one status all-gather after each tuning run
+(it is also the next run's starting line), and three more all-gathers: the consensus, the agreement,
+and the final run's status. On the first call an error of ``key_fn`` or ``prune_fn`` on one rank is
+the same error on all (every rank is tuning then; later, a rank cannot know whether its peers are,
+and raises alone). Every collective uses ``group=`` (a torch process group or an mpi4py communicator;
+``comm=`` is the older name for the latter), or ``autotune_pg=`` at call time.
 
 ``split=True`` is for functions with no communication inside: rank ``r`` times only
 configs ``r, r + w, r + 2w, ...`` and each config's time is its owner's, so ``w`` ranks
@@ -83,7 +88,7 @@ class FunctionTuningCall(TuningCall):
         lookup = stores.lookup(self.winners_store, None, False, self.entry)
         site.local_answer = None if lookup is None else lookup(site)
         if o.env_error is not None:  # a bad $DISTTUNE_TIMEOUT: the same error on every rank
-            self.error = (o.env_error, f"{type(o.env_error).__name__}: {o.env_error}")
+            self.error = (o.env_error, f"{type(o.env_error).__name__}: {o.env_error} (while setting up)")
 
     def tune(self) -> None:
         o, comm = self.options, self.comm
@@ -96,7 +101,7 @@ class FunctionTuningCall(TuningCall):
         _, self.tuner.search_trace, full_timing = narrow([site], o.search, o.n_warmup, o.n_repeat, timed.stage,
                                                          self.agreement.gather_agreed, comm.all_gather_objects)
         if full_timing:
-            timed.stage(Schedule(site.slots(), o.n_warmup, o.n_repeat), "tuning call")
+            timed.stage(Schedule(site.slots(), o.n_warmup, o.n_repeat), "tuning run")
 
     def agree(self) -> None:
         super().agree()
@@ -111,8 +116,8 @@ class FunctionTuningCall(TuningCall):
             print_timings(self.name, self.configs, result)
 
     def final(self) -> None:
-        """The call with the winner, whose result the tuning call returns; an error there on one rank is the same
-        TuningError on every rank (a world of one raises it itself)."""
+        """The final run: the call with the winner, whose result the tuning call returns; an error there on one
+        rank is the same TuningError on every rank (a world of one raises it itself)."""
         if not self.with_final:
             return
         call = functools.partial(self.tuner.fn, *self.args, **self.kwargs, **self.config)  # type: ignore[arg-type]
@@ -123,7 +128,7 @@ class FunctionTuningCall(TuningCall):
             self.result, error = call(), None
         except Exception as err:
             error = (err, f"{type(err).__name__}: {err}")
-        self.agreement.final_run_status([], error, {}, "final call (with the winner)")
+        self.agreement.final_run_status([], error, {}, "final run")
 
     def writes_store(self) -> bool:
         return self.comm.rank == 0  # the group's first rank (a subgroup need not hold global rank 0)
@@ -140,9 +145,11 @@ def print_timings(name: str, configs: Sequence[dict], result: SiteResult) -> Non
 
 
 class TimedCalls:
-    """The function tuner's way of timing: whole calls, each after a barrier so all ranks start together,
-    samples and failures into ``site``. One output check serves every stage (a search's batches): made from
-    the first successful call, so every config meets the same reference."""
+    """The function tuner's tuning runs: whole calls timed into ``site``'s samples, each ended by a status
+    all-gather (:meth:`~disttune.agreement.Agreement.check_run`) that turns an exception on any rank into the same
+    error on all, and from which the next call starts on every rank together. One output check serves every
+    stage (a search's batches): made from the first successful call, so every config meets the same reference;
+    a config whose result differs is scored ``inf`` and keeps its turns, so the ranks' calls stay paired."""
 
     def __init__(self, call: FunctionTuningCall, site: Site) -> None:
         o = call.options
@@ -155,42 +162,46 @@ class TimedCalls:
         self.timer = flushing(timer) if o.flush_l2 else timer
 
     def stage(self, schedule: Schedule, label: str) -> int:
-        """``schedule.runs`` calls of the function; returns the count."""
+        """``schedule.runs`` calls of the function (tuning runs named ``label``); returns the count."""
         call, site, o = self.call, self.site, self.call.options
         comm, agreement = call.comm, call.agreement
         fn, args, kwargs = call.tuner.fn, call.args, call.kwargs
-        per_config = o.n_warmup + o.n_repeat
         for run in range(schedule.runs):
-            slot, phase = divmod(run, per_config)
-            comm.barrier(f"function autotune config slot {slot} run {phase}")
+            step = f"{label} {run + 1}/{schedule.runs}"
             position, timed = schedule.slot(run, len(site.active), site.share)
             index = None if position is None else site.active[position]
             outcome: dict = {}
-            read = None
-            if index is not None and index not in site.failures:
+            read, error = None, None
+            if index is not None:
                 config = site.configs[index]
                 try:
                     if not timed:
                         outcome["result"] = fn(*args, **kwargs, **config)
                     else:
-                        info = LaunchInfo(call.name, (repr(call.key),), 0, index, config, phase, comm.rank)
+                        iteration = run % (o.n_warmup + o.n_repeat)
+                        info = LaunchInfo(call.name, (repr(call.key),), 0, index, config, iteration, comm.rank)
                         read = self.timer.time(lambda: outcome.__setitem__("result", fn(*args, **kwargs, **config)),
                                                info)
-                except Exception as err:  # scored inf on every rank through the agreement
-                    site.record_failure(index, err)
+                except Exception as err:  # the function's own error: the same error on every rank, below
+                    error = (err, f"{type(err).__name__}: {err}")
             # every rank, every call: the timer and the check read the GPU's results
-            agreement.wait_for_device(f"function autotune config slot {slot} run {phase} (on the GPU)")
+            agreement.wait_for_device(f"{step} (on the GPU)")
             call.function_runs += 1
-            if index is None or index in site.failures:
-                continue
-            if read is not None:
-                site.add_sample(index, read(), time.time(), measures_of(read))
-            if o.check:  # the first successful call's result is the reference
-                if self.check is None:
-                    self.check = make_check(o.check, outcome["result"])
-                elif not self.check.matches(outcome["result"]):
-                    blame({site.id: site}, {site.id: index})
+            if error is None and index is not None and index not in site.failures:
+                self.record(index, read, outcome["result"])
+            agreement.check_run([error[1]] if error else [], step, error and error[0])
         return schedule.runs
+
+    def record(self, index: int, read: Optional[Callable[[], float]], result: Any) -> None:
+        """A successful call of config ``index``: its time (if ``read``), and its ``result`` against the reference."""
+        site, o = self.site, self.call.options
+        if read is not None:
+            site.add_sample(index, read(), time.time(), measures_of(read))
+        if o.check:  # the first successful call's result is the reference
+            if self.check is None:
+                self.check = make_check(o.check, result)
+            elif not self.check.matches(result):
+                blame({site.id: site}, {site.id: index})
 
 
 class FunctionAutotuner:
@@ -249,8 +260,10 @@ class FunctionAutotuner:
         pinned table, or served by its fallback with no collective (see :mod:`disttune.unseen`)."""
         o = self.options
         tunes_now = not self.cache and self.pinned is None
+        where = "key_fn"
         try:
             key = self.key(args, kwargs)
+            where = "prune_fn"
             configs = self.pruned(args, kwargs)
         except Exception as err:
             if comm.world_size == 1 or not tunes_now:
@@ -258,7 +271,7 @@ class FunctionAutotuner:
             # Nothing tuned yet, so every peer is tuning too and waits in the consensus: join it with the error.
             agreement = Agreement(comm, self.__qualname__)
             with agreement.ending:
-                agreement.consensus([], (err, f"before tuning: {type(err).__name__}: {err}"), {}, [])
+                agreement.consensus([], (err, f"{type(err).__name__}: {err} (in {where})"), {}, [])
             raise  # not reached: the consensus raised the error on every rank
         served = self.fallbacks.get(key)
         if served is None and self.pinned is not None:

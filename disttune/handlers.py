@@ -60,8 +60,9 @@ class SiteLaunches:
     def launch_site(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 
-    def finish(self) -> list[str]:
-        """End of the run: what went wrong on this rank that the peers must hear of (none by default)."""
+    def finish(self, raised: bool = False) -> list[str]:
+        """End of the run (which ``raised`` an exception, or not): what else went wrong on this rank that the peers
+        must hear of (none by default)."""
         return []
 
 
@@ -190,13 +191,14 @@ class Tune(SiteLaunches):
                 self.compiles.finish()  # type: ignore[union-attr]
             return self.compiles.ready(site, index)  # type: ignore[union-attr]
 
-    def finish(self) -> list[str]:
-        """Read this run's timers into the sites' samples and check that every site launched."""
+    def finish(self, raised: bool = False) -> list[str]:
+        """Read this run's timers into the sites' samples and check that every site launched (unless the run
+        ``raised``: the launches it never reached follow from its exception, which is the news)."""
         now = time.time()
         for site, index, read in self.readers:
             site.add_sample(index, read(), now, measures_of(read))
         missing = [ident.describe() for ident in self.sites if ident not in self.launched]
-        if missing:
+        if missing and not raised:
             self.problems.append(
                 "the wrapped function did not launch " + "; ".join(missing)
                 + f" in tuning run {self.run + 1}, though the discovery run did: it must launch the same "

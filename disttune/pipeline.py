@@ -230,6 +230,11 @@ def run_once(fn: Callable[..., Any], handler: SiteLaunches, args: tuple, kwargs:
             return None, (err, f"{type(err).__name__}: {err}")
 
 
+def run_problems(error: Optional[tuple], handler: SiteLaunches) -> list[str]:
+    """What one run brings to its check: the exception it raised first (the cause), then what else went wrong."""
+    return ([error[1]] if error else []) + handler.finish(raised=error is not None)
+
+
 class Runs:
     """The tuning and final runs of one tuning call of ``fn(*args, **kwargs)`` over ``sites``."""
 
@@ -251,11 +256,11 @@ class Runs:
             result, error = run_once(self.fn, handler, self.args, self.kwargs)
             # the timers and the output check read the GPU's results: wait for them as for a collective
             self.agreement.wait_for_device(f"{label} {run + 1}/{schedule.runs} (on the GPU)")
-            problems = handler.finish() + ([error[1]] if error else [])
+            problems = run_problems(error, handler)
             if self.check is not None and error is None and not self.check.matches(result):
                 blame(self.sites, scheduled_configs(self.sites.values(), schedule, run))
             with span(self.phases, "collectives"):
-                self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
+                self.agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}", error and error[0])
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -370,9 +375,9 @@ class StepTune(SiteLaunches):
             self.tried[ident] = index
         return result
 
-    def finish(self) -> list[str]:
+    def finish(self, raised: bool = False) -> list[str]:
         missing = [ident.describe() for ident in self.sites if ident not in self.launched]
-        if missing:
+        if missing and not raised:  # a run that raised never reached them: its exception is the news
             self.problems.append("the wrapped function did not launch " + "; ".join(missing)
                                  + f" in tuning run {self.run + 1}, though the discovery run did")
         return self.problems
@@ -415,14 +420,14 @@ def step_stages(runs: Runs, tuned: Sequence[Site], n_warmup: int, n_repeat: int,
             # the timer and the output check read the GPU's results: wait for them as for a collective
             agreement.wait_for_device(f"{label} {run + 1}/{schedule.runs} (on the GPU)")
             error = outcome["error"]
-            problems = handler.finish() + ([error[1]] if error else [])
+            problems = run_problems(error, handler)
             if check is not None and error is None and not check.matches(outcome["result"]):
                 blame(runs.sites, handler.tried)
             if read is not None and error is None:
                 ms, now = read(), time.time()
                 for ident, index in handler.tried.items():
                     runs.sites[ident].add_sample(index, ms, now)
-            agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}")
+            agreement.check_run(problems, f"{label} {run + 1}/{schedule.runs}", error and error[0])
         total += schedule.runs
         if len(groups) > 1:  # coordinate-wise: the next site runs beside this one's agreed winner
             (site,) = group

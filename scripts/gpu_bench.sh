@@ -52,7 +52,7 @@ if want tuning_moe; then
     run tuning_cost_moe 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost_moe.jsonl" --workload moe
 fi
 if want faults; then  # the fault suite under NCCL at 2 and NPROC GPUs, and the control plane's own test
-    TAIL=30 run faults 330 python3 -m pytest -q -s -p no:cacheprovider tests/test_stranded.py tests/test_control_plane.py \
+    TAIL=30 run faults 600 python3 -m pytest -q -s -p no:cacheprovider tests/test_stranded.py tests/test_control_plane.py \
         -k "nccl or plane"
 fi
 if want energy; then  # one GPU: NVML's energy per launch against power x time, and a Pareto front over both

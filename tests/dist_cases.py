@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 from rank_cases import Cases, Ranks
 
@@ -600,6 +601,54 @@ def case_rank_killed(ctx):
 
     step()  # the record's elapsed_s says how soon the survivors raised
     return {"unexpected": "no error"}
+
+
+def _store_host_killed(ctx, tuner: str) -> dict:
+    """Rank 0, which hosts the rendezvous store when no torchrun agent does, dies (SIGKILL) in tuning run 2; it
+    leaves the time of the kill in ``killed_at``. The survivors say how their tuning call ended, and when."""
+    import signal
+
+    marker = Path(ctx.work_dir) / "killed_at"
+    runs = {"n": 0}
+
+    def run() -> None:
+        runs["n"] += 1  # the contextual tuner's discovery run, then tuning runs; the function tuner's tuning runs
+        if ctx.rank == 0 and runs["n"] == (3 if tuner == "contextual" else 2):
+            marker.write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    options = dict(timer=TableTimer(lambda i: 1.0), store=False, timeout_s=30)
+    if tuner == "contextual":
+        kernel, x = make_kernel(), torch.randn(64, device=ctx.device)
+
+        @disttune.contextual_autotune(**tuner_options(ctx, "store_host_killed", **options))
+        def step():
+            run()
+            y = torch.empty_like(x)
+            launch_add(kernel, x, y)
+            return y
+    else:
+        @disttune.autotune([{"variant": v} for v in range(3)], key_fn=lambda: 0, n_warmup=1, n_repeat=1, **options)
+        def step(*, variant):
+            run()
+            return variant
+
+    try:
+        step()
+        return {"ended": "returned"}
+    except Exception as err:  # noqa: BLE001 - the test reads what each survivor raised
+        return {"ended": "raised", "raised": type(err).__name__, "error": str(err), "ended_at": time.time(),
+                "chained": type(err.__cause__).__name__ if err.__cause__ is not None else None}
+
+
+@cases.case(breaks_group=True, default=False)
+def case_store_host_killed_contextual(ctx):
+    return _store_host_killed(ctx, "contextual")
+
+
+@cases.case(breaks_group=True, default=False)
+def case_store_host_killed_function(ctx):
+    return _store_host_killed(ctx, "function")
 
 
 @cases.case(default=False)

@@ -9,6 +9,9 @@ under NCCL (its ``gpu`` tests). The fault is injected on the last rank. Each cas
 rank saw: how the tuning call ended (its result, or its error's type and text) and the wall-clock
 time (``time.time()``) it ended at; the faulty rank adds when it injected the fault, so the test can
 tell how long after the fault every rank had left.
+
+The ``function_`` cases inject the same faults into a function tuned by ``disttune.autotune`` that
+calls the same ``all_reduce``, before (or after) which its fault strikes.
 """
 
 from __future__ import annotations
@@ -216,6 +219,79 @@ def case_new_key_on_every_rank(ctx):
         return {"winners": winners, "sizes": sorted(str(result.site.key) for result in step.report.results)}
 
     return {"tuned": tuned, "after": ending(calls)}
+
+
+# -- the function tuner: the same faults in a function that disttune.autotune tunes ----------------------------
+
+FUNCTION_FINAL_RUN = 3 * 3 + 1  # 3 configs x (1 warm-up + 2 timed) tuning runs, then the final run
+
+
+def function_with(ctx: Ranks, case: str, fault: Fault):
+    """A function tuned over 3 variants: ``all_reduce`` of one element, with ``fault(run, where)`` called on the
+    faulty rank before and after it in each of its calls (tuning runs, then the final run)."""
+    runs = {"n": 0}
+
+    @disttune.autotune([{"variant": v} for v in range(3)], key_fn=lambda: 0, n_warmup=1, n_repeat=2,
+                       timeout_s=ctx.options.timeout, cache_dir=os.path.join(ctx.work_dir, "store", case))
+    def step(*, variant):
+        runs["n"] += 1
+        if faulty(ctx):
+            fault(runs["n"], "before")
+        total = all_reduce_one(ctx)
+        if faulty(ctx):
+            fault(runs["n"], "after")
+        return float(total.item())
+
+    return step
+
+
+def _function_stranding(ctx: Ranks, case: str, fault: Fault) -> dict:
+    step = function_with(ctx, case, fault)
+    return {**ending(lambda: {"total": step()}), **fault.fields()}
+
+
+@cases.case(breaks_group=True, default=False)
+def case_function_raise_before_collective(ctx):
+    """The last rank's function raises in its 4th tuning run before its all_reduce, which its peers have entered."""
+    return _function_stranding(ctx, "function_raise_before_collective", Fault(_raise))
+
+
+@cases.case(breaks_group=True, default=False)
+def case_function_raise_before_collective_in_final_run(ctx):
+    """The same in the final run (the call with the winner, whose result the caller gets)."""
+    return _function_stranding(ctx, "function_raise_before_collective_in_final_run",
+                               Fault(_raise, run=FUNCTION_FINAL_RUN))
+
+
+@cases.case(breaks_group=True, default=False)
+def case_function_stall_before_collective(ctx):
+    """The last rank's function sleeps 2.5 timeouts in a tuning run before its all_reduce."""
+    return _function_stranding(ctx, "function_stall_before_collective",
+                               Fault(lambda: time.sleep(2.5 * ctx.options.timeout)))
+
+
+@cases.case(breaks_group=True, default=False)
+def case_function_stall_after_collective(ctx):
+    """The last rank's function sleeps 2.5 timeouts in a tuning run after its all_reduce."""
+    return _function_stranding(ctx, "function_stall_after_collective",
+                               Fault(lambda: time.sleep(2.5 * ctx.options.timeout), where="after"))
+
+
+@cases.case
+def case_function_raise_after_collective(ctx):
+    """The last rank's function raises in a tuning run after its all_reduce: nobody is stranded, every rank raises
+    the same error, and the group still works."""
+    result = _function_stranding(ctx, "function_raise_after_collective", Fault(_raise, where="after"))
+    return {**result, "then": ending(lambda: float(all_reduce_one(ctx).item()))}
+
+
+@cases.case
+def case_function_raise_after_collective_in_final_run(ctx):
+    """The same in the final run: every rank raises, the group still works, and the next call tunes again."""
+    fault = Fault(_raise, run=FUNCTION_FINAL_RUN, where="after")
+    step = function_with(ctx, "function_raise_after_collective_in_final_run", fault)
+    result = {**ending(lambda: {"total": step()}), **fault.fields()}
+    return {**result, "then": ending(lambda: float(all_reduce_one(ctx).item())), "again": ending(step)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -124,12 +124,47 @@ def test_the_function_tuner_agrees_its_options_and_its_winner():
     assert "n_repeat: rank 0: 1, rank 1: 2" in str(outcomes[0]) and str(outcomes[0]) == str(outcomes[1])
 
 
-def test_a_discovery_error_on_one_rank_is_the_same_error_on_all():
+def test_an_error_before_tuning_on_one_rank_is_the_same_error_on_all():
     def body(comm):
         error = (ValueError("bad input"), "ValueError: bad input") if comm.rank == 1 else None
         Agreement(comm, "step").consensus([], error, {}, [])
 
     outcomes = on_every_rank(2, body)
     assert [type(o) for o in outcomes] == [disttune.TuningError] * 2 and str(outcomes[0]) == str(outcomes[1])
-    assert "discovery run raised on rank(s) 1" in str(outcomes[0]) and "rank 1: ValueError: bad input" in str(outcomes[0])
+    assert str(outcomes[0]) == "disttune: step: tuning could not start on rank(s) 1:\n  rank 1: ValueError: bad input"
     assert isinstance(outcomes[1].__cause__, ValueError), "the failing rank chains its own exception"
+
+
+def test_the_function_tuners_errors_name_the_cause_first_in_the_one_wording():
+    """Rank 1's function raises in a tuning run, in the final run, or its key_fn raises: every rank raises the same
+    TuningError, headed by where it failed, then rank 1's own exception (as the contextual tuner words them)."""
+
+    def tune(comm, fail_at: int, where: str = "call"):
+        calls = {"n": 0}
+
+        def fn(*, variant):
+            calls["n"] += 1
+            if comm.rank == 1 and where == "call" and calls["n"] == fail_at:
+                raise ValueError("user bug")
+            return variant
+
+        def key_fn():
+            if comm.rank == 1 and where == "key_fn":
+                raise KeyError("no key")
+            return 0
+
+        pick = disttune.autotune([{"variant": v} for v in range(3)], key_fn=key_fn, n_warmup=0, n_repeat=1,
+                                 timer=TableTimer(lambda info: 1.0), group=comm, store=False)(fn)
+        return pick()
+
+    name = "test_the_function_tuners_errors_name_the_cause_first_in_the_one_wording.<locals>.tune.<locals>.fn"
+
+    for fail_at, where, heading, cause in (
+            (2, "call", "tuning run 2/3 failed", "ValueError: user bug"),
+            (4, "call", "the final run (with the winners) failed", "ValueError: user bug"),
+            (0, "key_fn", "tuning could not start", "KeyError: 'no key' (in key_fn)")):
+        outcomes = on_every_rank(2, lambda comm: tune(comm, fail_at, where))
+        expected = f"disttune: {name}: {heading} on rank(s) 1:\n  rank 1: {cause}"
+        assert [type(o) for o in outcomes] == [disttune.TuningError] * 2, outcomes
+        assert [str(o) for o in outcomes] == [expected] * 2
+        assert isinstance(outcomes[1].__cause__, (ValueError, KeyError)), "the failing rank chains its own exception"

@@ -34,7 +34,9 @@ PLANE_SCRIPT = """
     comm.barrier("after the post")
     out["peers_posted"] = comm.peers_posted("call#0")
     out["posted"] = {str(k): v for k, v in comm.posted("call#0", "note").items()}
+    out["undecided"] = comm.decided("call#0", "other")
     out["decided"] = comm.decide("call#0", "verdict", {"from": r})
+    out["read_back"] = comm.decided("call#0", "verdict")
     comm.note_progress("call#0", 3 + r)
     comm.barrier("after progress")
     out["progress"] = {str(k): v for k, v in comm.progress("call#0").items()}
@@ -64,6 +66,8 @@ def test_the_store_plane_on_two_ranks(tmp_path):
         assert seen["async"] == [[10.0], [11.0]]
     assert [seen["peers_posted"] for seen in ranks] == [True, False]  # rank 1's own post is not a peer's
     assert ranks[0]["decided"] == ranks[1]["decided"]  # the first decision stands for both
+    assert [seen["read_back"] for seen in ranks] == [ranks[0]["decided"]] * 2
+    assert [seen["undecided"] for seen in ranks] == [None, None]
 
 
 class _Recording(LocalComm):

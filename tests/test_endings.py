@@ -80,21 +80,28 @@ def named_everywhere(text: str, calls: list[dict]) -> bool:
     return all(text in str(call.get("error")) for call in calls)
 
 
+FINAL_RUN_FAILED = "the final run (with the winners) failed on rank(s) 1:"
+
+
 def test_an_error_in_the_final_run_is_the_same_error_on_every_rank(tmp_path):
+    """Both tuners: the same error on every rank, in the one wording (where, then the rank's own exception)."""
     results = launch(tmp_path, ["raise_in_final_run", "function_final_call_raises_on_one_rank"])
     per_rank = results["raise_in_final_run"]
     first = same_ending(per_rank, call="first")
     planted = "rank 1: RuntimeError: injected fault in the final run"
     faults_seen(named_everywhere(planted, [call_ending(r, "first") for r in per_rank]))
     assert first["raised"] == "TuningError"
+    assert first["error"].splitlines()[:2] == [f"disttune: case_raise_in_final_run.<locals>.step: {FINAL_RUN_FAILED}",
+                                               f"  {planted}"], first
     contextual = same_ending(per_rank, "winner", "tuned")  # the next call tunes again on every rank
-    assert contextual["first"].startswith("TuningError: ") and "final run" in contextual["first"]
-    assert planted in contextual["first"]
     assert contextual["tuned"] and contextual["winner"] == 2, "the next call ends the same way everywhere"
     per_rank = results["function_final_call_raises_on_one_rank"]
     function = same_ending(per_rank, "returned")
     faults_seen(named_everywhere("injected fault in the call with the winner", [call_ending(r) for r in per_rank]))
-    assert function["raised"] == "TuningError" and "injected fault in the call with the winner" in function["error"]
+    assert function["raised"] == "TuningError"
+    assert function["error"].splitlines()[:2] == [
+        f"disttune: case_function_final_call_raises_on_one_rank.<locals>.pick: {FINAL_RUN_FAILED}",
+        "  rank 1: RuntimeError: injected fault in the call with the winner"], function
     same_ending(per_rank, "returned", call="second")
     assert function["second"] == {"returned": 2}
 
@@ -140,6 +147,11 @@ def test_a_local_error_before_a_collective_reaches_the_peers_at_once(tmp_path):
         faults_seen(named_everywhere("rank 1: ", calls) and named_everywhere(says, calls))
         assert ending["raised"] == "TuningError" and "rank 1: " in ending["error"] and says in ending["error"], ending
         assert all(r["seconds"] < TIMEOUT_S / 4 for r in results[case]), results[case]
+    for case, where in (("function_key_fn_raises_on_one_rank", "key_fn"), ("function_prune_raises_on_one_rank",
+                                                                           "prune_fn")):
+        first, cause = results[case][0]["error"].splitlines()
+        assert first.endswith(": tuning could not start on rank(s) 1:"), first
+        assert cause == f"  rank 1: KeyError: 'injected fault in a user callable on rank 1' (in {where})", cause
 
 
 @pytest.mark.parametrize("case", ["raise_before_collective", "raise_before_collective_in_discovery"])
@@ -199,7 +211,7 @@ def test_a_tuning_setting_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
     for record in per_rank:
         assert record["ok"], failure(record)
     says = {"DISTTUNE_ALWAYS_TUNE": "DISTTUNE_ALWAYS_TUNE: rank 0: False, rank 1: True",
-            "DISTTUNE_TIMEOUT": "rank 1: before the discovery run: DistEnvError: disttune: DISTTUNE_TIMEOUT='abc'",
+            "DISTTUNE_TIMEOUT": "could not start on rank(s) 1:\n  rank 1: DistEnvError: disttune: DISTTUNE_TIMEOUT='abc'",
             "DISTTUNE_COMPILE_OVERLAP": "DISTTUNE_COMPILE_OVERLAP: rank 0: True, rank 1: False"}
     for name, text in says.items():
         calls = [r["settings"][name] for r in per_rank]

@@ -11,6 +11,7 @@ writes through links and tracebacks, each counted from what the test observed.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -115,6 +116,31 @@ def test_a_rank_killed_mid_tuning_is_an_error_on_the_others(tmp_path):
         assert result.get("error_type") in ("CollectiveTimeout", "TuningError"), result
         assert "rank" in result["error_message"] and "tuning run" in result["error_message"]
         assert result["elapsed_s"] < 60
+
+
+@pytest.mark.parametrize("tuner", ["contextual", "function"])
+def test_the_store_host_killed_mid_tuning_is_one_disttune_error_on_every_survivor(tmp_path, tuner):
+    """Without torchrun rank 0 hosts the rendezvous store: when it dies, each survivor raises disttune's own error
+    (not torch's), naming the step and that the store's host is gone, within seconds, and torch's TCPStore logs at
+    most one C++ stack per survivor (from its first failed operation; disttune makes no other)."""
+    case = f"store_host_killed_{tuner}"
+    procs = run_ranks_without_supervisor(3, [str(CASES), case, "--out", str(tmp_path)], timeout=120)
+    faults_seen(procs[0].returncode == -9)
+    assert procs[0].returncode == -9, "rank 0 was meant to die by SIGKILL"
+    killed_at = float((tmp_path / "killed_at").read_text())
+    survivors = [read_records(tmp_path, [case], [r])[case][0] for r in (1, 2)]
+    # nothing can be agreed without the store: each names the step it was in (a rank may be one behind), else alike
+    alike = [{**r, "error": re.sub(r"step '[^']*'", "step '...'", str(r.get("error")))} for r in survivors]
+    ending = endings(alike, ok="returned", error="error", message="error")
+    assert not any(ending.values()), (ending, survivors)
+    for proc, record in zip(procs[1:], survivors):
+        tracebacks_in(proc.stderr)
+        assert record["raised"] == "ControlPlaneLost" and record["chained"] is None, record
+        assert record["error"].startswith("disttune: "), record
+        assert re.search(r"step 'tuning run [12]/", record["error"]), record
+        assert "the rendezvous store is unreachable" in record["error"] and "its host is gone" in record["error"]
+        assert record["ended_at"] - killed_at < 5.0, record
+        assert proc.stderr.count("Exception raised from") <= 1, proc.stderr
 
 
 def test_writer_killed_mid_write_leaves_no_torn_file(tmp_path):

@@ -63,3 +63,22 @@ def test_group_accepts_a_communicator_and_autotune_pg_stays_as_the_call_time_nam
     fresh = disttune.autotune([{"v": 0}, {"v": 1}], key_fn=lambda: 1, store=False)(lambda *, v: v)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         fresh(autotune_pg=object())  # a torch group without torch.distributed
+
+
+def test_an_exception_of_the_function_ends_tuning_naming_it():
+    """A config whose call raises is not scored inf (with the function's own collectives inside, its peers would
+    wait in them): tuning ends with the exception, first in the error; prune_fn leaves such a config out."""
+    def pick(*, v):
+        if v == 1:
+            raise ValueError("v=1 cannot run here")
+        return v
+
+    tuner = disttune.autotune([{"v": 0}, {"v": 1}], key_fn=lambda: 0, n_warmup=0, n_repeat=1, store=False,
+                              timer=TableTimer(lambda info: 1.0))(pick)
+    with pytest.raises(disttune.TuningError) as raised:
+        tuner()
+    assert str(raised.value) == (f"disttune: {tuner.__qualname__}: tuning run 2/2 failed on rank(s) 0:\n"
+                                 "  rank 0: ValueError: v=1 cannot run here")
+    pruned = disttune.autotune([{"v": 0}, {"v": 1}], key_fn=lambda: 0, n_warmup=0, n_repeat=1, store=False,
+                               timer=TableTimer(lambda info: 1.0), prune_fn=lambda config: config["v"] != 1)(pick)
+    assert pruned() == 0

@@ -4,7 +4,8 @@ Launches ``stranded_cases.py`` with torchrun: on 2 gloo ranks on CPUs (counted i
 fault line), and under NCCL on 2 and 4 GPUs (``gpu`` tests, skipped without them; their own fault
 line, printed at the end with the GPU model). Each case injects one fault on the last rank: a raise
 before the step's all_reduce in a tuning run and in the final run, a raise after it, a config and a
-stored winner that fail there only, a stall, a SIGKILL, a new key on one rank and on every rank.
+stored winner that fail there only, a stall, a SIGKILL, a new key on one rank and on every rank; and
+the same raises and stalls in a function tuned by ``disttune.autotune`` (the ``function_`` cases).
 
 What must hold, each counted before it is asserted: every rank returns the same result or raises the
 same clear error; every rank has left within :data:`PROMPT_S` of a fault whose error it could hear of,
@@ -26,7 +27,16 @@ CASES = Path(__file__).with_name("stranded_cases.py")
 TIMEOUT_S = 10.0  # the tuner's timeout in the launched ranks
 PROMPT_S = 5.0
 KEPT = ["raise_after_collective", "config_fails_on_one_rank", "stored_winner_fails_on_one_rank",
-        "new_key_on_one_rank", "new_key_on_every_rank"]
+        "new_key_on_one_rank", "new_key_on_every_rank", "function_raise_after_collective",
+        "function_raise_after_collective_in_final_run"]
+
+#: The name the function tuner's errors give the function of the ``function_`` cases.
+FUNCTION = "function_with.<locals>.step"
+#: Where each stranding case's fault strikes, as the error's first line says it.
+WHERE = {"raise_before_collective": "tuning run 3/9 failed",
+         "raise_before_collective_in_final_run": "the final run (with the winners) failed",
+         "function_raise_before_collective": "tuning run 4/9 failed",
+         "function_raise_before_collective_in_final_run": "the final run (with the winners) failed"}
 
 
 def gpus() -> int:
@@ -87,9 +97,19 @@ def check_stranding(per_rank: list[dict], world: int, tally: dict, *, stall: boo
         assert max(late) < PROMPT_S, late
 
 
-def run_stranding(tmp_path: Path, world: int, tally: dict, case: str, stall: bool = False) -> None:
+def run_stranding(tmp_path: Path, world: int, tally: dict, case: str, stall: bool = False) -> list[dict]:
     results, _, _, _ = launch(tmp_path, world, [case], tally)
     check_stranding(results[case], world, tally, stall=stall)
+    return results[case]
+
+
+def check_first_line(per_rank: list[dict], case: str, world: int) -> None:
+    """The error's first line says where the last rank failed, in the one wording of both tuners; the next is the
+    cause, the planted exception (nothing that followed from it comes first)."""
+    first, cause = per_rank[0]["error"].splitlines()[:2]
+    name = FUNCTION if case.startswith("function_") else "step_with.<locals>.step"
+    assert first == f"disttune: {name}: {WHERE[case]} on rank(s) {world - 1}:", first
+    assert cause == f"  rank {world - 1}: RuntimeError: injected fault", cause
 
 
 def check_kept_cases(results: dict, world: int, tally: dict) -> None:
@@ -124,6 +144,17 @@ def check_kept_cases(results: dict, world: int, tally: dict) -> None:
     after = same([r["after"] for r in per_rank], tally, "returned")
     assert any("96" in key for key in after["returned"]["sizes"]), after
 
+    for case, where in (("function_raise_after_collective", "tuning run 4/9 failed"),
+                        ("function_raise_after_collective_in_final_run", "the final run (with the winners) failed")):
+        per_rank = outcomes(results[case])
+        check_stranding(per_rank, world, tally)
+        assert per_rank[0]["error"].startswith(f"disttune: {FUNCTION}: {where} on rank(s) {last}:"), per_rank[0]
+        assert "aborted" not in per_rank[0]["error"], "every rank drained: the group was kept"
+        then = same([r["then"] for r in per_rank], tally, "returned")
+        assert then["returned"] == float(world), then
+    again = same([r["again"] for r in results["function_raise_after_collective_in_final_run"]], tally, "returned")
+    assert again["returned"] == float(world), "the next call tuned again and returned on every rank"
+
 
 def check_killed(tmp_path: Path, world: int, tally: dict) -> None:
     """A rank killed in a tuning run: the launcher (torchrun, as users run it) or the tuner ends every survivor,
@@ -149,15 +180,20 @@ def test_faults_that_strand_nobody_on_gloo(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
-@pytest.mark.parametrize("case", ["raise_before_collective", "raise_before_collective_in_final_run"])
+@pytest.mark.parametrize("case", list(WHERE))
 def test_a_raise_before_the_steps_collective_ends_every_gloo_rank_at_once(tmp_path, case):
-    """The peer blocked in gloo's all_reduce is released by the aborted group, not by gloo's own timeout."""
-    run_stranding(tmp_path, 2, TALLY, case)
+    """The peer blocked in gloo's all_reduce is released by the aborted group, not by gloo's own timeout; both
+    tuners, in a tuning run and in the final run."""
+    per_rank = run_stranding(tmp_path, 2, TALLY, case)
+    check_first_line(per_rank, case, 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
-def test_a_stalled_gloo_rank_is_named_at_the_tuners_timeout(tmp_path):
-    run_stranding(tmp_path, 2, TALLY, "stall_after_collective", stall=True)
+@pytest.mark.parametrize("case", ["stall_after_collective", "function_stall_after_collective"])
+def test_a_stalled_gloo_rank_is_named_at_the_tuners_timeout(tmp_path, case):
+    """(A stall before the function's own collective holds its gloo peers inside it, where only gloo's own
+    timeout frees them: that case runs under NCCL, whose collectives leave the host free.)"""
+    run_stranding(tmp_path, 2, TALLY, case, stall=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
@@ -168,7 +204,9 @@ def test_a_killed_gloo_rank_ends_the_job(tmp_path):
 # -- on GPUs: NCCL at 2 and 4 GPUs ----------------------------------------------------------------------------
 
 WORLDS = [pytest.param(w, marks=pytest.mark.skipif(gpus() < w, reason=f"needs {w} CUDA GPUs")) for w in (2, 4)]
-STRANDING = ["raise_before_collective", "raise_before_collective_in_final_run", "stall_before_collective"]
+STRANDING = ["raise_before_collective", "raise_before_collective_in_final_run", "stall_before_collective",
+             "function_raise_before_collective", "function_raise_before_collective_in_final_run",
+             "function_stall_before_collective"]
 
 
 @pytest.mark.gpu
@@ -189,7 +227,10 @@ def test_nccl_a_stranded_gpu_ends_with_its_peers(tmp_path, world, case):
     GPU_WORLDS.add(world)
     results, _, seconds, _ = launch(tmp_path, world, [case], GPU_TALLY)
     per_rank = results[case]
-    check_stranding(per_rank, world, GPU_TALLY, stall=case.startswith("stall"))
+    stall = "stall" in case
+    check_stranding(per_rank, world, GPU_TALLY, stall=stall)
+    if not stall:
+        check_first_line(per_rank, case, world)
     assert all("aborted" in r["error"] for r in per_rank), per_rank[0]["error"]
     late = max(r["ended_at"] for r in per_rank[:-1]) - per_rank[-1]["fault_at"]
     print(f"NCCL, {world} GPUs, {case}: every peer left {late:.2f} s after the fault with "
