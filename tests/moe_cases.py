@@ -200,8 +200,7 @@ def count_calls(work: dict):
             own = vars(owner).get(name)  # None: inherited (a tensor method from torch._C), put back by deleting
             saved.append((owner, name, own))
             label = f"{kind}: {getattr(owner, '__name__', owner)}.{name}"
-            setattr(owner, name, staticmethod(counted(label, own.__func__)) if isinstance(own, staticmethod)
-                    else counted(label, getattr(owner, name)))
+            setattr(owner, name, counted(label, getattr(owner, name)))
     try:
         yield tally
     finally:
