@@ -28,11 +28,15 @@ b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert col
 c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down) with the
    winners of ``disttune.contextual_autotune`` (tuned inside the layer, agreed by all ranks)
    vs the winners of stock ``triton.autotune`` tuned alone (each GEMM by itself, outside the
-   layer, on this rank's gathered inputs), each timed inside the layer. Max over ranks.
+   layer, on this rank's gathered inputs), each called bare inside the layer, and the wrapped
+   call itself: one call from idle each, interleaved round by round (``disttune.benchmark.interleaved``:
+   median [low-high] and host ms per call, max over ranks). The bare rows launch a key's cached
+   winner at every occurrence, the wrapped call each occurrence's own: the occurrences that differ
+   are listed (then the two run different kernels and the host column compares the calls).
 
 Timing (``disttune.benchmark``): CUDA events around each call (the host clock on CPUs),
-``--warmup`` calls then ``--iters`` samples, median; multi-rank samples start after a barrier and
-the median is reduced with MAX over ranks. On GPUs parts a and b also report a steady state: 10
+``--warmup`` calls then ``--iters`` samples (part c: ``--iters`` interleaved rounds), median;
+multi-rank samples start after a barrier and the median is reduced with MAX over ranks. On GPUs parts a and b also report a steady state: 10
 calls back to back between two events, per call (part a's ratios use it: one call from idle adds
 each contender's host launch time to its GPU time). Rank 0 prints markdown tables and, with
 ``--out FILE``, appends one JSON line per contender (with device, versions and date) to FILE.
@@ -413,23 +417,38 @@ class Bench:
             everyone = [None] * self.world
             dist.all_gather_object(everyone, alone_winners)
             alone_agree = all(w_ == everyone[0] for w_ in everyone)
-            results = {}
-            for name, fn in [("layer, winners tuned alone (stock triton.autotune)", lambda: layer(alone_kernel)),
-                             ("layer, contextual winners (disttune)", lambda: layer(ctx_kernel)),
-                             ("layer, contextual (wrapped call)", tuned_layer)]:
-                ms = self.time_ms(fn, collective=True)
-                results[name] = ms
-                self.record("c", s, name, ms, ctx_winners=ctx_winners, alone_winners=alone_winners,
+            # The bare rows launch each key's cached winner at every occurrence; the wrapped call launches each
+            # occurrence's own (moe_rs launches one key once per destination rank). Where they differ, the
+            # wrapped call runs other kernels than the bare row, and the host column alone compares the calls.
+            differs = [f"{r.site.describe()}: wrapped `{disttune.describe_config(r.config)}`, bare "
+                       f"`{disttune.describe_config(ctx_kernel.cache[r.site.key])}`"
+                       for r in tuned_layer.report.results
+                       if disttune.describe_config(r.config) != disttune.describe_config(ctx_kernel.cache[r.site.key])]
+            contenders = {"layer, winners tuned alone (stock triton.autotune)": lambda: layer(alone_kernel),
+                          "layer, contextual winners (disttune)": lambda: layer(ctx_kernel),
+                          "layer, contextual (wrapped call)": tuned_layer}
+            # one call from idle each, the contenders interleaved round by round: drift hits them alike
+            spreads = benchmark.interleaved(contenders, rounds=self.o.iters, calls=1, warmup=self.o.warmup)
+            for name, spread in spreads.items():
+                self.record("c", s, name, spread.median, low_ms=spread.low, high_ms=spread.high, host_ms=spread.host,
+                            ctx_winners=ctx_winners, alone_winners=alone_winners,
                             alone_winners_agree_across_ranks=alone_agree, ctx_tuning_s=ctx_tuning_s,
-                            alone_tuning_s=alone_tuning_s, ctx_runs=tuned_layer.report.function_runs)
+                            alone_tuning_s=alone_tuning_s, ctx_runs=tuned_layer.report.function_runs,
+                            occurrence_winners_differ=differs)
             if self.rank == 0:
                 print(f"\n### (c) TP MoE layer, world {self.world}: T={p['T']} E={E} top-{k} H={p['H']} "
-                      f"I={p['Ir'] * self.world}, max over ranks\n")
-                print("| winners | layer ms | vs alone |")
-                print("| --- | ---: | ---: |")
-                base = results["layer, winners tuned alone (stock triton.autotune)"]
-                for name, ms in results.items():
-                    print(f"| {name} | {ms:.3f} | {base / ms:.2f}x |")
+                      f"I={p['Ir'] * self.world}, one call from idle, {self.o.iters} interleaved rounds, "
+                      "max over ranks\n")
+                print("| winners | layer ms, median [low-high] | host ms per call | vs alone |")
+                print("| --- | ---: | ---: | ---: |")
+                base = spreads["layer, winners tuned alone (stock triton.autotune)"].median
+                for name, spread in spreads.items():
+                    print(f"| {name} | {spread.text()} | {spread.host:.3f} | {base / spread.median:.2f}x |")
+                bare, wrapped = spreads["layer, contextual winners (disttune)"], spreads["layer, contextual (wrapped call)"]
+                print(f"\nwrapped call vs the same winners bare: {wrapped.median / bare.median - 1:+.1%} time, "
+                      f"{wrapped.host / bare.host - 1:+.1%} host")
+                print("occurrences whose winner differs from the one the bare rows launch: "
+                      + ("none (the wrapped call runs the bare row's kernels)" if not differs else "; ".join(differs)))
                 print(f"\ncontextual tuning: {ctx_tuning_s:.1f} s, {tuned_layer.report.function_runs} runs; "
                       f"alone: {alone_tuning_s:.1f} s; ranks' alone winners identical: {alone_agree}")
                 for key in sorted(set(ctx_winners) | set(alone_winners)):

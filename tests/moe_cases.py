@@ -10,8 +10,11 @@ so an unwritten row fails the check.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
+from collections import Counter
 
 from rank_cases import Cases, Ranks
 
@@ -21,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
+from disttune import contextual, fast_path, handlers, logs, unseen  # noqa: E402
 from disttune.kernels import moe, moe_ag  # noqa: E402
 from numerics import rel_error  # noqa: E402
 
@@ -146,6 +150,110 @@ def case_agree_tp(ctx: Ranks) -> dict:
     again = layer()  # tuned: one plain run
     return {"winners": site_winners(layer), "err": rel_error(y, ref), "again_err": rel_error(again, ref),
             "local_ids": ids.flatten().tolist()}
+
+
+#: What a tuned call may do beyond launching its winners, by kind: each entry is a real function, counted
+#: where it is called (``count_calls``), never replaced. The control plane's store operations are counted
+#: by ``CountingStore``.
+PER_CALL_WORK = {
+    "general path": [(fast_path.FastLaunch, "_launch_by_site"), (fast_path.FastLaunch, "_leave_sequence"),
+                     (fast_path.FastPlan, "finish"), (fast_path.FastPlan, "new_handler")],
+    "fallback": [(unseen.NewKeys, "launch"), (handlers.Fast, "launch_site"), (handlers, "launch_fast")],
+    "log write": [(logs.RankLog, "fallback"), (logs.RankLog, "note"), (logs.RankLog, "flush")],
+    "agreement": [(unseen.NewKeyVotes, "point"), (contextual.ContextualAutotuner, "tuning_call")],
+    "host sync": [(torch.Tensor, name) for name in ("tolist", "item", "__int__", "__float__", "__bool__")]
+                 + [(torch.cuda, "synchronize")],
+}
+
+
+class CountingStore:
+    """The communicator's rendezvous store, every operation counted into ``tally`` and then made on the real one."""
+
+    def __init__(self, store, tally: Counter) -> None:
+        self._store, self._tally = store, tally
+
+    def __getattr__(self, name: str):
+        real = getattr(self._store, name)
+
+        def operation(*args, **kwargs):
+            self._tally[f"control plane: store.{name}"] += 1
+            return real(*args, **kwargs)
+        return operation
+
+
+@contextlib.contextmanager
+def count_calls(work: dict):
+    """Count the calls of every function in ``work`` (kind -> [(owner, name)]) into a Counter keyed
+    ``kind: owner.name``; each function still runs as it is, and is put back at the end."""
+    tally: Counter = Counter()
+    saved = []
+
+    def counted(label: str, real):
+        @functools.wraps(real)
+        def call(*args, **kwargs):
+            tally[label] += 1
+            return real(*args, **kwargs)
+        return call
+
+    for kind, functions in work.items():
+        for owner, name in functions:
+            own = vars(owner).get(name)  # None: inherited (a tensor method from torch._C), put back by deleting
+            saved.append((owner, name, own))
+            label = f"{kind}: {getattr(owner, '__name__', owner)}.{name}"
+            setattr(owner, name, counted(label, getattr(owner, name)))
+    try:
+        yield tally
+    finally:
+        for owner, name, own in reversed(saved):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
+@cases.case
+def case_fast_layer(ctx: Ranks) -> dict:
+    """The TP layer wrapped whole and tuned once, then called with fresh routing every call (16 experts,
+    top-6, 4 tokens per rank: every expert's row count changes from call to call, as in a real MoE layer).
+    Per call: what the tuner did beyond launching its winners (``PER_CALL_WORK``), the rank log's size,
+    the experts' row counts and the error against the per-expert reference. Then calls with twice the
+    tokens (a row bucket no tuning call met): they run on a fallback, logged on first sight only."""
+    E, k, H, T = 16, 6, 32, 4
+    I = 16 * ctx.world
+    weights = full_problem(ctx, [T] * ctx.world, E, k, H, I, seed=1700)
+    log_dir = os.path.join(ctx.work_dir, "logs", "fast_layer")
+    log = os.path.join(log_dir, f"rank-{ctx.rank}.log")
+    kernel = moe.make_moe_kernel(None)
+
+    @disttune.contextual_autotune(**tuner_options(ctx, "fast_layer", log_dir=log_dir))
+    def layer(x, ids, wts, tokens):
+        return moe.tp_moe_layer(x, ids, wts, weights["w_gu_local"], weights["w_d_local"], kernel=kernel,
+                                tokens_per_rank=tokens, check_ids=False)
+
+    def call(seed: int, tokens: int, tally: Counter) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        counts = [tokens] * ctx.world
+        x_all = torch.randn(sum(counts), H, generator=g).to(ctx.device, DTYPE)
+        ids_all, wts_all = routing_for(sum(counts), E, k, seed + 1, ctx.device)
+        mine = slice(ctx.rank * tokens, (ctx.rank + 1) * tokens)
+        size = os.path.getsize(log)
+        tally.clear()
+        y = layer(x_all[mine], ids_all[mine], wts_all[mine], counts)
+        work = dict(tally)
+        ref = moe.moe_mlp_reference(x_all, ids_all, wts_all, weights["w_gate_up"], weights["w_down"])[mine]
+        return {"work": work, "log_grew": os.path.getsize(log) - size, "err": rel_error(y, ref),
+                "expert_rows": torch.bincount(ids_all.flatten().long(), minlength=E).tolist()}
+
+    with count_calls(PER_CALL_WORK) as tally:
+        layer(weights["x"][weights["mine"]], weights["ids"][weights["mine"]], weights["weights"][weights["mine"]],
+              [T] * ctx.world)  # the tuning call
+        plane = layer.communicator()
+        plane.store = CountingStore(plane.store, tally)
+        tuned_sites = [[r.site.kernel, repr(r.site.key), r.site.occurrence] for r in layer.report.results]
+        calls = [call(1800 + 10 * i, T, tally) for i in range(5)]
+        new_bucket = [call(1900 + 10 * i, 2 * T, tally) for i in range(2)]
+    return {"tuned_sites": tuned_sites, "calls": calls, "new_bucket": new_bucket, "fallbacks": layer.fallbacks,
+            "tuned": layer.tuned}
 
 
 @cases.case

@@ -364,6 +364,11 @@ def gloo2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gloo2_tuned_layer(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("moe2_tuned"), 2, ["fast_layer"])
+
+
+@pytest.fixture(scope="module")
 def gloo4(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("moe4"), 4, ["layer"])
 
@@ -441,6 +446,31 @@ def test_per_rank_keys_are_a_clear_error(gloo2):
         assert "ranks [0]: kernel" in msg and "ranks [1]: kernel" in msg
         assert "(64, 32, 8, 8, 2, 32," in msg and "(64, 32, 8, 8, 2, 48," in msg  # rows 16*2 vs 24*2
         assert "rank-independent" in msg
+
+
+def test_tuned_layer_with_new_routing_every_call_launches_its_winners_and_nothing_else(gloo2_tuned_layer):
+    """The TP layer wrapped whole and tuned, then called with fresh routing every call (every expert's row
+    count changes): after the call that learns the launch sequence, no call reads a key the general way,
+    takes a fallback, writes to the rank log, touches the control plane, tunes or reads a value back from
+    the device, on any rank. A new row bucket (twice the tokens) is served by the same fallback on every
+    rank, logged on its first call only."""
+    values = _values(gloo2_tuned_layer["fast_layer"])
+    for rank, value in enumerate(values):
+        assert value["tuned"] and [site[2] for site in value["tuned_sites"]] == [0, 0, 1]  # AG; RS to rank 0, 1
+        first, *later = value["calls"]
+        assert first["work"] and all(kind.startswith("general path") for kind in first["work"]), first["work"]
+        rows = [c["expert_rows"] for c in value["calls"]]
+        assert all(a != b for a, b in zip(rows, rows[1:])), f"the routing should change every call: {rows}"
+        for i, c in enumerate(later, 1):
+            assert c["work"] == {} and c["log_grew"] == 0, f"rank {rank}, call {i} after tuning: {c['work']}"
+        for c in value["calls"] + value["new_bucket"]:
+            assert c["err"] < 2e-2, f"rank {rank}: {c}"
+        seen, again = value["new_bucket"]
+        assert seen["work"]["fallback: NewKeys.launch"] == 3 and seen["work"]["log write: RankLog.fallback"] == 3
+        assert seen["log_grew"] > 0
+        assert again["work"]["fallback: NewKeys.launch"] == 3 and again["log_grew"] == 0
+        assert not [kind for kind in again["work"] if kind.startswith(("log write", "control plane", "agreement"))]
+    assert values[0]["fallbacks"] == values[1]["fallbacks"] and len(values[0]["fallbacks"]) == 3
 
 
 def _check_graph(per_rank, must_capture: bool):
