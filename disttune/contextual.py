@@ -200,6 +200,18 @@ class KernelTuningCall(TuningCall):
         if not self.setup_failed:
             self.log.flush()  # type: ignore[union-attr]
 
+    def failed(self, error: BaseException) -> None:
+        """The error goes into the rank log, under the job's run where the consensus agreed on it, so the report
+        of the run names the failure rather than an earlier run's winners."""
+        if self.setup_failed:
+            return
+        self.log.run = self.agreement.run or self.log.run  # type: ignore[union-attr]
+        self.log.failure(" ".join(f"{type(error).__name__}: {error}".split()))  # type: ignore[union-attr]
+        try:
+            self.log.flush()  # type: ignore[union-attr]
+        except OSError:  # the error being raised says more than a log that cannot be written
+            pass
+
 
 class ContextualAutotuner:
     """The callable that ``contextual_autotune`` returns. See :func:`contextual_autotune`."""
