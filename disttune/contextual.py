@@ -30,7 +30,7 @@ import os
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from . import console, diagnostics, env, verify, warmup
+from . import console, diagnostics, env, startup, verify, warmup
 from . import store as stores
 from .agreement import SiteResult, TuningError, TuningReport
 from .checks import make_check
@@ -219,6 +219,7 @@ class ContextualAutotuner:
     def __init__(self, fn: Callable[..., Any], is_dist: bool = False, n_repeat: int = 5, n_warmup: int = 3,
                  **options: Any) -> None:
         self.options = Options(is_dist, n_repeat, n_warmup, **options)
+        startup.start()  # a disttune error ends the job in one line; unknown DISTTUNE_* variables are named
         warmup.start_for_tuner()  # Triton's one-time initialisation, off the first tuning call
         functools.update_wrapper(self, fn)
         self.fn = fn

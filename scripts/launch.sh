@@ -191,7 +191,8 @@ print(s.getsockname()[1])' 2>/dev/null || echo $((29500 + RANDOM % 1000)))
     fi
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
+# torchrun itself, but a failed job's report is one line (scripts/torchrun_one_line.py; DISTTUNE_TRACEBACK=1: all of it)
+exec "$PYTHON" "${repo_root}/scripts/torchrun_one_line.py" \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --nproc_per_node="$nproc" \

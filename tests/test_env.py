@@ -180,7 +180,7 @@ def test_the_demo_sends_its_ranks_logs_to_the_log_dir(monkeypatch, tmp_path):
     import disttune.cli
 
     launched = []
-    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world: None)
+    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world, parser: None)
     monkeypatch.setattr(disttune.cli, "launch_demo", lambda command, env: launched.append(env) or 3)
     monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "from-env"))
     assert disttune.cli.main(["demo"]) == 3
