@@ -63,7 +63,7 @@ def test_store_subcommands_round_trip(tmp_path, capsys):
     capsys.readouterr()
     assert main(["show"]) == 0
     shown = capsys.readouterr().out
-    assert "tiny_kernels.add_block key=(64," in shown and "world 1" in shown
+    assert "tiny_kernels.add_block n=64 dtype=float32 occurrence=0 -> " in shown and "world 1" in shown  # as the report
     assert "-> BLOCK=64 w1 s3  [" in shown and "maxnreg" not in shown  # the one config label
     table = tmp_path / "winners.json"
     assert main(["export", str(table)]) == 0 and len(json.loads(table.read_text())["entries"]) == 1
@@ -90,7 +90,7 @@ def test_report_of_an_empty_directory_is_an_error_not_a_crash(tmp_path, capsys):
 ])
 def test_demo_passes_what_it_does_not_know_to_the_example(argv, example_args, nproc, monkeypatch, tmp_path):
     launched = []
-    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world: None)
+    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world, parser: None)
     monkeypatch.setattr(disttune.cli, "launch_demo", lambda command, env: launched.append(command) or 3)
     assert main(["demo", "--log-dir", str(tmp_path), *argv]) == 3  # the example's exit status
     (command,) = launched
@@ -224,6 +224,7 @@ def test_an_unknown_disttune_variable_is_a_warning_naming_the_likely_one(monkeyp
                                        "(did you mean DISTTUNE_TIMEOUT?)\n")
 
 
+@pytest.mark.slow
 def test_a_ranks_error_is_printed_once_in_rank_order(tmp_path):
     """Both ranks fail alike inside the layer (top-k larger than the experts): one line naming both, not two
     tracebacks and torchrun's ChildFailedError report."""

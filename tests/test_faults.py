@@ -44,6 +44,7 @@ def agreed(per_rank: list[dict], *fields: str) -> None:
     assert not any(ending.values()), (ending, per_rank)
 
 
+@pytest.mark.slow
 def test_compile_failures_on_one_rank_all_ranks_and_every_config(tmp_path):
     results = launch(tmp_path, 2, ["compile_fault_one_rank", "compile_fault_all_ranks",
                                                         "compile_fault_every_config_one_rank"])
@@ -102,6 +103,7 @@ def run_ranks_without_supervisor(world: int, args: list[str], timeout: float) ->
         raise
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_tuning_is_an_error_on_the_others(tmp_path):
     procs = run_ranks_without_supervisor(3, [str(CASES), "rank_killed", "--out", str(tmp_path)], timeout=120)
     faults_seen(procs[2].returncode == -9)

@@ -225,11 +225,12 @@ def _check_timeout(proc: subprocess.CompletedProcess[str], names: str) -> None:
     assert m, describe(proc)
     assert "'gather-timings'" in m["msg"], describe(proc)  # the message names the step
     assert names in m["msg"], describe(proc)
-    assert 1.5 <= float(m["elapsed"]) < 15.0, describe(proc)  # waited ~timeout_s, then gave up
+    assert 1.5 <= float(m["elapsed"]) < 60.0, describe(proc)  # waited ~timeout_s, then gave up: no hang
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, describe(proc)
     assert proc.returncode == 0, describe(proc)
 
 
+@pytest.mark.slow
 @mpi
 def test_mpicomm_timeout_names_the_step(tmp_path) -> None:
     script = write_script(tmp_path, TIMEOUT_SCRIPT)
@@ -237,6 +238,7 @@ def test_mpicomm_timeout_names_the_step(tmp_path) -> None:
     _check_timeout(proc, "rank 0: ")  # MPI cannot tell who is missing: the waiting rank is named
 
 
+@pytest.mark.slow
 def test_torchcomm_timeout_names_the_step_and_the_missing_rank(tmp_path) -> None:
     script = write_script(tmp_path, TIMEOUT_SCRIPT)
     proc = run_launch(["--nproc_per_node", "2", str(script), "torch", str(tmp_path / "flag")], timeout=TIMEOUT_S)

@@ -193,6 +193,7 @@ def two_ranks(tmp_path_factory):
                      extra_env={"DISTTUNE_TIMEOUT": "30"})
 
 
+@pytest.mark.slow
 def test_ranks_with_different_memory_readings_pick_the_same_winner_from_agreed_values(two_ranks):
     records = two_ranks["memory"]
     assert all(r["ok"] for r in records), records

@@ -198,6 +198,7 @@ def _hammer(root: str, winner: int, rounds: int) -> None:
         target.save(entry, winner, [1.0] * 5, {"padding": "x" * 20000})
 
 
+@pytest.mark.slow
 def test_concurrent_writers_never_tear_a_file(tmp_path):
     root = str(tmp_path / "shared")
     context = multiprocessing.get_context("spawn")
