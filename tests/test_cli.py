@@ -116,6 +116,17 @@ def test_argument_errors_print_the_subcommands_usage(argv, capsys):
     assert err.startswith(f"usage: disttune {argv[0]} ") and f"disttune {argv[0]}: error: " in err, err
 
 
+def test_an_argument_the_example_refuses_gets_the_demos_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--M", "abc"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    usage, error = err.strip().splitlines()
+    assert usage.startswith("usage: disttune demo ") and "--nproc N" in usage and "--kernel NAME" in usage, err
+    assert error == ("disttune demo: error: argument --M: invalid int value: 'abc' (`disttune demo -- --help` lists "
+                     "the example's arguments)"), err
+
+
 def entry(**changes) -> dict:
     """One winners-table entry, as export_table writes it."""
     record = {"schema": 1, "kind": "kernel", "name": "pkg.kernel", "source_key": "abc", "key": "(64,)",
@@ -232,7 +243,8 @@ def test_a_ranks_error_is_printed_once_in_rank_order(tmp_path):
                         str(tmp_path / "logs")], timeout=300, extra_env={"DISTTUNE_CACHE_DIR": str(tmp_path / "store")})
     assert proc.returncode != 0, describe(proc)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("disttune demo: ")]
-    assert lines == ["disttune demo: ranks 0, 1: RuntimeError: selected index k out of range"], describe(proc)
+    assert lines == ["disttune demo: ranks 0, 1: RuntimeError: selected index k out of range "
+                     "(DISTTUNE_TRACEBACK=1 prints the tracebacks)"], describe(proc)
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, describe(proc)
 
 

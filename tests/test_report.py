@@ -457,7 +457,7 @@ def test_a_run_that_failed_is_reported_with_its_error_not_an_earlier_runs_winner
                                "disagree on what to tune: key=(64,) on rank 0, (80,) on rank 1"]
     markdown = report.markdown_path.read_text()
     assert "It covers the run started 2026-11-26T11:00:00Z (pid 200)" in markdown
-    assert "No tuning sites in the logs." in markdown and "No problems found" not in markdown
+    assert "No tuning sites in this run." in markdown and "No problems found" not in markdown
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["report.md"], "the first run's plots are gone"
 
 

@@ -259,7 +259,7 @@ def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites:
     if sites:
         parts += ["## Summary", "", format_summary(sites), ""]
     else:
-        parts += ["No tuning sites in the logs.", ""]
+        parts += ["No tuning sites in the logs." if not runs or all_runs else "No tuning sites in this run.", ""]
     if fallbacks:
         parts += ["## Keys served by a fallback", "",
                   "Keys met after tuning that no tuning covered (`on_new_key`): each ran, with no collective, on "
