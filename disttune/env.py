@@ -37,7 +37,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
     "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
-    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id", "check_settings", "setting_error",
+    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id", "check_settings", "setting_error", "launcher_rank",
     "traceback_requested", "settings_checked",
 ]
 
@@ -296,6 +296,16 @@ def local_world_size(environ: Mapping[str, str] = os.environ) -> int:
         if environ.get(name, "").isdigit():
             return int(environ[name])
     return _slurm_local_size(environ) or 1
+
+
+def launcher_rank(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(rank, world size) as the launcher's variables give them, read without starting MPI (so it is safe where
+    the peers are elsewhere, as at exit); (0, 1) without a launcher or where they do not parse."""
+    for rank, size in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                       ("PMIX_RANK", "PMIX_SIZE"), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")):
+        if environ.get(rank, "").isdigit() and environ.get(size, "").isdigit():
+            return int(environ[rank]), int(environ[size])
+    return 0, 1
 
 
 def _slurm_local_size(environ: Mapping[str, str]) -> Optional[int]:

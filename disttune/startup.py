@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional
 
 from . import env
 
-__all__ = ["SETTLE_S", "TRACEBACK_HINT", "error_text", "is_disttune_error", "start", "watch", "warn_of_settings"]
+__all__ = ["SETTLE_S", "TRACEBACK_HINT", "error_text", "is_disttune_error", "settle", "start", "watch",
+           "warn_of_settings"]
 
 #: How long a failing rank waits for its peers' errors before the job's line is printed.
 SETTLE_S = 2.0
@@ -133,11 +134,7 @@ def _where(job: _Job) -> tuple[Any, int, int]:
             return control_store(), dist.get_rank(), dist.get_world_size()
     except Exception:  # noqa: BLE001 - a group torn down: the launcher's word below
         pass
-    try:
-        launch = env.detect()
-    except Exception:  # noqa: BLE001 - the launcher's variables are what failed
-        return None, 0, 1
-    return None, launch.rank, launch.world_size
+    return (None, *env.launcher_rank())
 
 
 def _line(text: str, where: tuple[int, int]) -> str:
@@ -160,6 +157,13 @@ def _job_lines(job: _Job, text: str, setting: bool) -> list[str]:
         return [_line(text, (0, 1))] if env.local_rank() == 0 else []
     if store is None or world_size == 1:
         return [_line(text, (rank, world_size))]
+    return settle(store, rank, world_size, text)
+
+
+def settle(store: Any, rank: int, world_size: int, text: str) -> list[str]:
+    """The lines ``rank`` prints of its job's ending, ``text`` being its own error (see the module doc): every
+    distinct line of the ranks that posted within :data:`SETTLE_S`, each with its ranks, on the lowest of them;
+    on the others, their own line only where the lowest did not cover it. A few store round trips."""
     keys = [f"{_KEYS}/{r}" for r in range(world_size)]
     store.set(keys[rank], text)
     deadline = time.monotonic() + SETTLE_S

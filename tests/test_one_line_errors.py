@@ -117,3 +117,44 @@ def test_other_errors_keep_their_traceback_and_a_misspelled_setting_is_named_onc
     warnings = [line for line in proc.stderr.splitlines() if "DISTTUNE_TIMOUT" in line]
     assert warnings == ["disttune: warning: DISTTUNE_TIMOUT is not a disttune setting (did you mean "
                         "DISTTUNE_TIMEOUT?)"], describe(proc)
+
+
+def settled(monkeypatch, texts: dict[int, str], world: int, late: dict[int, float] | None = None
+            ) -> dict[int, list[str]]:
+    """What each rank of ``texts`` prints when they end at once (``late``: seconds a rank ends after the others),
+    each a thread with its own client of one real TCPStore."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from disttune import startup
+
+    monkeypatch.setattr(startup, "SETTLE_S", 0.5)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    printed: dict[int, list[str]] = {}
+
+    def rank(r: int) -> None:
+        time.sleep((late or {}).get(r, 0.0))
+        client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=30))
+        printed[r] = startup.settle(client, r, world, texts[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads), "settling must end"
+    return printed
+
+
+def test_the_lowest_rank_that_failed_prints_each_distinct_line_once_with_its_ranks(monkeypatch):
+    hint = " (DISTTUNE_TRACEBACK=1 prints the traceback)"
+    printed = settled(monkeypatch, {0: "TuningError: A", 1: "TuningError: A", 2: "CollectiveTimeout: B"}, 3)
+    assert printed == {0: ["disttune: ranks 0, 1: TuningError: A" + hint, "disttune: rank 2: CollectiveTimeout: B" + hint],
+                       1: [], 2: []}
+    printed = settled(monkeypatch, {1: "TuningError: A", 2: "TuningError: A"}, 3)  # rank 0 carries on elsewhere
+    assert printed == {1: ["disttune: ranks 1, 2: TuningError: A" + hint], 2: []}
+    printed = settled(monkeypatch, {0: "TuningError: A", 1: "TuningError: C"}, 2, late={1: 2.0})
+    assert printed == {0: ["disttune: rank 0: TuningError: A" + hint], 1: ["disttune: rank 1: TuningError: C" + hint]}
