@@ -92,7 +92,7 @@ def mpi_job(allreduce_script) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_exits_zero() -> None:
-    proc = run_launch(["--help"], timeout=30)
+    proc = run_launch(["--help"], timeout=120)
     assert proc.returncode == 0, describe(proc)
     assert "Usage:" in proc.stdout and "--nproc_per_node" in proc.stdout and "--mpi" in proc.stdout
 
@@ -105,7 +105,7 @@ def test_bad_usage_is_a_clear_error(tmp_path) -> None:
         (["--nproc_per_node=zero", str(script)], "positive integer"),
         ([str(tmp_path / "missing.py")], "not found"),
     ):
-        proc = run_launch(args, timeout=30)
+        proc = run_launch(args, timeout=120)
         assert proc.returncode == 2, describe(proc)
         assert needle in proc.stderr, describe(proc)
         assert "should not run" not in proc.stdout

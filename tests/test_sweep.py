@@ -119,14 +119,14 @@ def test_disttune_sweep_runs_the_moe_example_on_two_ranks_and_serves_from_its_ta
 def test_disttune_sweep_names_a_missing_script_or_a_script_that_did_not_sweep(tmp_path):
     from helpers import describe, run_command, write_script
 
-    missing = run_command([sys.executable, "-m", "disttune", "sweep", str(tmp_path / "nope.py")], timeout=60)
+    missing = run_command([sys.executable, "-m", "disttune", "sweep", str(tmp_path / "nope.py")], timeout=120)
     assert missing.returncode == 1 and "disttune sweep: no such script" in missing.stderr, describe(missing)
     script = write_script(tmp_path, "print('no sweep here')\n")
     (tmp_path / "t.json").write_text('{"schema": 1, "entries": []}')  # an earlier run's table is not this run's
     idle = run_command([sys.executable, "-m", "disttune", "sweep", "--nproc", "1", "--table", str(tmp_path / "t.json"),
                         str(script)], timeout=120)
     assert idle.returncode == 1 and "finished without a sweep writing" in idle.stderr, describe(idle)
-    usage = run_command([sys.executable, "-m", "disttune", "sweep"], timeout=60)
+    usage = run_command([sys.executable, "-m", "disttune", "sweep"], timeout=120)
     assert usage.returncode == 2 and "the following arguments are required: script\n" in usage.stderr, describe(usage)
     assert "SCRIPT [SCRIPT ARGS ...]" in usage.stderr  # the script's arguments: optional
 
