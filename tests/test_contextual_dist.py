@@ -177,6 +177,7 @@ def test_subgroups_agree_within_themselves(gloo4):
     assert by_pair == {0: {0}, 1: {2}}
 
 
+@pytest.mark.slow
 @mpi
 def test_mpi_communicator(mpi2):
     results, _ = mpi2
@@ -196,6 +197,7 @@ def test_a_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path):
     assert 2.5 < waiting["elapsed_s"] < 60, "the 3 s timeout, not a hang"
 
 
+@pytest.mark.slow
 def test_one_rank_over_torch_distributed(tmp_path):
     results = _launch(tmp_path, 1, ["agree_max", "second_call"])
     check_agreement(results["agree_max"], "max")

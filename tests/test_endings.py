@@ -80,6 +80,7 @@ def named_everywhere(text: str, calls: list[dict]) -> bool:
     return all(text in str(call.get("error")) for call in calls)
 
 
+@pytest.mark.slow
 def test_an_error_in_the_final_run_is_the_same_error_on_every_rank(tmp_path):
     results = launch(tmp_path, ["raise_in_final_run", "function_final_call_raises_on_one_rank"])
     per_rank = results["raise_in_final_run"]
@@ -143,6 +144,7 @@ def test_a_local_error_before_a_collective_reaches_the_peers_at_once(tmp_path):
         assert all(r["seconds"] < TIMEOUT_S / 4 for r in results[case]), results[case]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["raise_before_collective", "raise_before_collective_in_discovery"])
 def test_user_code_raising_before_the_steps_own_collective_is_named_on_every_rank(tmp_path, case):
     """Rank 1 raises before the all_reduce that rank 0 waits in (in a tuning run, in the discovery run): rank 0's
@@ -163,6 +165,7 @@ def test_user_code_raising_before_the_steps_own_collective_is_named_on_every_ran
         assert record["elapsed_s"] < 30.0, "ended at once, not by the tuner's timeout (30 s) or gloo's"
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
     (per_rank,) = launch(tmp_path, ["bad_inputs"]).values()
     for record in per_rank:
@@ -193,6 +196,7 @@ def test_bad_inputs_are_refused_before_tuning_on_every_rank(tmp_path):
         assert not any(ending.values()), (what, ending, calls)
 
 
+@pytest.mark.slow
 def test_a_tuning_setting_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
     """DISTTUNE_ALWAYS_TUNE, a bad DISTTUNE_TIMEOUT and DISTTUNE_COMPILE_OVERLAP set on rank 1 only: agreed in
     the consensus (or raised there), never a peer left waiting or a setting silently ignored."""

@@ -64,6 +64,7 @@ def test_compile_failures_on_one_rank_all_ranks_and_every_config(tmp_path):
     assert "rank 0:" in every[0]["error_message"] and "BLOCK must be smaller than LIMIT" in every[0]["error_message"]
 
 
+@pytest.mark.slow
 def test_exceptions_inside_the_function_at_any_point(tmp_path):
     results = launch(tmp_path, 2, ["raise_first_run", "raise_in_run", "raise_last_config"])
     for case, where in (("raise_first_run", "discovery run"), ("raise_in_run", "tuning run 4/"),
@@ -142,6 +143,7 @@ def test_soak_200_tunings_on_four_ranks_always_agree(tmp_path):
         assert result["fds"][1] <= result["fds"][0] + 2, f"open files grew: {result['fds']}"
 
 
+@pytest.mark.slow
 @mpi
 def test_faults_under_mpi(tmp_path):
     results = launch(tmp_path, 2, ["compile_fault_one_rank", "raise_first_run"], mpi=True)

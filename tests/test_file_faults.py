@@ -36,6 +36,7 @@ def launch(tmp_path: Path, cases: list[str], world: int = 2, timeout: float = 30
     return read_records(out, cases, range(world), proc)
 
 
+@pytest.mark.slow
 def test_damaged_store_entries_are_a_warning_and_a_retune(tmp_path):
     (per_rank,) = launch(tmp_path, ["damaged_store"]).values()
     for result in per_rank:

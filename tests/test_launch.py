@@ -161,6 +161,7 @@ MPICOMM_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 @mpi
 def test_mpicomm_collectives(tmp_path) -> None:
     script = write_script(tmp_path, MPICOMM_SCRIPT)

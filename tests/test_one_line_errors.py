@@ -58,6 +58,7 @@ def test_under_launch_sh_a_disttune_error_is_one_line_then_the_exit_status(scrip
                         r"stopped rank (0|1)\)); exit status 1", lines[1]), lines
 
 
+@pytest.mark.slow
 def test_the_traceback_comes_on_request(script):
     proc = run_launch(["--nproc_per_node=2", str(script)], timeout=240, extra_env={"DISTTUNE_TRACEBACK": "1"})
     assert proc.returncode == 1, describe(proc)

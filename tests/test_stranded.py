@@ -149,6 +149,7 @@ def test_faults_that_strand_nobody_on_gloo(tmp_path):
     check_kept_cases(results, 2, TALLY)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
 @pytest.mark.parametrize("case", ["raise_before_collective", "raise_before_collective_in_final_run"])
 def test_a_raise_before_the_steps_collective_ends_every_gloo_rank_at_once(tmp_path, case):
