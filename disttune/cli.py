@@ -62,19 +62,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_environment(command: str) -> None:
-    """Refuse bad ``DISTTUNE_*`` settings before any rank starts (one line, no traceback); warn of unknown ones."""
+def check_environment(command: str) -> dict[str, str]:
+    """Refuse bad ``DISTTUNE_*`` settings before any rank starts (one line, no traceback); warn of unknown ones.
+    Returns what the ranks' environment adds: that the settings were checked (so the ranks do not warn again)."""
     errors, warnings = env.check_settings()
     for warning in warnings:
         print(f"disttune {command}: warning: {warning}", file=sys.stderr)
     if errors:
         raise CommandError("; ".join(errors))
+    return {env.SETTINGS_CHECKED: "1"}
 
 
-def sizes_problem(example: Path, argv: Sequence[str], world: int) -> Optional[str]:
+def sizes_problem(example: Path, argv: Sequence[str], world: int, parser: argparse.ArgumentParser) -> Optional[str]:
     """The example's own check of its arguments at ``world`` ranks (its ``parse_args`` and ``sizes_error``),
-    run here before any rank starts. A bad argument exits with the example's usage (status 2)."""
+    run here before any rank starts. An argument the example refuses is an error with the demo's usage
+    (``parser``'s, status 2); ``--help`` after ``--`` prints the example's help (status 0)."""
+    import contextlib
     import importlib.util
+    import io
 
     spec = importlib.util.spec_from_file_location(f"disttune_demo_{example.stem}", example)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -83,7 +88,17 @@ def sizes_problem(example: Path, argv: Sequence[str], world: int) -> Optional[st
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     finally:
         sys.path.remove(str(example.parent))
-    return module.sizes_error(module.parse_args(list(argv)), world)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            options = module.parse_args(list(argv))
+    except SystemExit as exit_info:
+        if not exit_info.code:
+            raise
+        refusal = said.getvalue().strip().splitlines()[-1:] or [f"bad example arguments: {' '.join(argv)}"]
+        parser.error(f"{refusal[0].split(': error: ', 1)[-1]} (`disttune demo -- --help` lists the example's "
+                     "arguments)")
+    return module.sizes_error(options, world)
 
 
 def visible_gpus() -> int:
@@ -94,9 +109,12 @@ def visible_gpus() -> int:
 
 def launch_demo(command: list[str], child_env: dict[str, str]) -> int:
     """Run the demo's ranks: their output as it comes, each rank's error once, in rank order, at the end (not every
-    rank's traceback and the launcher's report, which are printed only where no rank said what went wrong)."""
+    rank's traceback and the launcher's report, which are printed only where no rank said what went wrong, or
+    with ``DISTTUNE_TRACEBACK=1``)."""
     import tempfile
 
+    if env.traceback_requested():
+        return subprocess.call(command, env=child_env)
     with tempfile.TemporaryDirectory(prefix="disttune-demo-") as folder:
         proc = subprocess.run(command, env={**child_env, "DISTTUNE_DEMO_ERRORS": folder}, stderr=subprocess.PIPE,
                               text=True)
@@ -110,7 +128,8 @@ def launch_demo(command: list[str], child_env: dict[str, str]) -> int:
         by_text.setdefault(errors[rank], []).append(rank)
     for text, ranks in by_text.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        print(f"disttune demo: {who}: {text.removeprefix('disttune: ')}", file=sys.stderr)
+        print(f"disttune demo: {who}: {text.removeprefix('disttune: ')} ({env.TRACEBACK}=1 prints the tracebacks)",
+              file=sys.stderr)
     return proc.returncode
 
 
@@ -127,13 +146,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not example.exists():
         print(f"disttune demo: the {args.kernel} example is missing from this checkout ({example})", file=sys.stderr)
         return 2
-    check_environment("demo")
-    problem = sizes_problem(example, args.example_args, args.nproc or visible_gpus() or 2)
+    checked = check_environment("demo")
+    problem = sizes_problem(example, args.example_args, args.nproc or visible_gpus() or 2, args.parser)
     if problem:
         raise CommandError(problem)
     log_dir = resolve_log_dir(args.log_dir).resolve()
     command = ["bash", str(launcher)] + ([f"--nproc_per_node={args.nproc}"] if args.nproc else []) + [str(example)]
-    code = launch_demo(command + list(args.example_args), env.environ_with_log_dir(log_dir))
+    code = launch_demo(command + list(args.example_args), {**env.environ_with_log_dir(log_dir), **checked})
     if code != 0:
         return code
     from .report import build_report
@@ -150,20 +169,31 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CommandError(f"needs a source checkout (missing {launcher})")
     if not script.is_file():
         raise CommandError(f"no such script: {script}")
-    check_environment("sweep")
+    checked = check_environment("sweep")
     table = Path(args.table).resolve()
     table.parent.mkdir(parents=True, exist_ok=True)
-    child_env = env.environ_with_log_dir(resolve_log_dir(args.log_dir).resolve())
+    child_env = {**env.environ_with_log_dir(resolve_log_dir(args.log_dir).resolve()), **checked}
     child_env["DISTTUNE_SWEEP_TABLE"] = str(table)
     command = ["bash", str(launcher)] + ([f"--nproc_per_node={args.nproc}"] if args.nproc else []) + [str(script)]
+    before = file_identity(table)
     code = subprocess.call(command + list(args.script_args), env=child_env)
     if code != 0:
         return code
-    if not table.exists():
+    if file_identity(table) in (None, before):  # a table left by an earlier run is not this run's
         raise CommandError(f"{script} finished without a sweep writing {table} (call step.sweep(cases) in it)")
     print(f"pinned table: {table} ({len(store.load_table(table)['entries'])} winner(s)); deploy it with "
           f"pinned= and on_new_key='nearest'")
     return 0
+
+
+def file_identity(path: Path) -> Optional[tuple[int, int, int]]:
+    """What changes when ``path`` is written again (a table is written to a new file renamed into place): its
+    inode, size and modification time; None where there is no file."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -203,7 +233,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             continue
         fingerprint = record["fingerprint"]
         winner = record["configs"][record["winner"]]
-        print(f"  {record['name']} key={record['key']} occurrence={record.get('occurrence', 0)} -> "
+        key = record["key_text"] if isinstance(record.get("key_text"), str) else f"key={record['key']}"
+        print(f"  {record['name']} {key} occurrence={record.get('occurrence', 0)} -> "
               f"{describe_config(str(winner))}  [{fingerprint.get('gpu') or 'cpu'}, "
               f"world {fingerprint.get('world_size')}, triton {fingerprint.get('triton')}, "
               f"age {_age(record.get('created'))}, env {path.stem.split('-')[-1]}]")
@@ -281,16 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep", help="run a script's sweeps on the launcher and keep their pinned winners table",
         usage="disttune sweep [-h] [--nproc N] [--table FILE] [--log-dir DIR] SCRIPT [SCRIPT ARGS ...]",
         description="Launch SCRIPT through scripts/launch.sh with DISTTUNE_SWEEP_TABLE set, so that its "
-                    "step.sweep(cases) calls write the winners they tuned to --table; arguments after SCRIPT go "
-                    "to it.")
+                    "step.sweep(cases) calls write the winners of the job's sweeps to --table (a sweep that passes "
+                    "table= writes that file too); arguments after SCRIPT, if any, go to it.")
     sweep.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                        help="ranks (default: GPUs present, else 2)")
     sweep.add_argument("--table", default="winners.json", metavar="FILE",
-                       help="the pinned winners table to write (default: winners.json)")
+                       help="the pinned winners table of every sweep of the job (default: winners.json)")
     sweep.add_argument("--log-dir", default=None, metavar="DIR",
                        help="where the per-rank logs go (default: $DISTTUNE_LOG_DIR or logs)")
     sweep.add_argument("script", help="the Python script that sweeps")
-    sweep.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    # REMAINDER takes every argument after SCRIPT as the script's, even --nproc; it may take none
+    sweep.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS).required = False
     sweep.set_defaults(run=cmd_sweep, parser=sweep)
 
     report = sub.add_parser("report", help="merge rank-*.log into a Markdown report with plots")

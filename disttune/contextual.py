@@ -30,7 +30,7 @@ import os
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from . import console, diagnostics, env, verify, warmup
+from . import console, diagnostics, env, startup, verify, warmup
 from . import store as stores
 from .agreement import SiteResult, TuningError, TuningReport
 from .checks import make_check
@@ -200,6 +200,18 @@ class KernelTuningCall(TuningCall):
         if not self.setup_failed:
             self.log.flush()  # type: ignore[union-attr]
 
+    def failed(self, error: BaseException) -> None:
+        """The error goes into the rank log, under the job's run where the consensus agreed on it, so the report
+        of the run names the failure rather than an earlier run's winners."""
+        if self.setup_failed:
+            return
+        self.log.run = self.agreement.run or self.log.run  # type: ignore[union-attr]
+        self.log.failure(" ".join(f"{type(error).__name__}: {error}".split()))  # type: ignore[union-attr]
+        try:
+            self.log.flush()  # type: ignore[union-attr]
+        except OSError:  # the error being raised says more than a log that cannot be written
+            pass
+
 
 class ContextualAutotuner:
     """The callable that ``contextual_autotune`` returns. See :func:`contextual_autotune`."""
@@ -207,6 +219,7 @@ class ContextualAutotuner:
     def __init__(self, fn: Callable[..., Any], is_dist: bool = False, n_repeat: int = 5, n_warmup: int = 3,
                  **options: Any) -> None:
         self.options = Options(is_dist, n_repeat, n_warmup, **options)
+        startup.start()  # a disttune error ends the job in one line; unknown DISTTUNE_* variables are named
         warmup.start_for_tuner()  # Triton's one-time initialisation, off the first tuning call
         functools.update_wrapper(self, fn)
         self.fn = fn

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from . import device
+from . import device, startup
+from .comm import control_store
 from .ending import abort_process_groups
 from .env import DistEnvError, LaunchEnv, Launcher, check_mpi_agrees, detect, mpi_comm_world
 from .env import timeout_s as timeout_seconds
@@ -180,7 +181,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     default ``$DISTTUNE_TIMEOUT`` or 300 s; the group's own is :data:`GROUP_TIMEOUT_MARGIN_S` longer.
 
     Idempotent: if a default group already exists (ours or the caller's) this returns
-    its :class:`DistInfo` without touching it. Cost of the first call: a rendezvous
+    its :class:`DistInfo` without touching it. From its first call on, a disttune error ends the process in
+    one line per job, and unknown ``DISTTUNE_*`` variables are named (:mod:`disttune.startup`). Cost of the first call: a rendezvous
     (one TCP connection per rank to rank 0's store) and, for NCCL, communicator set-up;
     on a GPU it also starts :func:`disttune.warm_up` on a background thread (Triton's
     one-time initialisation, off the first tuning call; ``DISTTUNE_WARM_UP=0`` turns it off).
@@ -189,11 +191,13 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     global _INFO, _STORE
     import torch.distributed as dist
 
+    startup.start()  # a disttune error ends the job in one line; unknown DISTTUNE_* variables are named
     if not dist.is_available():
         raise RuntimeError("disttune.dist: this torch build has no torch.distributed support")
     if dist.is_initialized():
         if _INFO is None:
             _INFO = _info_from_group(detect())
+            startup.watch(control_store(), _INFO.rank, _INFO.world_size)
         return _INFO
 
     timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s) + GROUP_TIMEOUT_MARGIN_S)
@@ -231,6 +235,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     # which blocks without a timeout if a peer never arrives.
     dist.barrier()
     _STORE = store
+    startup.watch(control_store(), dist.get_rank(), dist.get_world_size())
     _INFO = DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -37,7 +37,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
     "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
     "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
-    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id", "check_settings",
+    "compile_overlap", "timeout_or_error", "tuning_settings", "run_id", "check_settings", "setting_error", "launcher_rank",
+    "traceback_requested", "settings_checked",
 ]
 
 Launcher = Literal["torchrun", "mpi", "single"]
@@ -57,6 +58,17 @@ MOE_POISON = "DISTTUNE_MOE_POISON"
 class DistEnvError(RuntimeError, ValueError):
     """A launcher or ``DISTTUNE_*`` variable is missing, malformed or inconsistent (the message says which)."""
 
+    #: True where the error follows from a setting alone (a ``DISTTUNE_*`` variable, the timeout): then it is
+    #: the same on every rank that shares the environment and the code
+    from_settings: bool = False
+
+
+def setting_error(message: str) -> DistEnvError:
+    """A :class:`DistEnvError` about a setting (``from_settings``)."""
+    error = DistEnvError(message)
+    error.from_settings = True
+    return error
+
 
 # --------------------------------------------------------------------------- settings
 
@@ -64,7 +76,7 @@ class DistEnvError(RuntimeError, ValueError):
 def timeout_s(value: Optional[float] = None, environ: Mapping[str, str] = os.environ) -> float:
     """The per-collective timeout in seconds: ``value`` if given, else ``$DISTTUNE_TIMEOUT``, else 300.
 
-    Raises :class:`DistEnvError` (a ``ValueError``) for zero, a negative number, infinity, NaN or text
+    Raises :class:`DistEnvError` (a ``ValueError``, ``from_settings``) for zero, a negative number, infinity, NaN or text
     that is not a number, naming where the value came from: never a silent default.
     """
     source = "timeout_s"
@@ -76,17 +88,20 @@ def timeout_s(value: Optional[float] = None, environ: Mapping[str, str] = os.env
         try:
             value = float(raw)
         except ValueError:
-            raise DistEnvError(f"disttune: {TIMEOUT}={raw!r} is not a number of seconds; e.g. "
-                               f"export {TIMEOUT}=300") from None
+            raise setting_error(f"disttune: {TIMEOUT}={raw!r} is not a number of seconds; e.g. "
+                                f"export {TIMEOUT}=300") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise DistEnvError(f"disttune: timeout_s must be a positive number of seconds, got {value!r} ({source})")
+        raise setting_error(f"disttune: timeout_s must be a positive number of seconds, got {value!r} ({source})")
     return float(value)
 
 
+TRACEBACK = "DISTTUNE_TRACEBACK"
+SETTINGS_CHECKED = "DISTTUNE_SETTINGS_CHECKED"
+
 #: Every DISTTUNE_* variable disttune reads, and the test suite's DISTTUNE_REQUIRE_MPI.
 KNOWN = (TIMEOUT, CACHE_DIR, LOG_DIR, ALWAYS_TUNE, PINNED, PROGRESS, WARM_UP, COMPILE_OVERLAP, MOE_POISON,
-         "DISTTUNE_VERIFY", "DISTTUNE_VERIFY_CPU", "DISTTUNE_SWEEP_TABLE", "DISTTUNE_DEMO_ERRORS",
-         "DISTTUNE_REQUIRE_MPI")
+         TRACEBACK, SETTINGS_CHECKED, "DISTTUNE_VERIFY", "DISTTUNE_VERIFY_CPU", "DISTTUNE_SWEEP_TABLE",
+         "DISTTUNE_DEMO_ERRORS", "DISTTUNE_REQUIRE_MPI")
 
 
 def check_settings(environ: Mapping[str, str] = os.environ) -> tuple[list[str], list[str]]:
@@ -114,6 +129,17 @@ def check_settings(environ: Mapping[str, str] = os.environ) -> tuple[list[str], 
         close = difflib.get_close_matches(name, KNOWN, n=1)
         warnings.append(f"{name} is not a disttune setting" + (f" (did you mean {close[0]}?)" if close else ""))
     return errors, warnings
+
+
+def traceback_requested() -> bool:
+    """``DISTTUNE_TRACEBACK=1``: a disttune error ends the process with its traceback, not in one line."""
+    return os.environ.get(TRACEBACK, "0") not in ("", "0")
+
+
+def settings_checked() -> bool:
+    """Whether the ``disttune`` command checked the ``DISTTUNE_*`` settings before launching this process (it
+    sets ``DISTTUNE_SETTINGS_CHECKED=1``), so the ranks need not warn again."""
+    return os.environ.get(SETTINGS_CHECKED, "0") not in ("", "0")
 
 
 def timeout_or_error(value: Optional[float] = None) -> tuple[float, Optional[DistEnvError]]:
@@ -270,6 +296,16 @@ def local_world_size(environ: Mapping[str, str] = os.environ) -> int:
         if environ.get(name, "").isdigit():
             return int(environ[name])
     return _slurm_local_size(environ) or 1
+
+
+def launcher_rank(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(rank, world size) as the launcher's variables give them, read without starting MPI (so it is safe where
+    the peers are elsewhere, as at exit); (0, 1) without a launcher or where they do not parse."""
+    for rank, size in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                       ("PMIX_RANK", "PMIX_SIZE"), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")):
+        if environ.get(rank, "").isdigit() and environ.get(size, "").isdigit():
+            return int(environ[rank]), int(environ[size])
+    return 0, 1
 
 
 def _slurm_local_size(environ: Mapping[str, str]) -> Optional[int]:

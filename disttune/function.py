@@ -47,7 +47,7 @@ import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import store as stores
-from . import warmup
+from . import startup, warmup
 from .agreement import Agreement, SiteResult, TuningError
 from .checks import OutputCheck, blame, make_check
 from .comm import Communicator, is_comm, make_communicator
@@ -214,6 +214,7 @@ class FunctionAutotuner:
         if not callable(key_fn):
             raise TypeError("disttune.autotune: key_fn must be callable (it gets the function's arguments)")
         self.options = Options.for_function(**options)
+        startup.start()  # a disttune error ends the job in one line; unknown DISTTUNE_* variables are named
         reserved = {name for config in config_space for name in config} & set(CALL_FLAGS)
         if reserved:
             raise ValueError(f"disttune.autotune: config_space uses reserved names {sorted(reserved)}")

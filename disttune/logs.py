@@ -167,6 +167,11 @@ class RankLog:
         self._add("fallback", f"{site} key={key!r} occurrence={occurrence} -> {{{config}}} served by the {source}",
                   kernel=site, key=repr(key), occurrence=occurrence, config=config, source=source)
 
+    def failure(self, text: str) -> None:
+        """A tuning call that ended in an error (``text``: the error as it was raised), so the report of the run
+        names it instead of an earlier run's winners."""
+        self._add("error", f"{self.function}: the tuning call failed: {text}", text=text)
+
     def note(self, topic: str, text: str) -> None:
         """A line of prose about the tuner's own decisions (``topic``: what it is about)."""
         self._add("note", f"{topic}: {text}", topic=topic, text=text)

@@ -88,16 +88,20 @@ class TuningCall:
 
     def run(self) -> Any:
         """Every step in turn, each in its span of the phases; returns ``result``. An exception on any rank ends
-        every rank alike (:mod:`disttune.ending`)."""
-        with self.agreement.ending:
-            try:
-                for step in STEPS:
-                    with self.phases.span(SPANS[step]):
-                        getattr(self, step)()
-                self.finish()
-                return self.result
-            finally:
-                self.close()
+        every rank alike (:mod:`disttune.ending`), which :meth:`failed` sees."""
+        try:
+            with self.agreement.ending:
+                try:
+                    for step in STEPS:
+                        with self.phases.span(SPANS[step]):
+                            getattr(self, step)()
+                    self.finish()
+                    return self.result
+                finally:
+                    self.close()
+        except BaseException as err:
+            self.failed(err)
+            raise
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -158,6 +162,9 @@ class TuningCall:
 
     def close(self) -> None:
         """After the steps, whatever they ended with (free the compile threads, write the rank log)."""
+
+    def failed(self, error: BaseException) -> None:
+        """After :meth:`close`, when the call ends in ``error`` (the error every rank raises)."""
 
     def finish(self) -> None:
         """After the last step, on every rank: the call's :class:`~disttune.agreement.TuningReport`."""

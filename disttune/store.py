@@ -616,7 +616,8 @@ def save_winners(winners_store: WinnerStore, tuned: Any, function: str) -> None:
     that noise and its threshold)."""
     for entry, result, noise in tuned:
         if result.source == "tuned":
-            winners_store.save(entry, result.winner, list(result.agreed_ms), {"function": function, "noise": noise})
+            winners_store.save(entry, result.winner, list(result.agreed_ms),
+                               {"function": function, "noise": noise, "key_text": result.site.key_text()})
 
 
 def is_store_writer(writer: str, comm: Communicator) -> bool:

@@ -6,10 +6,14 @@ every rank walks in the same order (each case is a tuning call, whose consensus 
 ranks agree). Each key the wrapper does not know yet is tuned, through the winner store as any
 tuning call (a stored winner is used, a tuned one stored). Rank 0 prints one row per site and
 case (key, winner, agreed time, the untuned first config's agreed time and the ratio) under a tqdm
-progress bar on stderr. With ``table=`` (or ``$DISTTUNE_SWEEP_TABLE``, which ``disttune sweep``
-sets) global rank 0 writes every winner the sweep saw as a pinned winners table (the format of
-``disttune export``), then all ranks pass a barrier, so the file is there for every rank when the
-sweep returns. Deploy it with ``pinned=`` and ``on_new_key="nearest"``.
+progress bar on stderr.
+
+The tables, one rule: global rank 0 writes every winner the sweep saw as a pinned winners table (the
+format of ``disttune export``) to ``table=``; under ``disttune sweep --table FILE`` (which sets
+``$DISTTUNE_SWEEP_TABLE``) it also writes FILE, which collects the winners of every sweep of the job.
+So a script that passes ``table=`` and reads it back works the same under the command, and the command's
+table is written by any sweep. Then all ranks pass a barrier, so the files are there for every rank when
+the sweep returns. Deploy a table with ``pinned=`` and ``on_new_key="nearest"``.
 
 Cost: one tuning call per case (``2 + C * (n_warmup + n_repeat)`` runs of the function when
 something is new, 2 when the store answers for every site, 1 when the kernels' own caches do; for a
@@ -91,15 +95,33 @@ def format_table(rows: list[SweepRow]) -> str:
                      for line in [header, *body])
 
 
+#: The winners of every sweep of this process so far, for the command's table (``$DISTTUNE_SWEEP_TABLE``).
+_JOB_RECORDS: dict[str, dict] = {}
+
+
+def tables_to_write(table: Optional[PathLike], records: dict) -> list[tuple[str, list[dict]]]:
+    """``(path, records)`` of each table a sweep writes (see the module doc): ``table=`` with this sweep's winners,
+    and the command's table with the job's; one file when both name it."""
+    targets: list[tuple[str, list[dict]]] = []
+    command = env.sweep_table()
+    if command is not None:
+        _JOB_RECORDS.update(records)
+        targets.append((command, list(_JOB_RECORDS.values())))
+    if table is not None and (command is None or os.path.abspath(table) != os.path.abspath(command)):
+        targets.insert(0, (os.fspath(table), list(records.values())))
+    return targets
+
+
 def _finish(rows: list[SweepRow], records: dict, comm: Any, name: str, table: Optional[PathLike],
             verbose: bool) -> list[SweepRow]:
-    table = table or env.sweep_table()
-    if table is not None:
+    targets = tables_to_write(table, records)
+    if targets:
         if global_rank(comm) == 0:
-            stores.write_table(table, list(records.values()))
+            for path, entries in targets:
+                stores.write_table(path, entries)
         comm.barrier("sweep: pinned table written")
     if verbose and comm.rank == 0:
-        where = f"; pinned table: {table}" if table is not None else ""
+        where = "; pinned table: " + ", ".join(path for path, _ in targets) if targets else ""
         print(f"disttune: sweep of {name} over {comm.world_size} rank(s), {len(rows)} site(s){where}\n"
               + format_table(rows), file=sys.stdout, flush=True)
     return rows
@@ -133,7 +155,8 @@ def sweep_contextual(tuner: Any, cases: Iterable[Any], table: Optional[PathLike]
                 if index >= 0:
                     entry = tuner.entry(site)
                     records[entry.digest()] = stores.make_record(entry, index, list(result.agreed_ms), fingerprint,
-                                                                 {"function": name, "source": result.source})
+                                                                 {"function": name, "source": result.source,
+                                                                  "key_text": result.site.key_text()})
             if bar is not None:
                 bar.update(1)
     finally:

@@ -226,9 +226,11 @@ class NewKeys:
                 for ident, (config, source) in self.served.items()}
 
     def launch(self, ident: SiteId, autotuner: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
-        """Launch ``ident`` on its fallback (chosen on first sight); no collective."""
+        """Launch ``ident`` on its fallback (chosen on first sight); no collective. The kernel's ``best_config``
+        becomes the config launched, as after a tuning call it is the winner: the config last chosen for it."""
         config = self.pinned.get(ident)
         if config is not None:
+            autotuner.best_config = config
             return triton.launch_winner(autotuner, args, kwargs, config)
         served = self.served.get(ident)
         if served is None:
@@ -236,6 +238,7 @@ class NewKeys:
             exact = self._pinned_winner(ident, key, configs)
             if exact is not None:
                 self.pinned[ident] = exact
+                autotuner.best_config = exact
                 return triton.launch_winner(autotuner, args, kwargs, exact)
             try:
                 served = self.served[ident] = self.policy.fallback(key, configs, self._candidates(ident))
@@ -249,6 +252,7 @@ class NewKeys:
         if self.policy.tunes:
             self.pending.add(ident)
             self.met_in_call = True
+        autotuner.best_config = served[0]
         return triton.launch_winner(autotuner, args, kwargs, served[0])
 
     def _pinned_winner(self, ident: SiteId, key: tuple, configs: list) -> Optional[Any]:

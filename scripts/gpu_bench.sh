@@ -28,10 +28,10 @@ if want tests; then
     run tp_cases 300 "${launch[@]}" tests/tp_cases.py --size large --dtypes bfloat16,float16 --tune --trace
 fi
 if want gputests; then
-    run gpu_tests 250 python3 -m pytest -q -x tests/test_gpu.py
+    run gpu_tests 250 python3 -m pytest -q -m "" -x tests/test_gpu.py
 fi
 if want moetests; then  # the MoE suite on the GPUs: single-GPU GEMM cases, and the 2-rank cases under NCCL
-    run moe_tests 300 python3 -m pytest -q -x tests/test_moe.py -k "not 4_ranks"
+    run moe_tests 300 python3 -m pytest -q -m "" -x tests/test_moe.py -k "not 4_ranks"
 fi
 if want transport; then  # what the copy engines give a push: GB/s by streams and pieces, beside a GEMM
     TAIL=20 run transport 120 "${launch[@]}" bench/transport.py --out "$OUT/transport.jsonl"
@@ -52,11 +52,11 @@ if want tuning_moe; then
     run tuning_cost_moe 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost_moe.jsonl" --workload moe
 fi
 if want faults; then  # the fault suite under NCCL at 2 and NPROC GPUs, and the control plane's own test
-    TAIL=30 run faults 600 python3 -m pytest -q -s -p no:cacheprovider tests/test_stranded.py tests/test_control_plane.py \
+    TAIL=30 run faults 600 python3 -m pytest -q -m "" -s -p no:cacheprovider tests/test_stranded.py tests/test_control_plane.py \
         -k "nccl or plane"
 fi
 if want energy; then  # one GPU: NVML's energy per launch against power x time, and a Pareto front over both
-    TAIL=24 run energy 180 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
+    TAIL=24 run energy 180 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -m "" -s -p no:cacheprovider tests/test_gpu.py \
         -k "energy or pareto"
 fi
 if want moeexit; then  # part b of bench/moe.py (CUDA graphs of NCCL collectives): does every rank exit by itself?

@@ -46,7 +46,7 @@ if want launch; then
     run launch 45 60 "${one[@]}" bench/launch_host.py --profile --out "$OUT/launch.jsonl"
 fi
 if want tests; then
-    run tests 240 20 python3 -m pytest -q -x tests/test_gpu.py tests/test_cached_launch.py tests/test_phases.py \
+    run tests 240 20 python3 -m pytest -q -m "" -x tests/test_gpu.py tests/test_cached_launch.py tests/test_phases.py \
         tests/test_fast_path.py tests/test_intercept.py tests/test_matmul.py
 fi
 echo "all steps: $(( $(date +%s) - started )) s; logs and rows under $OUT"

@@ -7,9 +7,10 @@ usage() {
     cat <<'EOF'
 Usage: bash scripts/launch.sh [--nproc_per_node=N | --nproc_per_node N] [--mpi [-n N]] script.py [args...]
 
-Runs script.py on N processes per node with `python -m torch.distributed.run`
-(torchrun), or with `mpiexec -n N python script.py args...` when --mpi is given.
-Inside the script, `disttune.dist.init()` picks up either launcher's environment.
+Runs script.py on N processes per node with torchrun (`torch.distributed.run`, whose
+report of a failed job becomes one line: scripts/torchrun_one_line.py), or with
+`mpiexec -n N python script.py args...` when --mpi is given. Inside the script,
+`disttune.dist.init()` picks up either launcher's environment.
 
 Options (must come before script.py; everything after it goes to the script unchanged):
   --nproc_per_node=N, --nproc_per_node N
@@ -29,6 +30,7 @@ Environment:
   PYTHON (python)                interpreter to run.
   MPIEXEC_ARGS                   extra mpiexec arguments (word-split), e.g. a hostfile.
   OMP_NUM_THREADS                default 1.
+  DISTTUNE_TRACEBACK             1: every rank's traceback and torchrun's whole report.
   TRITON_INTERPRET               set to 1 where no GPU is visible (Triton's CPU interpreter),
                                  unless you exported it.
   NCCL_*                         kept as exported. NVLink multicast stays off unless
@@ -191,7 +193,8 @@ print(s.getsockname()[1])' 2>/dev/null || echo $((29500 + RANDOM % 1000)))
     fi
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
+# torchrun itself, but a failed job's report is one line (scripts/torchrun_one_line.py; DISTTUNE_TRACEBACK=1: all of it)
+exec "$PYTHON" "${repo_root}/scripts/torchrun_one_line.py" \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --nproc_per_node="$nproc" \

@@ -121,7 +121,7 @@ def _raise_before_collective(ctx, name: str, failing_run: int) -> dict:
     runs = {"n": 0}
     x = torch.randn(64, device=ctx.device)
 
-    @disttune.contextual_autotune(**tuner_options(ctx, name, timeout_s=6))
+    @disttune.contextual_autotune(**tuner_options(ctx, name, timeout_s=30))
     def step():
         runs["n"] += 1
         if ctx.rank == FAULTY_RANK and runs["n"] == failing_run:

@@ -81,6 +81,7 @@ def test_max_over_ranks_without_torch_distributed_is_the_value():
     assert benchmark.max_over_ranks((1.0, 2.0)) == [1.0, 2.0]
 
 
+@pytest.mark.slow
 def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
     """Each rank offers its own values; every rank gets the larger, element-wise, and only rank 0 writes."""
     script = write_script(tmp_path, f'''
@@ -102,10 +103,8 @@ def test_max_over_ranks_on_two_gloo_ranks(tmp_path):
             json.dump(result, out)
         dist.destroy()
     ''')
-    started = time.monotonic()
-    proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)
+    proc = run_launch(["--nproc_per_node=2", str(script)], timeout=120)  # a hang past 120 s raises
     assert proc.returncode == 0, describe(proc)
-    assert time.monotonic() - started < 120
     # One file per rank: two ranks printing at once can share a line of the launcher's stdout.
     results = {}
     for path in tmp_path.glob("result.rank*.json"):
@@ -185,6 +184,7 @@ def test_cprofile_names_the_profiled_function():
     assert host_ms > 0 and "profiled_step" in text
 
 
+@pytest.mark.slow
 def test_fast_path_bench_writes_rows_only_with_out(tmp_path):
     """The CPU mode of bench/fast_path.py: a table on stdout; a JSON file only where --out points."""
     before = sorted(p.name for p in (REPO_ROOT / "bench").iterdir())

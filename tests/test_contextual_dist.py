@@ -177,6 +177,7 @@ def test_subgroups_agree_within_themselves(gloo4):
     assert by_pair == {0: {0}, 1: {2}}
 
 
+@pytest.mark.slow
 @mpi
 def test_mpi_communicator(mpi2):
     results, _ = mpi2
@@ -186,15 +187,17 @@ def test_mpi_communicator(mpi2):
     check_error(results["raise_in_run"], "TuningError", "rank 1: ValueError")
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path):
     results = _launch(tmp_path, 2, ["timeout"])
     waiting = results["timeout"][0]
     assert waiting["error_type"] == "CollectiveTimeout", waiting
     assert "consensus" in waiting["error_message"] and "rank(s) [1] did not arrive" in waiting["error_message"]
     assert "process groups were aborted" in waiting["error_message"], "rank 1 never settled: the group is dead"
-    assert 2.5 < waiting["elapsed_s"] < 20
+    assert 2.5 < waiting["elapsed_s"] < 60, "the 3 s timeout, not a hang"
 
 
+@pytest.mark.slow
 def test_one_rank_over_torch_distributed(tmp_path):
     results = _launch(tmp_path, 1, ["agree_max", "second_call"])
     check_agreement(results["agree_max"], "max")

@@ -54,6 +54,18 @@ def test_env_detection() -> None:
     assert (single.launcher, single.rank, single.world_size) == ("single", 0, 1)
 
 
+@pytest.mark.parametrize("variables, expected", [
+    ({"RANK": "3", "WORLD_SIZE": "8"}, (3, 8)),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6"}, (5, 6)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, (1, 2)),
+    ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4"}, (2, 4)),  # no local size: detect() would ask MPI
+    ({"SLURM_PROCID": "2"}, (0, 1)),  # a batch script's own shell
+    ({"RANK": "x", "WORLD_SIZE": "2"}, (0, 1)),
+])
+def test_the_launchers_rank_is_read_without_starting_anything(variables, expected):
+    assert env.launcher_rank(variables) == expected
+
+
 @pytest.mark.parametrize("raw", ["0", "-5", "soon", "nan", "inf"])
 def test_a_bad_timeout_in_the_environment_is_a_value_error_never_the_default(monkeypatch, raw):
     monkeypatch.setenv("DISTTUNE_TIMEOUT", raw)
@@ -180,7 +192,7 @@ def test_the_demo_sends_its_ranks_logs_to_the_log_dir(monkeypatch, tmp_path):
     import disttune.cli
 
     launched = []
-    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world: None)
+    monkeypatch.setattr(disttune.cli, "sizes_problem", lambda example, argv, world, parser: None)
     monkeypatch.setattr(disttune.cli, "launch_demo", lambda command, env: launched.append(env) or 3)
     monkeypatch.setenv("DISTTUNE_LOG_DIR", str(tmp_path / "from-env"))
     assert disttune.cli.main(["demo"]) == 3

@@ -45,6 +45,7 @@ def agreed(per_rank: list[dict], *fields: str) -> None:
     assert not any(ending.values()), (ending, per_rank)
 
 
+@pytest.mark.slow
 def test_compile_failures_on_one_rank_all_ranks_and_every_config(tmp_path):
     results = launch(tmp_path, 2, ["compile_fault_one_rank", "compile_fault_all_ranks",
                                                         "compile_fault_every_config_one_rank"])
@@ -64,6 +65,7 @@ def test_compile_failures_on_one_rank_all_ranks_and_every_config(tmp_path):
     assert "rank 0:" in every[0]["error_message"] and "BLOCK must be smaller than LIMIT" in every[0]["error_message"]
 
 
+@pytest.mark.slow
 def test_exceptions_inside_the_function_at_any_point(tmp_path):
     results = launch(tmp_path, 2, ["raise_first_run", "raise_in_run", "raise_last_config"])
     for case, where in (("raise_first_run", "discovery run"), ("raise_in_run", "tuning run 4/"),
@@ -103,6 +105,7 @@ def run_ranks_without_supervisor(world: int, args: list[str], timeout: float) ->
         raise
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_tuning_is_an_error_on_the_others(tmp_path):
     procs = run_ranks_without_supervisor(3, [str(CASES), "rank_killed", "--out", str(tmp_path)], timeout=120)
     faults_seen(procs[2].returncode == -9)
@@ -166,6 +169,7 @@ def test_soak_200_tunings_on_four_ranks_always_agree(tmp_path):
         assert result["fds"][1] <= result["fds"][0] + 2, f"open files grew: {result['fds']}"
 
 
+@pytest.mark.slow
 @mpi
 def test_faults_under_mpi(tmp_path):
     results = launch(tmp_path, 2, ["compile_fault_one_rank", "raise_first_run"], mpi=True)

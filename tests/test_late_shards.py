@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", [False, True])
 def test_check_scores_out_a_shard_gemm_config_that_reads_shards_before_they_arrive(check, tmp_path):
     waiting = gemm_config(16, 16, 16, 1, 1, 1)

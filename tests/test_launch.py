@@ -92,7 +92,7 @@ def mpi_job(allreduce_script) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_exits_zero() -> None:
-    proc = run_launch(["--help"], timeout=30)
+    proc = run_launch(["--help"], timeout=120)
     assert proc.returncode == 0, describe(proc)
     assert "Usage:" in proc.stdout and "--nproc_per_node" in proc.stdout and "--mpi" in proc.stdout
 
@@ -105,7 +105,7 @@ def test_bad_usage_is_a_clear_error(tmp_path) -> None:
         (["--nproc_per_node=zero", str(script)], "positive integer"),
         ([str(tmp_path / "missing.py")], "not found"),
     ):
-        proc = run_launch(args, timeout=30)
+        proc = run_launch(args, timeout=120)
         assert proc.returncode == 2, describe(proc)
         assert needle in proc.stderr, describe(proc)
         assert "should not run" not in proc.stdout
@@ -161,6 +161,7 @@ MPICOMM_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 @mpi
 def test_mpicomm_collectives(tmp_path) -> None:
     script = write_script(tmp_path, MPICOMM_SCRIPT)
@@ -225,11 +226,12 @@ def _check_timeout(proc: subprocess.CompletedProcess[str], names: str) -> None:
     assert m, describe(proc)
     assert "'gather-timings'" in m["msg"], describe(proc)  # the message names the step
     assert names in m["msg"], describe(proc)
-    assert 1.5 <= float(m["elapsed"]) < 15.0, describe(proc)  # waited ~timeout_s, then gave up
+    assert 1.5 <= float(m["elapsed"]) < 60.0, describe(proc)  # waited ~timeout_s, then gave up: no hang
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout, describe(proc)
     assert proc.returncode == 0, describe(proc)
 
 
+@pytest.mark.slow
 @mpi
 def test_mpicomm_timeout_names_the_step(tmp_path) -> None:
     script = write_script(tmp_path, TIMEOUT_SCRIPT)
@@ -237,6 +239,7 @@ def test_mpicomm_timeout_names_the_step(tmp_path) -> None:
     _check_timeout(proc, "rank 0: ")  # MPI cannot tell who is missing: the waiting rank is named
 
 
+@pytest.mark.slow
 def test_torchcomm_timeout_names_the_step_and_the_missing_rank(tmp_path) -> None:
     script = write_script(tmp_path, TIMEOUT_SCRIPT)
     proc = run_launch(["--nproc_per_node", "2", str(script), "torch", str(tmp_path / "flag")], timeout=TIMEOUT_S)

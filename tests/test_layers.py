@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "disttune"
 LAYERS = [
     ["env", "errors", "configs", "wire", "files", "phases", "intercept"],
     ["timing", "comm", "device", "logs", "sites", "space", "triton_launch", "warmup"],
-    ["objective", "search", "checks", "ending", "store", "compile", "unseen", "diagnostics", "benchmark"],
+    ["objective", "search", "checks", "ending", "store", "compile", "unseen", "diagnostics", "benchmark", "startup"],
     ["agreement", "handlers", "verify", "console", "dist"],
     ["options", "fast_path"],
     ["pipeline", "sweep", "cached_launch"],

@@ -397,6 +397,7 @@ def _check_layer(per_rank):
         assert [(c["E"], c["k"]) for c in value["checks"]] == [(8, 2), (64, 6)]
 
 
+@pytest.mark.slow
 def test_ag_moe_moe_rs_layer_2_ranks(gloo2):
     _check_layer(gloo2["layer"])
 
@@ -406,6 +407,7 @@ def test_ag_moe_moe_rs_layer_4_ranks(gloo4):
     _check_layer(gloo4["layer"])
 
 
+@pytest.mark.slow
 def test_contextual_winner_agreed_despite_different_routings(gloo2):
     """moe_mlp on each rank's own tokens (different counts, same row bucket) and routing: every
     site is tuned on every rank and every rank holds the same winner."""
@@ -420,6 +422,7 @@ def test_contextual_winner_agreed_despite_different_routings(gloo2):
         assert values[0]["candidates"] == len(moe.CPU_MOE_CONFIGS)
 
 
+@pytest.mark.slow
 def test_contextual_tp_layer_agreed(gloo2):
     values = _values(gloo2["agree_tp"])
     assert values[0]["local_ids"] != values[1]["local_ids"]
@@ -434,6 +437,7 @@ def test_contextual_tp_layer_agreed(gloo2):
     assert all(v["err"] < 2e-2 and v["again_err"] < 2e-2 for v in values)
 
 
+@pytest.mark.slow
 def test_per_rank_keys_are_a_clear_error(gloo2):
     """Keying on the exact local row count (bucket=identity) with uneven tokens: a TuningError on
     every rank naming the kernel, both keys and the ranks, instead of a hang."""
@@ -513,6 +517,7 @@ INCONSISTENT = {
 }
 
 
+@pytest.mark.slow
 def test_inputs_inconsistent_across_ranks_are_an_error_on_every_rank(gloo2):
     """Valid on each rank, inconsistent across ranks (hidden size, dtype, weights given or not, expert
     count, token counts), or bad on one rank only (expert ids, shapes, out buffer, the layer's
@@ -538,6 +543,7 @@ def _check_recover(per_rank: list[dict], world: int) -> None:
         assert all(err < 2e-2 for err in value["errs"]), f"rank {rank}: calls after the error are wrong: {value}"
 
 
+@pytest.mark.slow
 def test_an_error_mid_call_leaves_ag_moe_usable_2_ranks(gloo2):
     _check_recover(gloo2["recover"], 2)
 
@@ -548,6 +554,7 @@ def test_an_error_mid_call_releases_the_pushed_tokens_on_one_gpu(nccl1):
     _check_recover(nccl1["recover"], 1)
 
 
+@pytest.mark.slow
 def test_graph_safe_ag_moe_2_ranks(gloo2):
     """Argument checks and eager equality everywhere; capture and replays where the ranks run NCCL on GPUs."""
     _check_graph(gloo2["graph"], must_capture=False)

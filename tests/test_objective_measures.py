@@ -193,6 +193,7 @@ def two_ranks(tmp_path_factory):
                      extra_env={"DISTTUNE_TIMEOUT": "30"})
 
 
+@pytest.mark.slow
 def test_ranks_with_different_memory_readings_pick_the_same_winner_from_agreed_values(two_ranks):
     records = two_ranks["memory"]
     assert all(r["ok"] for r in records), records
@@ -201,6 +202,7 @@ def test_ranks_with_different_memory_readings_pick_the_same_winner_from_agreed_v
     assert all(r["agreed_memory"] == [100.0, 100.0, 50.0] for r in records)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_energy_readings_pick_the_same_winner(two_ranks):
     records = two_ranks["energy"]
     assert all(r["ok"] for r in records), records
@@ -209,6 +211,7 @@ def test_ranks_with_different_energy_readings_pick_the_same_winner(two_ranks):
     assert all(r["agreed_energy"] == [3.0, 3.0, 2.0] for r in records)
 
 
+@pytest.mark.slow
 def test_energy_read_on_one_rank_only_is_none_for_everyone(two_ranks):
     records = two_ranks["energy_on_one_rank"]
     assert all(r["ok"] for r in records), records
@@ -216,6 +219,7 @@ def test_energy_read_on_one_rank_only_is_none_for_everyone(two_ranks):
     assert [r["winner"] for r in records] == [0, 0]  # the objective falls back to time
 
 
+@pytest.mark.slow
 def test_ranks_with_different_objective_callables_get_the_same_clear_error(two_ranks):
     records = two_ranks["objective_differs"]
     assert [r["error_type"] for r in records] == ["TuningError", "TuningError"]

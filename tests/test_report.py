@@ -32,7 +32,8 @@ CONFIGS = [f"BLOCK: {b}, num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("report-run")
-    run_cases(CASES, ["agree_max", "fail_one_rank"], out, 2, timeout=240, extra_env={"DISTTUNE_TIMEOUT": "30"})
+    run_cases(CASES, ["agree_max", "fail_one_rank", "keys_differ"], out, 2, timeout=240,
+              extra_env={"DISTTUNE_TIMEOUT": "30"})
     return out
 
 
@@ -121,6 +122,20 @@ def test_fail_one_rank_report(real_run, tmp_path):
     assert "**0 of 2 ranks alone would have picked a different winner.**" in sections[1]
     assert len(report.plots) == 4
     check_pngs(report.plots)
+
+
+def test_a_call_that_failed_is_in_the_rank_logs_and_the_reports_problems(real_run, tmp_path):
+    """The ranks launched different keys: every rank logged the error it raised, and the report names it."""
+    log_dir = real_run / "logs" / "keys_differ"
+    for rank in (0, 1):
+        (error,) = [r for r in read_rank_records(log_dir / f"rank-{rank}.log") if r["event"] == "error"]
+        assert error["text"].startswith("TuningError: disttune: ") and "ranks disagree on what to tune" in error["text"]
+    report = build_report(log_dir, tmp_path / "report")
+    assert report.sites == [] and len(report.problems) == 1, report.problems
+    assert re.match(r"the tuning call of \S+ failed \(ranks 0, 1\): TuningError: disttune: .*ranks disagree on what "
+                    r"to tune", report.problems[0]), report.problems
+    markdown = report.markdown_path.read_text()
+    assert "ranks disagree on what to tune" in markdown and "No problems found" not in markdown
 
 
 # -- hand-made logs ------------------------------------------------------------------------------
@@ -416,3 +431,56 @@ def test_the_report_covers_the_latest_run_unless_asked_for_every_run(tmp_path, m
     markdown = every.markdown_path.read_text()
     first, second = (markdown.index(f"# The run started {start}") for start in ("2026-11-26T10", "2026-11-26T11"))
     assert first < markdown.index("## Site 1") < second < markdown.index("## Site 2")
+
+
+def in_run(monkeypatch, run: str) -> None:
+    """Records logged from now on belong to the job ``run`` (as if another job logged them)."""
+    from disttune import env
+
+    monkeypatch.setattr(env, "run_id", lambda: run)
+
+
+def test_a_run_that_failed_is_reported_with_its_error_not_an_earlier_runs_winners(tmp_path, monkeypatch):
+    in_run(monkeypatch, "2026-11-26T10:00:00Z-100")
+    for rank in (0, 1):
+        write_tuning(tmp_path, rank, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    first = build_report(tmp_path, tmp_path / "report")
+    assert first.problems == [] and len(first.plots) == 2
+    in_run(monkeypatch, "2026-11-26T11:00:00Z-200")
+    for rank in (0, 1):
+        log = RankLog(tmp_path, rank, "step")
+        log.failure("TuningError: disttune: step: ranks disagree on what to tune: key=(64,) on rank 0, (80,) on rank 1")
+        log.flush()
+    report = build_report(tmp_path, tmp_path / "report")
+    assert report.sites == [] and report.plots == []
+    assert report.problems == ["the tuning call of step failed (ranks 0, 1): TuningError: disttune: step: ranks "
+                               "disagree on what to tune: key=(64,) on rank 0, (80,) on rank 1"]
+    markdown = report.markdown_path.read_text()
+    assert "It covers the run started 2026-11-26T11:00:00Z (pid 200)" in markdown
+    assert "No tuning sites in this run." in markdown and "No problems found" not in markdown
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["report.md"], "the first run's plots are gone"
+
+
+def test_a_store_hit_shows_the_stored_winner_and_says_it_came_from_the_store(tmp_path, monkeypatch):
+    in_run(monkeypatch, "2026-11-26T10:00:00Z-100")
+    write_tuning(tmp_path, 0, [[3.0], [2.0], [1.0]])  # the first run tunes: config 2 wins
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "notes.png").write_bytes(b"not ours")  # a file the report did not draw stays
+    assert len(build_report(tmp_path, tmp_path / "report").plots) == 2
+    in_run(monkeypatch, "2026-11-26T11:00:00Z-200")
+    log = RankLog(tmp_path, 0, "step")  # the second run finds config 2 in the store
+    log.label_key(KERNEL, KEY, "n_elements=128 dtype=float32")
+    log.winner(KERNEL, KEY, 0, 2, CONFIGS[2], math.nan, "store")
+    log.tuning("step", 0.25, 2, 0, 1, "max", "median")
+    log.flush()
+    report = build_report(tmp_path, tmp_path / "report")
+    assert report.problems == [] and report.plots == []
+    (site,) = report.sites
+    assert (site.latest_source, site.latest_winner, site.configs) == ("store", 2, [])
+    markdown = report.markdown_path.read_text()
+    assert "No problems found." in markdown and "none logged" not in markdown
+    assert "- winner: config 2 `BLOCK=64 w1 s3`, from the store: not tuned in this run" in markdown
+    assert "- call: 0.250 s wall, 2 function runs, nothing tuned (the winner came from the store)" in markdown
+    (row,) = [line for line in markdown.splitlines() if line.startswith("| 1 | `step`")]
+    assert "| 2: `BLOCK=64 w1 s3` (the store) |" in row and row.endswith("| not tuned |"), row
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["notes.png", "report.md"]

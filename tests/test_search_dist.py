@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from helpers import failure, run_cases
 
 CASES = Path(__file__).with_name("search_cases.py")
 
 
+@pytest.mark.slow
 def test_model_search_proposes_the_same_configs_on_every_rank(tmp_path):
     records = run_cases(CASES, ["model_proposals"], tmp_path, 2, timeout=240,
                         extra_env={"DISTTUNE_TIMEOUT": "30"})["model_proposals"]

@@ -198,6 +198,7 @@ def _hammer(root: str, winner: int, rounds: int) -> None:
         target.save(entry, winner, [1.0] * 5, {"padding": "x" * 20000})
 
 
+@pytest.mark.slow
 def test_concurrent_writers_never_tear_a_file(tmp_path):
     root = str(tmp_path / "shared")
     context = multiprocessing.get_context("spawn")
@@ -362,6 +363,7 @@ def test_function_autotune_over_gloo_and_subgroups(tmp_path):
     assert {(r["pair"], r["winner"]) for r in results["function_subgroup"]} == {(0, 0), (1, 2)}
 
 
+@pytest.mark.slow
 @mpi
 def test_function_autotune_over_mpi(tmp_path):
     (per_rank,) = launch_cases(tmp_path, 2, ["function"], tmp_path / "s", mpi=True).values()
@@ -385,6 +387,7 @@ def test_ranks_with_different_pinned_tables_fail_together(tmp_path):
     assert len({r["error_message"] for r in per_rank}) == 1 and "different pinned winner tables" in per_rank[0]["error_message"]
 
 
+@pytest.mark.slow
 def test_split_function_tuning_times_disjoint_shares(tmp_path):
     (per_rank,) = launch_cases(tmp_path, 2, ["function_split"], tmp_path / "s").values()
     table = per_rank[0]["table"]

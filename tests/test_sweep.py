@@ -52,6 +52,30 @@ def test_contextual_sweep_tunes_new_keys_prints_and_pins(tmp_path, capsys):
                                               "occurrence=0" for n in (100, 1000)), served.fallbacks
 
 
+def test_under_disttune_sweep_a_sweep_writes_its_table_and_the_commands_which_collects_the_jobs(tmp_path, monkeypatch):
+    """The README's rule: ``table=`` is written as asked; ``--table`` (``$DISTTUNE_SWEEP_TABLE``) too, with the
+    winners of every sweep of the job; one file where both name it."""
+    from disttune import sweep
+
+    monkeypatch.setattr(sweep, "_JOB_RECORDS", {})
+    command, own = tmp_path / "command.json", tmp_path / "own.json"
+    monkeypatch.setenv("DISTTUNE_SWEEP_TABLE", str(command))
+    timer = TableTimer(lambda info: TIMES[info.config_index])
+    first = _step(tmp_path, make_kernel(blocks=(16, 32, 64)), timer)
+    first.sweep([((torch.randn(64, device=DEV),), {})], table=own, verbose=False)
+    second = _step(tmp_path, make_kernel(blocks=(16, 32, 64)), timer)
+    second.sweep([((torch.randn(128, device=DEV),), {})], verbose=False)
+
+    def sizes(path):
+        return sorted(int(e["key"][1:].split(",")[0]) for e in json.loads(path.read_text())["entries"])
+
+    assert sizes(own) == [64]  # the first sweep's own table: its winners
+    assert sizes(command) == [64, 128]  # the command's: the job's
+    entry = json.loads(own.read_text())["entries"][0]
+    assert entry["key_text"] == "n=64 dtype=float32", entry  # as the report and `disttune show` name it
+    assert sweep.tables_to_write(str(command), {}) == [(str(command), list(sweep._JOB_RECORDS.values()))]
+
+
 def test_sweep_rejects_cases_that_are_not_pairs(tmp_path):
     step = _step(tmp_path, make_kernel(), TableTimer(lambda i: 1.0))
     with pytest.raises(TypeError, match=r"\(args, kwargs\) pair"):
@@ -76,6 +100,7 @@ def test_function_sweep_tunes_each_key_once_and_pins(tmp_path, capsys):
     assert [e["key"] for e in entries] == ["(8,)", "(16,)"] and {e["winner"] for e in entries} == {1}
 
 
+@pytest.mark.slow
 def test_disttune_sweep_runs_the_moe_example_on_two_ranks_and_serves_from_its_table(tmp_path):
     from helpers import REPO_ROOT, describe, run_command
 
@@ -94,12 +119,16 @@ def test_disttune_sweep_runs_the_moe_example_on_two_ranks_and_serves_from_its_ta
 def test_disttune_sweep_names_a_missing_script_or_a_script_that_did_not_sweep(tmp_path):
     from helpers import describe, run_command, write_script
 
-    missing = run_command([sys.executable, "-m", "disttune", "sweep", str(tmp_path / "nope.py")], timeout=60)
+    missing = run_command([sys.executable, "-m", "disttune", "sweep", str(tmp_path / "nope.py")], timeout=120)
     assert missing.returncode == 1 and "disttune sweep: no such script" in missing.stderr, describe(missing)
     script = write_script(tmp_path, "print('no sweep here')\n")
+    (tmp_path / "t.json").write_text('{"schema": 1, "entries": []}')  # an earlier run's table is not this run's
     idle = run_command([sys.executable, "-m", "disttune", "sweep", "--nproc", "1", "--table", str(tmp_path / "t.json"),
                         str(script)], timeout=120)
     assert idle.returncode == 1 and "finished without a sweep writing" in idle.stderr, describe(idle)
+    usage = run_command([sys.executable, "-m", "disttune", "sweep"], timeout=120)
+    assert usage.returncode == 2 and "the following arguments are required: script\n" in usage.stderr, describe(usage)
+    assert "SCRIPT [SCRIPT ARGS ...]" in usage.stderr  # the script's arguments: optional
 
 
 def test_function_tuner_serves_a_swept_table_without_tuning(tmp_path):

@@ -36,6 +36,7 @@ def test_four_ranks_ragged_shards(tmp_path):
     assert all(n > 0 for n in checks_per_rank(records))
 
 
+@pytest.mark.slow
 def test_inconsistent_inputs_give_the_same_error_on_every_rank(tmp_path):
     (per_rank,) = run_cases(CASES, ["inconsistent_inputs"], tmp_path, 2, timeout=120).values()
     for record in per_rank:
@@ -73,6 +74,7 @@ def test_tp_on_two_gpus(tmp_path):
         print(f"winner {kernel.rsplit('.', 1)[-1]} key={key} #{occurrence}: {config}")
 
 
+@pytest.mark.slow
 def test_tp_mlp_example_runs_and_checks_itself():
     proc = run_launch(["--nproc_per_node=2", "examples/tp_mlp.py"], timeout=240)
     assert proc.returncode == 0, describe(proc)
@@ -91,6 +93,7 @@ def test_chunks_of_pushed_shards_start_on_tile_boundaries():
         assert size % CHUNK_ALIGN == 0 and -(-max(rows) // size) <= chunks
 
 
+@pytest.mark.slow
 def test_one_ranks_bad_input_is_an_error_on_every_rank_and_a_rank_without_columns_still_gathers(tmp_path):
     (per_rank,) = run_cases(CASES, ["bad_input_one_rank"], tmp_path, 2, timeout=120).values()
     for record in per_rank:

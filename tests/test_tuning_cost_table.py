@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 META = {"world": 1, "device": "test GPU", "torch": "t", "triton": "tr", "date": "d", "workload": "gemm"}
 
@@ -16,6 +18,7 @@ def row(variant, first, winner="A", **extra):
             "source": "tuned", "winner": winner, "step_ms_median_of_100": 1.6, **extra}
 
 
+@pytest.mark.slow
 def test_tables_give_overheads_against_the_untuned_cold_call_and_each_variants_phases(tmp_path):
     phases = {"discovery run": 1.0, "tuning runs": 0.5, "collectives": 0.1, "python overhead": 0.1}
     rows = [row("baseline", 7.0, phases=phases, tuning_wall_s=1.7, background={}),

@@ -47,13 +47,15 @@ def test_nearest_serves_a_new_key_with_the_nearest_winner_and_never_tunes(tmp_pa
     assert "(100, 'torch.float32', 'torch.float32')" in text and "nearest tuned key (64," in text
 
 
-def test_nearest_without_a_candidate_serves_the_first_config(tmp_path):
+def test_nearest_without_a_candidate_serves_the_first_config_and_best_config_follows(tmp_path):
     kernel = make_kernel(blocks=(16, 32, 64))
     step = _step(tmp_path, kernel, on_new_key="nearest")
     step(torch.randn(64, device=DEV))
+    assert kernel.best_config.kwargs["BLOCK"] == 32  # the tuned winner
     z = torch.randn(64, device=DEV, dtype=torch.float16)  # another dtype: no candidate
     assert torch.equal(step(z), z + 16)
     assert "first config" in next(iter(step.fallbacks.values()))
+    assert kernel.best_config.kwargs["BLOCK"] == 16, "best_config names the config last chosen: the fallback's"
 
 
 def test_error_refuses_a_new_key_before_launching(tmp_path):

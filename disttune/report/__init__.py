@@ -17,13 +17,15 @@ site summaries, :mod:`disttune.report.diagnostics` explains each site's winner,
 Nothing in a damaged log directory raises (except a directory without any ``rank-<r>.log``): missing
 rank logs, empty files, lines that are neither a readable log line nor parsable JSON, records
 lacking fields and ranks that disagree on a winner are listed in :attr:`Report.problems` and in
-the report's "Problems" section.
+the report's "Problems" section, first of all a tuning call of the run that ended in an error (with it).
+A site whose winner came from the store or a pinned table is shown with that winner, said to come from there.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..logs import resolve_log_dir
 from .diagnostics import attach as attach_diagnostics
-from .logs import find_rank_logs, load_rank_log
+from .logs import RankLogData, clip, find_rank_logs, load_rank_log
 from .markdown import format_markdown
 from .plots import agreed_figure, heatmap_figure
 from .sites import (ConfigRow, SiteSummary, collect_sites, missing_rank_problems, of_run, runs_of,
@@ -76,6 +78,34 @@ def plot_site(site: SiteSummary, out_dir: Path) -> list[Path]:
             _save(agreed_figure(site), out_dir / f"{site.file_stem}-agreed.png")]
 
 
+_PLOT_NAME = re.compile(r"^site-\d+(-tuning-\d+)?-(heatmap|agreed)\.png$")
+
+
+def remove_stale_plots(out_dir: Path, kept: Sequence[Path]) -> None:
+    """Remove the plots an earlier report left in ``out_dir`` that this one did not draw (its sites are gone or
+    fewer), so every figure beside the report is of the run it describes. Only names the report gives its plots
+    are touched; a link is removed, never followed."""
+    names = {path.name for path in kept}
+    for entry in out_dir.iterdir():
+        if _PLOT_NAME.match(entry.name) and entry.name not in names:
+            entry.unlink(missing_ok=True)
+
+
+def failed_calls(logs: Sequence[RankLogData], runs: set[str]) -> list[str]:
+    """A problem line per tuning call of ``runs`` that ended in an error: the function, the ranks that logged
+    it and the error, the same text on every rank grouped in one line."""
+    by_error: dict[tuple[str, str], list[int]] = {}
+    for data in logs:
+        for record in data.records:
+            if record["event"] == "error" and str(record.get("run") or "") in runs:
+                by_error.setdefault((record["function"], record["text"]), []).append(data.rank)
+    lines = []
+    for (function, text), ranks in by_error.items():
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(set(ranks))))
+        lines.append(f"the tuning call of {function} failed ({where}): {clip(text, 600)}")
+    return lines
+
+
 def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike] = None,
                  history: bool = False, all_runs: bool = False) -> Report:
     """Merge ``<log_dir>/rank-<r>.log`` into ``<out_dir>/report.md`` plus two PNGs per tuned site.
@@ -86,7 +116,7 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
     call of every site, oldest first (two PNGs per tuning).
 
     ``out_dir`` defaults to ``<log_dir>/report`` (created; existing files of the same names are
-    overwritten). Cost: reads every rank log three times (records, line scan, UTF-8 check),
+    overwritten, and plots of an earlier report that this one does not draw are removed). Cost: reads every rank log three times (records, line scan, UTF-8 check),
     O(total log size) time and O(records) memory; renders two Agg figures per site with config data
     (about 0.1-0.3 s each, figure size growing with configs and ranks). Raises FileNotFoundError when
     ``log_dir`` does not exist or has no ``rank-<r>.log``; every other defect goes to
@@ -118,10 +148,12 @@ def build_report(log_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
         except Exception as err:  # a plot must not cost the report
             problems.append(f"{site.name.lower()}: plots failed: {type(err).__name__}: {err}")
         plots += site.plots
+    remove_stale_plots(out, plots)
     markdown = out / REPORT_NAME
     shown = set(runs if all_runs else runs[-1:])
     fallbacks = [r for data in logs for r in data.records
                  if r["event"] == "fallback" and str(r.get("run") or "") in shown]
+    problems = failed_calls(logs, shown) + problems
     markdown.write_text(format_markdown(log_dir, out, found, sites, problems, present, history, fallbacks,
                                         runs, all_runs), encoding="utf-8")
     return Report(markdown, plots, sites, problems)

@@ -36,6 +36,7 @@ _REQUIRED = {
     "verify": {"kernel": str, "key": str, "occurrence": int, "config": str, "regressed": bool},
     "fallback": {"kernel": str, "key": str, "occurrence": int, "config": str, "source": str},
     "note": {"topic": str, "text": str},
+    "error": {"function": str, "text": str},
 }
 
 

@@ -136,6 +136,9 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
                      f"statistic={site.statistic or '?'}), tuned at {site.tuned_at or '?'}")
     elif site.winner is not None:
         lines.append(f"- winner: config {site.winner} (no config records)")
+    elif not site.configs and site.decided_elsewhere:
+        lines.append(f"- winner: config {site.latest_winner} {_code(describe_config(site.latest_config or ''))}, "
+                     f"from {_origin(site)}: not tuned in this run")
     else:
         lines.append("- winner: **none logged** (see Problems)")
     if site.function_runs is not None:
@@ -144,20 +147,25 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
         in_call = f", {site.sites_in_call} site(s) tuned in that call" if site.sites_in_call is not None else ""
         lines.append(f"- tuning call: {slowest:.3f} s wall (slowest rank; {per_rank}), "
                      f"{site.function_runs} function runs{in_call}")
-    else:
+    elif site.decided_elsewhere and site.latest_call is not None:
+        call = site.latest_call
+        lines.append(f"- call: {float(call['wall_s']):.3f} s wall, {call['function_runs']} function runs, "
+                     f"nothing tuned (the winner came from {_origin(site)})")
+    elif not site.decided_elsewhere:
         lines.append("- tuning call: no tuning record found (wall time and run count unknown)")
     if site.tunings > 1 and not site.in_history:
         lines.append(f"- the logs hold {site.tunings} tunings of this site; this is the last "
                      "(`disttune report --all` shows each)")
-    if site.latest_source and site.latest_source != "tuned":
+    if site.decided_elsewhere and site.configs:
         same = "the same config" if site.latest_winner == site.winner else f"config {site.latest_winner}"
-        origin = _SOURCES.get(site.latest_source, f"the {site.latest_source}")
-        lines.append(f"- latest call: winner from {origin} ({same}); the table shows the last "
+        lines.append(f"- latest call: winner from {_origin(site)} ({same}); the table shows the last "
                      "tuning in the logs")
     lines.append(f"- world size {len(site.ranks)}; rank logs present: {', '.join(map(str, present)) or 'none'}")
     lines.append("")
     if not site.configs:
-        lines.append("No tuning of this site in the logs (its winners came from the store or a pinned table).")
+        lines.append(f"No tuning of this site in this run: its winner came from {_origin(site)} "
+                     "(`disttune report --all-runs` shows the run that tuned it, where this folder holds it)."
+                     if site.decided_elsewhere else "No tuning of this site in the logs.")
         return "\n".join(lines)
     lines += [format_site_table(site, present), ""]
     front = format_front(site)
@@ -173,17 +181,28 @@ def format_site(site: SiteSummary, present: Iterable[int], out_dir: Path) -> str
     return "\n".join(lines)
 
 
+def _origin(site: SiteSummary) -> str:
+    """Where the site's latest winner came from when it was not tuned: ``the store``, ``the pinned table``."""
+    return _SOURCES.get(site.latest_source or "", f"the {site.latest_source}")
+
+
 def format_summary(sites: Sequence[SiteSummary]) -> str:
     lines = ["| site | function | kernel | key | occurrence | winner | agreed ms | ranks alone picking differently |",
              "|---:|---|---|---|---:|---|---:|---:|"]
     for site in sites:
         row = site.row(site.winner)
-        winner = f"{row.index}: {_code(row.label)}" if row else ("none" if site.winner is None else str(site.winner))
         voters = sum(p is not None for p in site.alone_picks().values())
+        alone = f"{len(site.disagreeing_ranks())} of {voters}"
+        if row:
+            winner = f"{row.index}: {_code(row.label)}"
+        elif site.winner is None and not site.configs and site.decided_elsewhere:
+            winner = f"{site.latest_winner}: {_code(describe_config(site.latest_config or ''))} ({_origin(site)})"
+            alone = "not tuned"
+        else:
+            winner = "none" if site.winner is None else str(site.winner)
         number = f"{site.number}.{site.tuning_number}" if site.in_history else str(site.number)
         lines.append(f"| {number} | {_code(site.function)} | {_code(site.kernel)} | {_code(site.key_label)} | "
-                     f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | "
-                     f"{len(site.disagreeing_ranks())} of {voters} |")
+                     f"{site.occurrence} | {winner} | {format_ms(row.agreed_ms) if row else ''} | {alone} |")
     return "\n".join(lines)
 
 
@@ -240,7 +259,7 @@ def format_markdown(log_dir: Path, out_dir: Path, found: dict[int, Path], sites:
     if sites:
         parts += ["## Summary", "", format_summary(sites), ""]
     else:
-        parts += ["No tuning sites in the logs.", ""]
+        parts += ["No tuning sites in the logs." if not runs or all_runs else "No tuning sites in this run.", ""]
     if fallbacks:
         parts += ["## Keys served by a fallback", "",
                   "Keys met after tuning that no tuning covered (`on_new_key`): each ran, with no collective, on "

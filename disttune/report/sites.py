@@ -99,6 +99,9 @@ class SiteSummary:
     sites_in_call: Optional[int] = None
     latest_source: Optional[str] = None  # source of the site's last winner record: tuned/store/pinned
     latest_winner: Optional[int] = None
+    latest_config: Optional[str] = None  # that record's config text
+    #: the tuning record of the call that logged the last winner when it was not tuned (a store hit)
+    latest_call: Optional[dict] = None
     logged_ranks: list[int] = field(default_factory=list)  # ranks whose own log has this tuning
     plots: list[Path] = field(default_factory=list)
     tuning_number: int = 1  # which tuning of the site this is, oldest first
@@ -108,6 +111,11 @@ class SiteSummary:
 
     key_text: str = ""  # the key with its argument names, where the logs give it
     run: Optional[str] = None  # the job's run the tuning belongs to (disttune.env.run_id)
+
+    @property
+    def decided_elsewhere(self) -> bool:
+        """Whether the latest call took this site's winner from the store, a pinned table or the kernel's cache."""
+        return self.latest_source not in (None, "tuned")
 
     @property
     def key_label(self) -> str:
@@ -167,7 +175,9 @@ class RankSite:
     tuning: Optional[dict] = None  # the tuning record of that call
     pending: dict[int, dict] = field(default_factory=dict)  # config records after the last tuned winner
     latest: Optional[dict] = None  # the last winner record of any source
+    latest_call: Optional[dict] = None  # the tuning record after ``latest`` when it was not tuned
     waiting_for_tuning: bool = False
+    waiting_for_call: bool = False
     earlier: list[tuple[dict, dict, Optional[dict]]] = field(default_factory=list)  # (configs, winner, tuning)
     pending_samples: dict[int, list[float]] = field(default_factory=dict)  # measure records not yet in a config
     samples_closed: bool = False  # the pending samples went to config records: the next sample starts anew
@@ -182,7 +192,7 @@ class RankSite:
         if steps > self.tunings():
             return None
         configs, winner, tuning = self.earlier[-(steps - 1)]
-        return RankSite(configs, winner, tuning, latest=self.latest)
+        return RankSite(configs, winner, tuning, latest=self.latest, latest_call=self.latest_call)
 
 
 def site_key(record: dict) -> SiteKey:
@@ -220,6 +230,7 @@ def rank_sites(data: RankLogData) -> tuple[dict[SiteKey, RankSite], list[str]]:
         elif event == "winner":
             state = sites.setdefault(site_key(record), RankSite())
             state.latest = record
+            state.latest_call, state.waiting_for_call = None, record["source"] != "tuned"
             if record["source"] == "tuned":
                 if not state.pending:
                     problems.append(f"{label}: tuned winner of {_describe_key(site_key(record))} without config records")
@@ -229,8 +240,12 @@ def rank_sites(data: RankLogData) -> tuple[dict[SiteKey, RankSite], list[str]]:
                 state.pending, state.waiting_for_tuning = {}, True
         elif event == "tuning":
             for key, state in sites.items():
-                if state.waiting_for_tuning and key[0] in (record["function"], "?"):
+                if key[0] not in (record["function"], "?"):
+                    continue
+                if state.waiting_for_tuning:
                     state.tuning, state.waiting_for_tuning = record, False
+                if state.waiting_for_call:
+                    state.latest_call, state.waiting_for_call = record, False
     sites = {key: state for key, state in sites.items() if key[3] is not None}  # the samples went to their configs
     for key, state in sites.items():
         if state.pending and state.winner is None:
@@ -319,6 +334,8 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
         sites_in_call=tuning.get("sites") if tuning else None,
         latest_source=latest["source"] if latest else None,
         latest_winner=latest["config_index"] if latest else None,
+        latest_config=latest["config"] if latest else None,
+        latest_call=next((s.latest_call for _, s in sorted(per_rank.items()) if s.latest_call), None),
         logged_ranks=sorted(r for r, s in per_rank.items() if s.configs),
         key_text=next((str(rec["key_text"]) for s in per_rank.values() for rec in [s.winner or s.latest or {}]
                        if rec.get("key_text")), ""),
@@ -400,7 +417,7 @@ def collect_sites(logs: Sequence[RankLogData], history: bool = False) -> tuple[l
             site = merge_site(number, key, views, world)
             site.tuning_number, site.tunings, site.in_history = tunings - steps + 1, tunings, history
             if steps > 1:  # what a later call did is told with the last tuning only
-                site.latest_source = site.latest_winner = None
+                site.latest_source = site.latest_winner = site.latest_config = site.latest_call = None
             problems += site_problems(site, views, present)
             summaries.append(site)
     return summaries, problems
