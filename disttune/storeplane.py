@@ -32,7 +32,6 @@ channel is one key of appended frames, plus one counter per channel that a waiti
 from __future__ import annotations
 
 import datetime
-import queue
 import threading
 import time
 import weakref
@@ -46,8 +45,9 @@ from .env import DEFAULT_TIMEOUT_S
 from .errors import CollectiveTimeout, PeerFailed
 from .wire import MalformedMessage
 
-__all__ = ["PLANE", "POST_POLL_S", "poll", "read_now", "ending_record", "Waiter", "Collective", "StorePosts",
-           "StorePlane"]
+__all__ = ["PLANE", "POST_POLL_S", "poll", "read_now", "ending_record", "raise_ending", "WaitWatch", "wait_watch",
+           "Collective",
+           "StorePosts", "StorePlane"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -89,113 +89,131 @@ def ending_record(kind: type, text: str, ranks: Sequence[int] = ()) -> bytes:
     return ENDED + wire.pack({"type": kind.__name__, "text": text, "ranks": [int(r) for r in ranks]})
 
 
-def raise_ending(value: bytes) -> None:
+def raise_ending(value: bytes, step: str) -> None:
     """Raise the error an ending record carries (a :class:`MalformedMessage` where it is not one)."""
     record = wire.unpack(value[1:], -1, "a collective's ending")
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise MalformedMessage("disttune: a collective's ending is not disttune's; is another program writing into "
                                "this job's rendezvous store?")
-    kind, text, ranks = record.get("type"), record["text"], record.get("ranks") or []
-    if kind in ("CollectiveTimeout", "PeerFailed"):
-        raise _ENDINGS[kind](text, ranks)
+    kind, text, ranks = record.get("type"), record["text"], [int(r) for r in record.get("ranks") or []]
+    if kind == "PeerFailed":
+        raise PeerFailed(f"disttune: step '{step}': rank(s) {ranks} posted an error or left", ranks)
+    if kind == "CollectiveTimeout":
+        raise CollectiveTimeout(text, ranks)
     raise _ENDINGS.get(kind, RuntimeError)(text)
 
 
-class _Ticket:
-    """One wait handed to a :class:`Waiter`: the key's value, or the error the store gave."""
+class WaitWatch:
+    """The daemon thread that watches this process's waits for a collective while their threads block in the store's
+    ``get``: once a wait has lasted :data:`POST_POLL_S` it calls the wait's ``look`` every :data:`POST_POLL_S` (a
+    peer's post ends it), and past its deadline its ``expire``; both end the wait by setting the collective's
+    result to an ending. Idle (no wait registered): blocked on a condition. Registering and cancelling a wait
+    are a dictionary update under a lock: a collective that completes within :data:`POST_POLL_S` costs nothing more.
+    """
 
     def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.value: Optional[bytes] = None
-        self.error: Optional[BaseException] = None
+        self._waits: dict[int, tuple[float, float, Callable[[], bool], Callable[[], None]]] = {}
+        self._numbers = iter(range(1 << 62))
+        self._condition = threading.Condition()
+        self._idle = False
+        threading.Thread(target=self._run, name="disttune-wait-watch", daemon=True).start()
 
-    def result(self, timeout: float) -> Optional[bytes]:
-        """The value within ``timeout`` seconds, else None; the store's error, raised."""
-        if not self.ready.wait(timeout):
-            return None
-        if self.error is not None:
-            raise self.error
-        return self.value
+    def watch(self, deadline: float, look: Callable[[], bool], expire: Callable[[], None]) -> int:
+        """Watch a wait until :meth:`cancel`: ``look()`` every :data:`POST_POLL_S` (True: it ended the wait), and
+        ``expire()`` after ``deadline`` (``time.monotonic()``)."""
+        with self._condition:
+            number = next(self._numbers)
+            self._waits[number] = (time.monotonic() + POST_POLL_S, deadline, look, expire)
+            if self._idle:
+                self._condition.notify()
+        return number
 
+    def cancel(self, number: int) -> None:
+        with self._condition:
+            self._waits.pop(number, None)
 
-class Waiter:
-    """A daemon thread with its own connection to the store (``store.clone()``) that waits for one key at a time
-    with the store's blocking ``get``: the store answers when the key is set, so a long wait costs the store
-    one request, and the caller's thread stays free. A store that cannot be cloned is polled instead (one
-    request per 1 ms at most). Idle: a thread blocked on its queue."""
-
-    def __init__(self, store: Any) -> None:
-        try:
-            self.connection, self.blocking = store.clone(), True
-            self.connection.set_timeout(datetime.timedelta(days=7))  # the waits end by their key, never by this
-        except (AttributeError, RuntimeError, NotImplementedError):
-            self.connection, self.blocking = store, False
-        self.busy = False
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="disttune-store-waiter", daemon=True).start()
-
-    def wait_for(self, key: str) -> _Ticket:
-        ticket = _Ticket()
-        self.busy = True
-        self._requests.put((key, ticket))
-        return ticket
-
-    def close(self) -> None:
-        self._requests.put(None)
-
-    def _serve(self) -> None:
-        while (request := self._requests.get()) is not None:
-            key, ticket = request
-            try:
-                ticket.value = bytes(self.connection.get(key)) if self.blocking else _read_when_set(self.connection, key)
-            except Exception as err:  # noqa: BLE001 - the store is gone: the caller raises it
-                ticket.error = err
-            self.busy = False
-            ticket.ready.set()
-
-
-def _read_when_set(store: Any, key: str) -> bytes:
-    """Poll ``key`` until it is set (for a store that gives a waiter no connection of its own)."""
-    pause = 0.0
-    while (value := read_now(store, key)) is None:
-        time.sleep(pause)
-        pause = min(pause * 2 or 2e-5, 1e-3)
-    return value
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._waits:
+                    self._idle = True
+                    self._condition.wait()
+                self._idle = False
+                due = [(number, wait) for number, wait in self._waits.items() if wait[0] <= time.monotonic()]
+            for number, (_, deadline, look, expire) in due:
+                if number not in self._waits:  # ended meanwhile
+                    continue
+                try:
+                    if time.monotonic() > deadline:
+                        expire()
+                        ended = True
+                    else:
+                        ended = look()
+                except Exception:  # noqa: BLE001 - the store is gone: the waiting thread's get fails too
+                    ended = True
+                if ended:
+                    self.cancel(number)
+            with self._condition:
+                self._condition.wait(POST_POLL_S)
 
 
 class _PlaneState:
     """What every communicator over one store object shares in this process: each channel's count of collectives
-    (a new communicator over the same ranks continues it), the retired keys and the idle waiters."""
+    (a new communicator over the same ranks continues it), the retired keys and the connections that block in a
+    collective's wait (``store.clone()``: the communicator's own connection stays free for posts)."""
 
     def __init__(self, store: Any) -> None:
         self.store = weakref.ref(store)
         self.lock = threading.Lock()
         self.sequences: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.retired: list[str] = []
-        self.waiters: list[Waiter] = []
+        self.idle: list[Any] = []
 
-    def waiter(self) -> Waiter:
+    def connection(self) -> Optional[Any]:
+        """A connection for one blocking wait (give it back with :meth:`release`); None for a store that cannot be
+        cloned (its waits poll)."""
         with self.lock:
-            for waiter in self.waiters:
-                if not waiter.busy:
-                    waiter.busy = True
-                    return waiter
-            store = self.store()
-            assert store is not None
-            self.waiters.append(Waiter(store))
-            return self.waiters[-1]
+            if self.idle:
+                return self.idle.pop()
+        store = self.store()
+        try:
+            return store.clone() if store is not None else None
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return None
+
+    def release(self, connection: Optional[Any]) -> None:
+        if connection is not None:
+            with self.lock:
+                self.idle.append(connection)
 
 
 _STATES: "weakref.WeakKeyDictionary[Any, _PlaneState]" = weakref.WeakKeyDictionary()
 _STATES_LOCK = threading.Lock()
+_WATCH: list[WaitWatch] = []  # the process's one WaitWatch, once a wait has needed it
+
+
+def wait_watch() -> WaitWatch:
+    """This process's :class:`WaitWatch` (started at the first wait)."""
+    with _STATES_LOCK:
+        if not _WATCH:
+            _WATCH.append(WaitWatch())
+        return _WATCH[0]
 
 
 def _state(store: Any) -> _PlaneState:
     with _STATES_LOCK:
         if store not in _STATES:
-            state = _STATES[store] = _PlaneState(store)
-            weakref.finalize(store, lambda waiters: [w.close() for w in waiters], state.waiters)
+            _STATES[store] = _PlaneState(store)
         return _STATES[store]
+
+
+def _read_when_set(store: Any, key: str) -> bytes:
+    """Poll ``key`` until it is set (for a store that gives a wait no connection of its own)."""
+    pause = 0.0
+    while (value := read_now(store, key)) is None:
+        time.sleep(pause)
+        pause = min(pause * 2 or 2e-5, 1e-3)
+    return value
 
 
 class Collective:
@@ -405,11 +423,11 @@ class StorePlane(StorePosts):
             retired, shared.retired = shared.retired, []
         collective = Collective(self.store, self._key(channel, "c", seq), self.rank, self.world_size)
         if not collective.arrive(payload):
-            return lambda: self._outcome(self._wait(collective, step))
+            return lambda: self._outcome(self._wait(collective, step), step)
         standing = collective.settle(self._completed(collective, combine, step))
         previous = Collective(self.store, self._key(channel, "c", seq - 1), self.rank, self.world_size)
         delete_keys(self.store, retired + (list(previous.keys()) if seq else []))
-        return lambda: self._outcome(standing)
+        return lambda: self._outcome(standing, step)
 
     def _completed(self, collective: Collective, combine: Optional[Callable[[list[bytes]], bytes]], step: str) -> bytes:
         """What the last arriver sets: the combined result, or the error combining met (raised on every rank)."""
@@ -424,64 +442,53 @@ class StorePlane(StorePosts):
                                                f"rank {self.rank}: {type(err).__name__}: {err}")
 
     @staticmethod
-    def _outcome(value: bytes) -> bytes:
+    def _outcome(value: bytes, step: str) -> bytes:
+        """The result a collective's ``k`` holds, or the ending it holds, raised."""
         if value[:1] == RESULT:
             return value[1:]
         if value[:1] == ENDED:
-            raise_ending(value)
+            raise_ending(value, step)
         raise MalformedMessage("disttune: a collective's result is not disttune's; is another program writing into "
                                "this job's rendezvous store?")
 
     def _wait(self, collective: Collective, step: str) -> bytes:
-        """Wait for ``collective``'s result (see the module doc); leaving early sets its ending for every rank."""
+        """Block in the store's ``get`` of ``collective``'s result, on a connection of its own, while the
+        :class:`WaitWatch` ends the wait (sets an ending there) for a peer's post or the deadline."""
         channel, deadline = self._channel, time.monotonic() + self.timeout_s
-        ticket = self._shared.waiter().wait_for(collective.result)
+        shared, watch = self._shared, wait_watch()
+        watched = watch.watch(deadline, lambda: self._look(collective, channel), lambda: self._expire(collective, step))
+        connection = shared.connection()
         try:
-            while (value := self._answer(ticket, step)) is None:
-                self._look(channel, step)
-                if time.monotonic() > deadline:
-                    raise self._timed_out(step, sorted(set(range(self.world_size)) - collective.arrived()))
-            return value
-        except (CollectiveTimeout, PeerFailed) as err:
-            return self._leave(collective, err)
-        except BaseException:  # Ctrl-C: the peers waiting here leave too, and hear of it from the posts
-            try:
-                collective.settle(ending_record(PeerFailed, f"disttune: step '{step}': rank {self.rank} left", [self.rank]))
-            except RuntimeError:
-                pass
-            raise
-
-    @staticmethod
-    def _answer(ticket: _Ticket, step: str) -> Optional[bytes]:
-        try:
-            return ticket.result(POST_POLL_S)
+            if connection is None:
+                return _read_when_set(self.store, collective.result)
+            connection.set_timeout(datetime.timedelta(seconds=self.timeout_s + 60))  # the watch ends it before
+            return bytes(connection.get(collective.result))
         except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
+            connection = None
             raise CollectiveTimeout(f"disttune: step '{step}': the rendezvous store is unreachable: {err}") from err
+        finally:
+            watch.cancel(watched)
+            shared.release(connection)
 
-    @staticmethod
-    def _leave(collective: Collective, err: Exception) -> bytes:
-        """Set ``collective``'s ending to ``err`` unless a result or another ending stands there: then that one."""
-        ranks = getattr(err, "missing", ()) or getattr(err, "ranks", ())
-        mine = ending_record(type(err), str(err), ranks)
-        try:
-            standing = collective.settle(mine)
-        except RuntimeError:
-            raise err from None
-        if standing == mine:
-            raise err
-        return standing
+    def _look(self, collective: Collective, channel: Optional[str]) -> bool:
+        """End ``collective`` for every rank if a peer has posted on ``channel`` (one request; three if one has)."""
+        if channel is None or not self.peers_posted(channel):
+            return False
+        ranks = sorted({r for slot in ("note", "settle") for r in self.posted(channel, slot) if r != self.rank})
+        collective.settle(ending_record(PeerFailed, "posted", ranks))
+        return True
+
+    def _expire(self, collective: Collective, step: str) -> None:
+        """End ``collective`` for every rank with the deadline's error, naming the ranks that did not arrive."""
+        missing = sorted(set(range(self.world_size)) - collective.arrived())
+        err = self._timed_out(step, missing)
+        collective.settle(ending_record(CollectiveTimeout, str(err), missing))
 
     def _timed_out(self, step: str, missing: list[int], limit: Optional[float] = None) -> CollectiveTimeout:
         limit = self.timeout_s if limit is None else limit
         who = f"rank(s) {missing} did not arrive" if missing else "it did not complete"
         return CollectiveTimeout(f"disttune: step '{step}': {who} within {limit:g} s (a rank died, hung, or skipped "
                                  "the step)", missing)
-
-    def _look(self, channel: Optional[str], step: str) -> None:
-        """:class:`PeerFailed` if a peer has posted on ``channel`` (one request)."""
-        if channel is not None and self.peers_posted(channel):
-            ranks = sorted(r for slot in ("note", "settle") for r in self.posted(channel, slot) if r != self.rank)
-            raise PeerFailed(f"disttune: step '{step}': rank(s) {ranks} posted an error or left", ranks)
 
     def _retire(self, channel: str) -> None:
         """The channel's last two collectives (and its progress notes) are deleted by the last arriver of the next
@@ -513,5 +520,9 @@ class StorePlane(StorePosts):
             except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
                 raise CollectiveTimeout(f"disttune: step '{step}': the rendezvous store is unreachable: {err}") from err
 
-        poll(checked, time.monotonic() + limit, lambda: self._timed_out(step, behind() if behind else [], limit),
-             lambda: self._look(channel, step))
+        def look() -> None:
+            if channel is not None and self.peers_posted(channel):
+                ranks = sorted({r for slot in ("note", "settle") for r in self.posted(channel, slot) if r != self.rank})
+                raise PeerFailed(f"disttune: step '{step}': rank(s) {ranks} posted an error or left", ranks)
+
+        poll(checked, time.monotonic() + limit, lambda: self._timed_out(step, behind() if behind else [], limit), look)
