@@ -8,22 +8,23 @@ server on one host. :class:`StorePlane` runs the tuner's collectives through it.
 * ``n``: each rank then adds 1 to this counter; the answer tells the rank that completes the count
   that it arrived last;
 * ``k``: the last arriver reads ``d`` once, combines the payloads into one result (the float matrix,
-  each distinct object once, a reduction, nothing for a barrier) and sets ``k``; every other rank waits
-  for ``k`` with one request that the store answers when ``k`` is set, and reads it with that answer.
+  each distinct object once, a reduction, nothing for a barrier) and sets ``k``; every other rank
+  blocks in the store's ``get`` of ``k``, which the store answers when ``k`` is set.
 
-So the store host serves about four requests per rank and holds each payload once; it sends the
-result once to each rank. Nothing is polled: the wait is the store's own blocking ``WAIT``, made by a
-:class:`Waiter` thread on a connection of its own while the caller's thread checks its deadline, the
-watched channel's posts (one counter, every :data:`POST_POLL_S` once the wait has lasted that long)
-and Ctrl-C. The last arriver also deletes the channel's previous collective: every rank has read it,
+So the store host serves four requests per rank (the append needs no answer) and holds each payload
+once; it sends the result once to each rank. Nothing is polled: a waiting thread blocks in ``get`` on
+a connection of its own, while the process's :class:`WaitWatch` thread reads the watched channel's
+post counter every :data:`POST_POLL_S` once the wait has lasted that long, and ends the wait at its
+deadline. The last arriver also deletes the channel's previous collective: every rank has read it,
 since every rank has arrived at this one. A channel that is no longer watched (a tuning call's, when
 the call ends) is *retired*: its last keys go at the next collective that completes.
 
-A rank that leaves a collective early (its deadline, a peer's post, an interrupt) sets ``k`` to an
-*ending* (:func:`ending_record`: the error's type, text and ranks) unless the result stands there
-already; the first of the two stands (``compare_set``). Every rank waiting there, and every rank
-that arrives later, wakes and raises that same error. A deadline names the ranks that did not
-arrive: the timing-out rank reads ``d`` once.
+A wait ends early by an *ending* set in ``k`` (:func:`ending_record`: the error's type, text and
+ranks) unless the result stands there already; the first of the two stands (``compare_set``). Every
+rank waiting there, and every rank that arrives later, wakes and raises that same error: a peer's
+post (:class:`~disttune.errors.PeerFailed`), or the deadline (:class:`~disttune.errors.CollectiveTimeout`
+naming the ranks that did not arrive: the expiring rank reads ``d`` once). Ctrl-C in a thread that
+blocks in ``get`` takes effect when the wait ends (at the latest at its deadline).
 
 Posts (:class:`StorePosts`) carry a failing rank's error to peers waiting anywhere: each slot of a
 channel is one key of appended frames, plus one counter per channel that a waiting rank reads.
@@ -46,8 +47,7 @@ from .errors import CollectiveTimeout, PeerFailed
 from .wire import MalformedMessage
 
 __all__ = ["PLANE", "POST_POLL_S", "poll", "read_now", "ending_record", "raise_ending", "WaitWatch", "wait_watch",
-           "Collective",
-           "StorePosts", "StorePlane"]
+           "Collective", "StorePosts", "StorePlane"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -221,7 +221,7 @@ class Collective:
 
     def __init__(self, store: Any, base: str, rank: int, world_size: int) -> None:
         self.store, self.base, self.rank, self.world_size = store, base, rank, world_size
-        self.data, self.count, self.result = f"{base}/d", f"{base}/n", f"{base}/k"
+        self.data, self.count, self.result = self.keys_at(base)
 
     def arrive(self, payload: bytes) -> bool:
         """Add this rank's payload (two requests); True when this rank completed the count."""
@@ -249,8 +249,10 @@ class Collective:
         """Set ``k`` to ``value`` unless it is set (one request); the value that stands there."""
         return bytes(self.store.compare_set(self.result, "", value))
 
-    def keys(self) -> tuple[str, str, str]:
-        return self.data, self.count, self.result
+    @staticmethod
+    def keys_at(base: str) -> list[str]:
+        """The keys of the collective based at ``base``."""
+        return [f"{base}/{part}" for part in "dnk"]
 
 
 def delete_keys(store: Any, keys: Sequence[str]) -> None:
@@ -425,8 +427,7 @@ class StorePlane(StorePosts):
         if not collective.arrive(payload):
             return lambda: self._outcome(self._wait(collective, step), step)
         standing = collective.settle(self._completed(collective, combine, step))
-        previous = Collective(self.store, self._key(channel, "c", seq - 1), self.rank, self.world_size)
-        delete_keys(self.store, retired + (list(previous.keys()) if seq else []))
+        delete_keys(self.store, retired + (Collective.keys_at(self._key(channel, "c", seq - 1)) if seq else []))
         return lambda: self._outcome(standing, step)
 
     def _completed(self, collective: Collective, combine: Optional[Callable[[list[bytes]], bytes]], step: str) -> bytes:
@@ -497,7 +498,7 @@ class StorePlane(StorePosts):
             last = self._shared.sequences.pop((self.prefix, channel), 0) - 1
             for seq in (last - 1, last):
                 if seq >= 0:
-                    self._shared.retired.extend(Collective(self.store, self._key(channel, "c", seq), 0, 0).keys())
+                    self._shared.retired.extend(Collective.keys_at(self._key(channel, "c", seq)))
             if channel in self._noted:
                 self._noted.discard(channel)
                 self._shared.retired.extend(self._key(channel, "at", r) for r in range(self.world_size))
