@@ -107,12 +107,14 @@ class WaitWatch:
     """The daemon thread that watches this process's waits for a collective while their threads block in the store's
     ``get``: once a wait has lasted :data:`POST_POLL_S` it calls the wait's ``look`` every :data:`POST_POLL_S` (a
     peer's post ends it), and past its deadline its ``expire``; both end the wait by setting the collective's
-    result to an ending. Idle (no wait registered): blocked on a condition. Registering and cancelling a wait
-    are a dictionary update under a lock: a collective that completes within :data:`POST_POLL_S` costs nothing more.
+    result to an ending. It also runs the work handed to :meth:`later` (a last arriver's deletions), off the
+    collective's path. Idle: blocked on a condition. Registering and cancelling a wait are a dictionary update
+    under a lock: a collective that completes within :data:`POST_POLL_S` costs nothing more.
     """
 
     def __init__(self) -> None:
         self._waits: dict[int, tuple[float, float, Callable[[], bool], Callable[[], None]]] = {}
+        self._later: list[Callable[[], None]] = []
         self._numbers = iter(range(1 << 62))
         self._condition = threading.Condition()
         self._idle = False
@@ -132,29 +134,44 @@ class WaitWatch:
         with self._condition:
             self._waits.pop(number, None)
 
+    def later(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on this thread soon (its errors are dropped)."""
+        with self._condition:
+            self._later.append(work)
+            self._condition.notify()
+
     def _run(self) -> None:
         while True:
             with self._condition:
-                while not self._waits:
+                while not self._waits and not self._later:
                     self._idle = True
                     self._condition.wait()
                 self._idle = False
+                later, self._later = self._later, []
                 due = [(number, wait) for number, wait in self._waits.items() if wait[0] <= time.monotonic()]
-            for number, (_, deadline, look, expire) in due:
-                if number not in self._waits:  # ended meanwhile
-                    continue
+            for work in later:
                 try:
-                    if time.monotonic() > deadline:
-                        expire()
-                        ended = True
-                    else:
-                        ended = look()
-                except Exception:  # noqa: BLE001 - the store is gone: the waiting thread's get fails too
-                    ended = True
-                if ended:
-                    self.cancel(number)
+                    work()
+                except Exception:  # noqa: BLE001 - housekeeping: a store that is gone keeps its keys
+                    pass
+            for number, (_, deadline, look, expire) in due:
+                if number in self._waits:  # not ended meanwhile
+                    self._check(number, deadline, look, expire)
             with self._condition:
-                self._condition.wait(POST_POLL_S)
+                if self._waits and not self._later:
+                    self._condition.wait(POST_POLL_S)
+
+    def _check(self, number: int, deadline: float, look: Callable[[], bool], expire: Callable[[], None]) -> None:
+        try:
+            if time.monotonic() > deadline:
+                expire()
+                ended = True
+            else:
+                ended = look()
+        except Exception:  # noqa: BLE001 - the store is gone: the waiting thread's get fails too
+            ended = True
+        if ended:
+            self.cancel(number)
 
 
 class _PlaneState:
@@ -177,7 +194,9 @@ class _PlaneState:
                 return self.idle.pop()
         store = self.store()
         try:
-            return store.clone() if store is not None else None
+            connection = store.clone()
+            connection.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
+            return connection
         except (AttributeError, RuntimeError, NotImplementedError):
             return None
 
@@ -427,8 +446,15 @@ class StorePlane(StorePosts):
         if not collective.arrive(payload):
             return lambda: self._outcome(self._wait(collective, step), step)
         standing = collective.settle(self._completed(collective, combine, step))
-        delete_keys(self.store, retired + (Collective.keys_at(self._key(channel, "c", seq - 1)) if seq else []))
+        done = retired + (Collective.keys_at(self._key(channel, "c", seq - 1)) if seq else [])
+        wait_watch().later(lambda: self._delete(done))
         return lambda: self._outcome(standing, step)
+
+    def _delete(self, keys: list[str]) -> None:
+        """Delete ``keys`` on a connection of the process's own (the watch thread's work)."""
+        connection = self._shared.connection()
+        delete_keys(connection if connection is not None else self.store, keys)
+        self._shared.release(connection)
 
     def _completed(self, collective: Collective, combine: Optional[Callable[[list[bytes]], bytes]], step: str) -> bytes:
         """What the last arriver sets: the combined result, or the error combining met (raised on every rank)."""
@@ -462,7 +488,6 @@ class StorePlane(StorePosts):
         try:
             if connection is None:
                 return _read_when_set(self.store, collective.result)
-            connection.set_timeout(datetime.timedelta(seconds=self.timeout_s + 60))  # the watch ends it before
             return bytes(connection.get(collective.result))
         except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
             connection = None

@@ -27,7 +27,11 @@ PLANE_SCRIPT = """
     for i in range(200):
         comm.all_gather_floats([float(i)], "many")
     comm.barrier("after many")
-    out["keys_left"] = sum(comm.store.check([f"disttune/all/plane/c/{i}/{k}"]) for i in range(210) for k in "dnk")
+    keys = [f"disttune/all/plane/c/{i}/{k}" for i in range(210) for k in "dnk"]
+    deadline = time.monotonic() + 10  # the last arriver deletes on its watch thread, off the collective's path
+    while (left := sum(comm.store.check([key]) for key in keys)) > 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["keys_left"] = left
     comm.watch("call#0")  # a tuning call's channel: posts, a decision, progress
     if r == 1:
         comm.post("call#0", "note", {"step": "x", "lines": ["rank 1: ValueError: boom"]})
