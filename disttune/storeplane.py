@@ -33,6 +33,7 @@ channel is one key of appended frames, plus one counter per channel that a waiti
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 import time
 import weakref
@@ -53,6 +54,9 @@ __all__ = ["PLANE", "POST_POLL_S", "poll", "read_now", "ending_record", "raise_e
 PLANE = "plane"
 #: How often a wait reads the watched channel's posts, once it has lasted that long.
 POST_POLL_S = 0.1
+#: The reads of a post counter the store's host serves per second, at most, from all ranks together: beyond
+#: ``POST_POLLS_PER_S * POST_POLL_S`` ranks each rank reads less often (:attr:`StorePosts.post_poll_s`).
+POST_POLLS_PER_S = 10_000
 #: A value no writer sets: ``compare_set`` with it as the expected value reads a key without waiting.
 _ABSENT = "\x00disttune: absent"
 #: The first byte of a collective's ``k``: its result follows, or an ending (a rank left).
@@ -113,19 +117,20 @@ class WaitWatch:
     """
 
     def __init__(self) -> None:
-        self._waits: dict[int, tuple[float, float, Callable[[], bool], Callable[[], None]]] = {}
+        self._waits: dict[int, list] = {}  # number -> [next look, every, deadline, look, expire]
         self._later: list[Callable[[], None]] = []
         self._numbers = iter(range(1 << 62))
         self._condition = threading.Condition()
         self._idle = False
         threading.Thread(target=self._run, name="disttune-wait-watch", daemon=True).start()
 
-    def watch(self, deadline: float, look: Callable[[], bool], expire: Callable[[], None]) -> int:
-        """Watch a wait until :meth:`cancel`: ``look()`` every :data:`POST_POLL_S` (True: it ended the wait), and
-        ``expire()`` after ``deadline`` (``time.monotonic()``)."""
+    def watch(self, deadline: float, look: Callable[[], bool], expire: Callable[[], None], every: float = POST_POLL_S
+              ) -> int:
+        """Watch a wait until :meth:`cancel`: ``look()`` every ``every`` seconds once it has lasted that long (True: it
+        ended the wait), and ``expire()`` after ``deadline`` (``time.monotonic()``)."""
         with self._condition:
             number = next(self._numbers)
-            self._waits[number] = (time.monotonic() + POST_POLL_S, deadline, look, expire)
+            self._waits[number] = [time.monotonic() + every, every, deadline, look, expire]
             if self._idle:
                 self._condition.notify()
         return number
@@ -154,9 +159,10 @@ class WaitWatch:
                     work()
                 except Exception:  # noqa: BLE001 - housekeeping: a store that is gone keeps its keys
                     pass
-            for number, (_, deadline, look, expire) in due:
+            for number, wait in due:
                 if number in self._waits:  # not ended meanwhile
-                    self._check(number, deadline, look, expire)
+                    wait[0] = time.monotonic() + wait[1]
+                    self._check(number, *wait[2:])
             with self._condition:
                 if self._waits and not self._later:
                     self._condition.wait(POST_POLL_S)
@@ -298,12 +304,17 @@ class StorePosts:
     Each slot of a channel is one key of appended frames (``<prefix>/<channel>/<slot>``), so that reading
     every rank's post is one request whatever the number of ranks; ``<prefix>/<channel>/posts`` counts the
     posts. Progress notes (:meth:`note_progress`) are one key per rank, read only when a wait times out.
+
+    ``post_poll_s``: how often a rank reads the post counter while it waits (:data:`POST_POLL_S`, longer beyond
+    :data:`POST_POLLS_PER_S` reads per second from all ranks); a read younger than that is answered from the last.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
         self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
+        self.post_poll_s = max(POST_POLL_S, world_size / POST_POLLS_PER_S)
         self._channel: Optional[str] = None
         self._own_posts: defaultdict[str, int] = defaultdict(int)
+        self._read_posts: dict[str, tuple[float, int]] = {}  # channel -> (when, the count read)
         self._noted: set[str] = set()
         self._lock = threading.Lock()  # the watcher thread posts too (disttune.ending)
 
@@ -322,10 +333,15 @@ class StorePosts:
             self.store.add(self._key(channel, "posts"), 1)
 
     def peers_posted(self, channel: str) -> bool:
-        """Whether a peer has posted on ``channel`` (one store request)."""
+        """Whether a peer has posted on ``channel``: one store request, none where a thread of this rank read the
+        counter less than :attr:`post_poll_s` ago (the call's watcher and a wait both read it)."""
         with self._lock:
             own = self._own_posts[channel]
-        return int(self.store.add(self._key(channel, "posts"), 0)) > own
+        when, count = self._read_posts.get(channel, (-math.inf, 0))
+        if time.monotonic() - when >= self.post_poll_s:
+            count = int(self.store.add(self._key(channel, "posts"), 0))
+            self._read_posts[channel] = (time.monotonic(), count)
+        return count > own
 
     def posted(self, channel: str, slot: str) -> dict[int, Any]:
         """Every rank's value in ``slot`` of ``channel`` so far (this rank's included; a rank's latest), by rank, in
@@ -357,11 +373,7 @@ class StorePosts:
     def progress(self, channel: str) -> dict[int, int]:
         """Each rank's last :meth:`note_progress` count on ``channel`` (0 where it has noted none): one request per
         rank, made only when a wait has timed out."""
-        noted = {}
-        for rank in range(self.world_size):
-            key = self._key(channel, "at", rank)
-            noted[rank] = int(self.store.get(key) or 0) if self.store.check([key]) else 0
-        return noted
+        return {rank: int(read_now(self.store, self._key(channel, "at", rank)) or 0) for rank in range(self.world_size)}
 
 
 class StorePlane(StorePosts):
@@ -483,7 +495,8 @@ class StorePlane(StorePosts):
         :class:`WaitWatch` ends the wait (sets an ending there) for a peer's post or the deadline."""
         channel, deadline = self._channel, time.monotonic() + self.timeout_s
         shared, watch = self._shared, wait_watch()
-        watched = watch.watch(deadline, lambda: self._look(collective, channel), lambda: self._expire(collective, step))
+        watched = watch.watch(deadline, lambda: self._look(collective, channel), lambda: self._expire(collective, step),
+                              self.post_poll_s)
         connection = shared.connection()
         try:
             if connection is None:
