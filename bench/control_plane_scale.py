@@ -152,14 +152,13 @@ def collective(kind: str, plane: Any, rank: int) -> Callable[[], Any]:
     return lambda: plane.all_gather_objects(digest, "consensus (site digest)")
 
 
-def work(conn: Any, port: int, ranks: list[int], world: int, switch: float) -> None:
+def work(conn: Any, port: int, ranks: list[int], world: int) -> None:
     """A worker process: one thread per simulated rank, each phase started by the parent."""
     import torch.distributed as dist
 
     from disttune.storeplane import StorePlane
 
     threading.stack_size(1 << 20)
-    sys.setswitchinterval(switch)  # hundreds of threads block in I/O: each must get the GIL back soon after
     with ThreadPoolExecutor(32) as pool:
         clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_days(1)), ranks))
     stores = [CountingStore(dist.PrefixStore("default_pg", client)) for client in clients]
@@ -217,7 +216,7 @@ def _days(days: int) -> Any:
     return datetime.timedelta(days=days)
 
 
-def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], switch: float) -> dict[str, dict]:
+def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int]) -> dict[str, dict]:
     """Every kind of collective at ``world`` simulated ranks: a row per kind."""
     context = mp.get_context("spawn")
     server_end, server_conn = context.Pipe()
@@ -227,7 +226,7 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], s
     ends, processes = [], []
     for index in range(workers):
         end, worker_conn = context.Pipe()
-        process = context.Process(target=work, args=(worker_conn, port, list(range(index, world, workers)), world, switch),
+        process = context.Process(target=work, args=(worker_conn, port, list(range(index, world, workers)), world),
                                   daemon=True)
         process.start()
         ends.append(end)
@@ -286,7 +285,6 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1, help="tuning calls per N")
     parser.add_argument("--gather-max", type=int, default=128, help="largest N for the gathered 1,000 floats")
     parser.add_argument("--kinds", default=",".join(KINDS + ("tuning call",)))
-    parser.add_argument("--switch", type=float, default=5e-3, help="the workers' sys.setswitchinterval, seconds")
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
     wanted = options.kinds.split(",")
@@ -294,7 +292,7 @@ def main() -> None:
     for world in map(int, options.ranks.split(",")):
         kinds = [k for k in wanted if k != "1000 floats gathered" or world <= options.gather_max]
         iters = {kind: options.calls if kind == "tuning call" else options.iters for kind in kinds}
-        all_rows.extend(measure(world, options.workers, kinds, iters, options.switch).values())
+        all_rows.extend(measure(world, options.workers, kinds, iters).values())
     print(f"\n### control plane at N simulated ranks ({options.workers} worker processes, one TCPStore server), "
           "per collective\n")
     print("| N | collective | wall ms (median / p90) | store-host CPU ms | store requests |")

@@ -211,6 +211,17 @@ class _PlaneState:
             with self.lock:
                 self.idle.append(connection)
 
+    def delete_later(self, keys: list[str]) -> None:
+        """Delete ``keys`` on the process's :class:`WaitWatch` thread, on a connection of its own."""
+        def delete() -> None:
+            connection = self.connection()
+            store = connection if connection is not None else self.store()
+            if store is not None:
+                delete_keys(store, keys)
+            self.release(connection)
+
+        wait_watch().later(delete)
+
 
 _STATES: "weakref.WeakKeyDictionary[Any, _PlaneState]" = weakref.WeakKeyDictionary()
 _STATES_LOCK = threading.Lock()
@@ -299,7 +310,8 @@ def _matrix(payloads: Sequence[bytes], length: int, step: str) -> bytes:
 
 
 class StorePosts:
-    """Posts on channels over a c10d store: the :class:`~disttune.comm.ControlPlane` half of :class:`StorePlane`.
+    """Posts on channels over a c10d store, and the polled wait on the GPU that they end: the
+    :class:`~disttune.comm.ControlPlane` half of :class:`StorePlane`.
 
     Each slot of a channel is one key of appended frames (``<prefix>/<channel>/<slot>``), so that reading
     every rank's post is one request whatever the number of ranks; ``<prefix>/<channel>/posts`` counts the
@@ -309,8 +321,9 @@ class StorePosts:
     :data:`POST_POLLS_PER_S` reads per second from all ranks); a read younger than that is answered from the last.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, prefix: str, timeout_s: float) -> None:
         self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
+        self.timeout_s = float(timeout_s)
         self.post_poll_s = max(POST_POLL_S, world_size / POST_POLLS_PER_S)
         self._channel: Optional[str] = None
         self._own_posts: defaultdict[str, int] = defaultdict(int)
@@ -375,6 +388,39 @@ class StorePosts:
         rank, made only when a wait has timed out."""
         return {rank: int(read_now(self.store, self._key(channel, "at", rank)) or 0) for rank in range(self.world_size)}
 
+    def posters(self, channel: str) -> list[int]:
+        """The peers that posted an error (``note``) or left (``settle``) on ``channel`` (two requests)."""
+        return sorted({r for slot in ("note", "settle") for r in self.posted(channel, slot) if r != self.rank})
+
+    def wait_until(self, ready: Callable[[], bool], step: str, timeout_s: Optional[float] = None,
+                   behind: Optional[Callable[[], list[int]]] = None) -> None:
+        """Poll ``ready()`` until it is true (a wait on the GPU). Leaves with :class:`PeerFailed` when a peer posts on
+        the watched channel, and with :class:`CollectiveTimeout` after ``timeout_s`` (default the communicator's),
+        naming the ranks ``behind()`` gives (those that had not arrived)."""
+        channel = self._channel
+        limit = self.timeout_s if timeout_s is None else timeout_s
+
+        def checked() -> bool:
+            try:
+                return ready()
+            except (MalformedMessage, CollectiveTimeout, PeerFailed):
+                raise
+            except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
+                raise CollectiveTimeout(f"disttune: step '{step}': the rendezvous store is unreachable: {err}") from err
+
+        def look() -> None:
+            if channel is not None and self.peers_posted(channel):
+                ranks = self.posters(channel)
+                raise PeerFailed(f"disttune: step '{step}': rank(s) {ranks} posted an error or left", ranks)
+
+        poll(checked, time.monotonic() + limit, lambda: self._timed_out(step, behind() if behind else [], limit), look)
+
+    def _timed_out(self, step: str, missing: list[int], limit: Optional[float] = None) -> CollectiveTimeout:
+        limit = self.timeout_s if limit is None else limit
+        who = f"rank(s) {missing} did not arrive" if missing else "it did not complete"
+        return CollectiveTimeout(f"disttune: step '{step}': {who} within {limit:g} s (a rank died, hung, or skipped "
+                                 "the step)", missing)
+
 
 class StorePlane(StorePosts):
     """The tuner's communicator over a c10d store: rank ``rank`` of ``world_size``, its keys under ``prefix``.
@@ -388,8 +434,7 @@ class StorePlane(StorePosts):
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "disttune/all",
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(store, rank, world_size, prefix)
-        self.timeout_s = float(timeout_s)
+        super().__init__(store, rank, world_size, prefix, timeout_s)
         self._shared = _state(store)
 
     def describe(self) -> str:
@@ -458,15 +503,8 @@ class StorePlane(StorePosts):
         if not collective.arrive(payload):
             return lambda: self._outcome(self._wait(collective, step), step)
         standing = collective.settle(self._completed(collective, combine, step))
-        done = retired + (Collective.keys_at(self._key(channel, "c", seq - 1)) if seq else [])
-        wait_watch().later(lambda: self._delete(done))
+        shared.delete_later(retired + (Collective.keys_at(self._key(channel, "c", seq - 1)) if seq else []))
         return lambda: self._outcome(standing, step)
-
-    def _delete(self, keys: list[str]) -> None:
-        """Delete ``keys`` on a connection of the process's own (the watch thread's work)."""
-        connection = self._shared.connection()
-        delete_keys(connection if connection is not None else self.store, keys)
-        self._shared.release(connection)
 
     def _completed(self, collective: Collective, combine: Optional[Callable[[list[bytes]], bytes]], step: str) -> bytes:
         """What the last arriver sets: the combined result, or the error combining met (raised on every rank)."""
@@ -513,8 +551,7 @@ class StorePlane(StorePosts):
         """End ``collective`` for every rank if a peer has posted on ``channel`` (one request; three if one has)."""
         if channel is None or not self.peers_posted(channel):
             return False
-        ranks = sorted({r for slot in ("note", "settle") for r in self.posted(channel, slot) if r != self.rank})
-        collective.settle(ending_record(PeerFailed, "posted", ranks))
+        collective.settle(ending_record(PeerFailed, "posted", self.posters(channel)))
         return True
 
     def _expire(self, collective: Collective, step: str) -> None:
@@ -522,12 +559,6 @@ class StorePlane(StorePosts):
         missing = sorted(set(range(self.world_size)) - collective.arrived())
         err = self._timed_out(step, missing)
         collective.settle(ending_record(CollectiveTimeout, str(err), missing))
-
-    def _timed_out(self, step: str, missing: list[int], limit: Optional[float] = None) -> CollectiveTimeout:
-        limit = self.timeout_s if limit is None else limit
-        who = f"rank(s) {missing} did not arrive" if missing else "it did not complete"
-        return CollectiveTimeout(f"disttune: step '{step}': {who} within {limit:g} s (a rank died, hung, or skipped "
-                                 "the step)", missing)
 
     def _retire(self, channel: str) -> None:
         """The channel's last two collectives (and its progress notes) are deleted by the last arriver of the next
@@ -540,28 +571,3 @@ class StorePlane(StorePosts):
             if channel in self._noted:
                 self._noted.discard(channel)
                 self._shared.retired.extend(self._key(channel, "at", r) for r in range(self.world_size))
-
-    # -- the one wait loop for the GPU --------------------------------------------------------------------------
-
-    def wait_until(self, ready: Callable[[], bool], step: str, timeout_s: Optional[float] = None,
-                   behind: Optional[Callable[[], list[int]]] = None) -> None:
-        """Poll ``ready()`` until it is true (a wait on the GPU). Leaves with :class:`PeerFailed` when a peer posts on
-        the watched channel, and with :class:`CollectiveTimeout` after ``timeout_s`` (default the communicator's),
-        naming the ranks ``behind()`` gives (those that had not arrived)."""
-        channel = self._channel
-        limit = self.timeout_s if timeout_s is None else timeout_s
-
-        def checked() -> bool:
-            try:
-                return ready()
-            except (MalformedMessage, CollectiveTimeout, PeerFailed):
-                raise
-            except RuntimeError as err:  # the store is gone (the launcher died): no wait can end any more
-                raise CollectiveTimeout(f"disttune: step '{step}': the rendezvous store is unreachable: {err}") from err
-
-        def look() -> None:
-            if channel is not None and self.peers_posted(channel):
-                ranks = sorted({r for slot in ("note", "settle") for r in self.posted(channel, slot) if r != self.rank})
-                raise PeerFailed(f"disttune: step '{step}': rank(s) {ranks} posted an error or left", ranks)
-
-        poll(checked, time.monotonic() + limit, lambda: self._timed_out(step, behind() if behind else [], limit), look)
