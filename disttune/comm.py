@@ -23,9 +23,9 @@ with the collectives' deadline.
 :class:`TorchComm` is also a :class:`ControlPlane`: it carries *posts* on a channel (one per tuning
 call). A rank that fails where its peers may be waiting elsewhere posts its error there
 (:meth:`~TorchComm.post`); a rank waiting on a watched channel reads the channel's post counter
-every 0.1 s once the wait has lasted 0.1 s, and leaves with :class:`PeerFailed` when a peer has
-posted. A collective that completes in time reads no post. MPI and custom communicators have no
-posts: their waits end by timeout.
+every 0.1 s (less often beyond 1,000 ranks) once the wait has lasted that long, and leaves with
+:class:`PeerFailed` when a peer has posted. A collective that completes in time reads no post. MPI
+and custom communicators have no posts: their waits end by timeout.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import numpy as np
 from . import wire
 from .env import DEFAULT_TIMEOUT_S
 from .errors import CollectiveTimeout, PeerFailed
-from .storeplane import PLANE, POST_POLL_S, StorePlane, poll
+from .storeplane import StorePlane, poll
 from .wire import MalformedMessage
 
 __all__ = ["CollectiveTimeout", "PeerFailed", "MalformedMessage", "Communicator", "ControlPlane", "LocalComm",
            "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats",
-           "combine_floats", "global_rank", "PLANE", "POST_POLL_S"]
+           "combine_floats", "global_rank"]
 
 
 @runtime_checkable
