@@ -11,13 +11,16 @@ collective. In the order a tuning call meets them:
    digest, each rank's stored/pinned answer (rank 0's decides for everyone, unless it failed to launch
    on some rank in the discovery run: then a stored winner is tuned again without it, a pinned one is
    an error);
-2. :meth:`Agreement.check_run` (one all-gather of a flag per run, a second only on trouble): an
-   error in any rank's tuning run is an error on all;
-3. :meth:`Agreement.gather_agreed` (one all-gather of every site's per-config statistic, and of each
-   measurement a measured objective reads, :mod:`disttune.objective`) and :meth:`Agreement.verdicts`: the
-   agreed vector (``reduce`` over ranks, ``inf`` where a config failed on any rank), the winner (argmin,
-   ties to the lowest index; a measured objective's lowest score), :class:`SiteResult` per site; every
-   config failing is :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
+2. :meth:`Agreement.check_run` (one barrier per run: no rank starts a run whose collectives a failed
+   peer would leave it waiting in): an error in any rank's tuning run is an error on all. Through the
+   rendezvous store the error travels on the call's posts (the failing rank posts it and does not
+   arrive); over MPI, the barrier is an all-gather of a flag, and a second one of the errors on trouble;
+3. :meth:`Agreement.gather_agreed` (one collective of every site's per-config statistic, and of each
+   measurement a measured objective reads, :mod:`disttune.objective`, combined once over the ranks:
+   :class:`TimingVector`) and :meth:`Agreement.verdicts`: the agreed vector (``reduce`` over ranks,
+   ``inf`` where a config failed on any rank), the winner (argmin, ties to the lowest index; a measured
+   objective's lowest score), :class:`SiteResult` per site; every config failing is
+   :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
 4. :meth:`Agreement.final_run_status` (one all-gather after the final run): an error or a split
    winner failing on any rank in the final run; :meth:`Agreement.drop_failed_winners` scores
    such winners ``inf`` and takes the next best.
@@ -43,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import numpy as np
 
 from . import device
-from .comm import CollectiveTimeout, Communicator, PeerFailed, wait_until
+from .comm import CollectiveTimeout, Communicator, PeerFailed, combine_floats, wait_until
 from .configs import config_text, describe_config
 from .ending import Ending
 from .errors import FINAL_RUN_FAILED, NOT_STARTED, StoreWarning, TuningError, failed_on_ranks
@@ -87,6 +90,58 @@ def agree_measure(per_rank: np.ndarray, reduce: str) -> np.ndarray:
     per_rank = np.asarray(per_rank, dtype=np.float64)
     missing = np.isnan(per_rank).any(axis=0)
     return np.where(missing, NAN, REDUCERS[reduce](np.where(missing, 0.0, per_rank)))
+
+
+#: Every rank receives every rank's times while ``world^2 x slots x 8`` bytes (what the store's host sends for that)
+#: stays within this; beyond it, each rank receives the agreed values and keeps its own times (its log has them).
+ROWS_BYTES = 1 << 26
+
+
+class TimingVector:
+    """The layout of one agreement's vector over ``sites`` and how the ranks' vectors combine, computed once for all.
+
+    Each rank sends a status flag, then per site its configs' statistics and, with a measured objective, each of
+    ``extra``'s readings. :meth:`combine` maps ``[world, 1 + slots]`` to the flag of any rank, each site's agreed
+    times (:func:`agree`) and measurements (:func:`agree_measure`) and, while ``world^2 x slots`` stays within
+    :data:`ROWS_BYTES`, every rank's vector; :meth:`split` reads that back into ``(per-rank matrix, agreed,
+    {name: (per-rank, agreed)})`` per site. Beyond the bound the per-rank matrix holds this rank's row only (``nan``
+    elsewhere): the store's host then sends each rank ``O(slots)`` values, not ``O(world x slots)``.
+    """
+
+    def __init__(self, sites: Sequence[Site], extra: Sequence[str], reduce: str, world: int) -> None:
+        self.sites = [(len(site.configs), site.split) for site in sites]
+        self.extra, self.reduce, self.world = tuple(extra), reduce, world
+        self.slots = sum((1 + len(self.extra)) * n for n, _ in self.sites)
+        self.rows = world * world * (1 + self.slots) * 8 <= ROWS_BYTES
+
+    def combine(self, matrix: np.ndarray) -> np.ndarray:
+        """``[world, 1 + slots]`` -> any rank's flag, the agreed values, every rank's row where :attr:`rows`."""
+        data, out, offset = matrix[:, 1:], [np.asarray([float(matrix[:, 0].any())])], 0
+        for n, split in self.sites:
+            out.append(agree(data[:, offset : offset + n], self.reduce, split=split))
+            for position in range(1, 1 + len(self.extra)):
+                out.append(agree_measure(data[:, offset + position * n : offset + (position + 1) * n], self.reduce))
+            offset += (1 + len(self.extra)) * n
+        if self.rows:
+            out.append(data.ravel())
+        return np.concatenate(out)
+
+    def split(self, combined: np.ndarray, local: Sequence[float], rank: int) -> list[tuple]:
+        """``(per-rank, agreed, {name: (per-rank readings, agreed)})`` per site, from :meth:`combine`'s vector."""
+        agreed = combined[1 : 1 + self.slots]
+        if self.rows:
+            rows = combined[1 + self.slots :].reshape(self.world, self.slots)
+        else:
+            rows = np.full((self.world, self.slots), NAN)
+            rows[rank] = local
+        out, offset = [], 0
+        for n, _ in self.sites:
+            part = slice(offset, offset + n)
+            extra = {name: (rows[:, offset + k * n : offset + (k + 1) * n], agreed[offset + k * n : offset + (k + 1) * n])
+                     for k, name in enumerate(self.extra, start=1)}
+            out.append((rows[:, part], agreed[part], extra))
+            offset += (1 + len(self.extra)) * n
+        return out
 
 
 def winner_index(agreed: Sequence[float]) -> Optional[int]:
@@ -360,9 +415,31 @@ class Agreement:
                               "(a pinned table is never re-tuned; export one made on these ranks):\n  "
                               + "\n  ".join(broken))
 
+    def leave_with(self, problems: list[str], step: str, raised: Optional[BaseException] = None) -> None:
+        """Post this rank's ``problems`` on the call's channel and leave ``step`` without arriving: the peers' wait
+        there ends with the post, and every rank raises the one verdict (:mod:`disttune.ending`), here chained to
+        ``raised`` (what this rank's run raised, if anything)."""
+        failed = f"{step} failed"
+        self.ending.check(step, failed)
+        self.ending.post_errors(step, [f"rank {self.comm.rank}: {msg}" for msg in problems], failed)
+        # the verdict is composed from every rank's posted problems; an error that is already one (a TuningError)
+        # would stand as it is, so only the run's own exception is passed on, as the verdict's cause
+        cause = raised if isinstance(raised, Exception) and not isinstance(raised, (TuningError, AllConfigsFailed)) \
+            else RuntimeError(f"{failed} on rank {self.comm.rank}")
+        raise self.ending.settle(cause, step, failed)
+
     def check_run(self, problems: list[str], step: str, raised: Optional[BaseException] = None) -> None:
-        """After each tuning run: one flag per rank; any rank's problem is the same TuningError on all (chained to
-        ``raised``, what the run raised on this rank). ``problems`` start with the run's own exception."""
+        """After each tuning run every rank meets the others, so that no rank starts a run whose collectives a peer
+        that failed would leave it waiting in; any rank's problem is the same TuningError on all (chained to
+        ``raised``, what the run raised on this rank). ``problems`` start with the run's own exception.
+
+        Through the rendezvous store this is a barrier and a problem travels on the call's posts
+        (:meth:`leave_with`); elsewhere (MPI) an all-gather of one flag per rank, and of the problems on trouble."""
+        if self.ending.plane is not None:
+            if problems:
+                self.leave_with(problems, step, raised)
+            self._together(step, [], lambda: self.comm.barrier(step))
+            return
         flags = self._together(step, problems, lambda: self.comm.all_gather_floats([1.0 if problems else 0.0], step))
         if flags.any():
             self._raise_reports(step, problems, raised)
@@ -378,12 +455,13 @@ class Agreement:
         return [(per_rank, agreed) for per_rank, agreed, _ in self.gather_measured(tuned, step)]
 
     def gather_measured(self, tuned: Sequence[Site], step: str) -> list[tuple]:
-        """One all-gather of every site's per-config statistic and, with a measured objective, of each
-        measurement in :attr:`extra`; (per-rank matrix, agreed vector, ``{name: (per-rank, agreed)}``) per site.
+        """One collective of every site's per-config statistic and, with a measured objective, of each
+        measurement in :attr:`extra`, combined once over the ranks (:class:`TimingVector`); (per-rank matrix,
+        agreed vector, ``{name: (per-rank, agreed)}``) per site.
 
-        The vector (the same length on every rank: a slot per site x config x (time + extra)) starts with
-        a status flag: a statistic that raises or gives no number on any rank is the same TuningError on
-        all (a second all-gather, of the reasons, only then).
+        A statistic that raises or gives no number on any rank is the same TuningError on all: posted
+        (:meth:`leave_with`) through the rendezvous store; elsewhere a status flag leads the vector, and a
+        second all-gather, of the reasons, follows only then.
         """
         if not tuned:
             return []
@@ -399,22 +477,14 @@ class Agreement:
             problems.append(f"statistic {self.texts.get('statistic', repr(self.statistic))} failed: "
                             f"{type(err).__name__}: {err}")
             local = [math.nan] * sum(width * len(site.configs) for site in tuned)
-        gathered = self._together(step, problems,
-                                  lambda: self.comm.all_gather_floats([1.0 if problems else 0.0] + local, step))
-        if gathered[:, 0].any():
+        if problems and self.ending.plane is not None:
+            self.leave_with(problems, step)
+        vector = TimingVector(tuned, self.extra, self.reduce, self.comm.world_size)
+        combined = self._together(step, problems, lambda: combine_floats(
+            self.comm, [1.0 if problems else 0.0] + local, step, vector.combine))
+        if combined[0]:
             self._raise_reports(step, problems)
-        gathered = gathered[:, 1:]
-        out, offset = [], 0
-        for site in tuned:
-            n = len(site.configs)
-            per_rank = gathered[:, offset : offset + n]
-            extra = {}
-            for position, name in enumerate(self.extra, start=1):
-                readings = gathered[:, offset + position * n : offset + (position + 1) * n]
-                extra[name] = (readings, agree_measure(readings, self.reduce))
-            offset += width * n
-            out.append((per_rank, agree(per_rank, self.reduce, split=site.split), extra))
-        return out
+        return vector.split(combined, local, self.comm.rank)
 
     def verdicts(self, tuned: Sequence[Site]) -> list["Verdict"]:
         """The agreement proper: each tuned site's agreed times and winner (None where every config failed or

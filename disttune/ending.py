@@ -245,7 +245,7 @@ class Ending:
     def _watch(self) -> None:
         plane, first_seen = self.plane, None
         assert plane is not None
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(getattr(plane, "post_poll_s", 0.1)):  # longer on a large job
             try:
                 posted = plane.peers_posted(self.channel)
             except Exception:  # noqa: BLE001 - the store is gone: the main thread's waits time out

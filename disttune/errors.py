@@ -1,4 +1,5 @@
-"""The errors a tuning call raises with the same text on every rank, and the one wording they share."""
+"""The errors a tuning call raises with the same text on every rank, those of a wait for the peers, and the one
+wording they share."""
 
 from __future__ import annotations
 
@@ -34,3 +35,25 @@ NOT_STARTED = "tuning could not start"
 FINAL_RUN_FAILED = "the final run (with the winners) failed"
 #: ``what`` of an error that left a tuning call outside any of its collectives (or an interrupt).
 CALL_FAILED = "the tuning call failed"
+
+
+class CollectiveTimeout(RuntimeError):
+    """A wait did not complete in time (a peer died, hung or skipped the step); ``missing`` names the ranks
+    that had not arrived, where the communicator can tell."""
+
+    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
+class ControlPlaneLost(RuntimeError):
+    """The rendezvous store cannot be reached any more: its host (torchrun's agent, or rank 0 of a job started
+    without torchrun) is gone, so no collective of the tuner can complete."""
+
+
+class PeerFailed(RuntimeError):
+    """A peer posted on the watched channel (an error, or leaving after one) while this rank waited."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)

@@ -7,6 +7,11 @@ nothing read from there is unpickled: :func:`unpack` builds only ``None``, boole
 decode is a :class:`MalformedMessage` naming the rank it came from. Float vectors travel as
 fixed-layout float64 bytes (:func:`pack_floats`), checked for their length.
 
+Many ranks' messages travel together as *frames* (:func:`pack_frame`: the sender's rank and the
+length before each payload), so that a collective keeps them all in one store key; a result that
+goes back to every rank keeps each distinct payload once (:func:`pack_shared`), since most ranks
+send the same status or digest.
+
 JSON has no tuples and only string keys, so two tagged forms keep what the tuner gathers exact:
 a tuple is ``{"__tuple__": [...]}`` and a dict with other keys is ``{"__items__": [[key, value], ...]}``.
 Cost: ``json.dumps``/``json.loads`` of a few hundred bytes, microseconds.
@@ -15,11 +20,13 @@ Cost: ``json.dumps``/``json.loads`` of a few hundred bytes, microseconds.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["MalformedMessage", "pack", "unpack", "pack_floats", "unpack_floats"]
+__all__ = ["MalformedMessage", "pack", "unpack", "pack_floats", "unpack_floats", "pack_frame", "unpack_frames",
+           "pack_shared", "unpack_shared"]
 
 _TUPLE, _ITEMS = "__tuple__", "__items__"
 _TAGS = (_TUPLE, _ITEMS)
@@ -96,3 +103,61 @@ def unpack_floats(data: bytes, length: int, sender: int, what: str) -> np.ndarra
                                "program is writing into this job's rendezvous store")
     return np.frombuffer(bytes(data), dtype="<f8").astype(np.float64)
 
+
+
+_HEADER = struct.Struct("<II")  # sender (or index), payload length
+_TABLE = 0xFFFFFFFF  # the tag of a shared result's index table
+
+
+def pack_frame(sender: int, payload: bytes) -> bytes:
+    """``payload`` framed with its sender, to be appended to others' frames in one store value."""
+    return _HEADER.pack(sender, len(payload)) + payload
+
+
+def unpack_frames(data: bytes, what: str) -> list[tuple[int, bytes]]:
+    """Every ``(sender, payload)`` of concatenated frames, in order; a :class:`MalformedMessage` when they do
+    not parse (a frame cut short: another program wrote into the key)."""
+    frames, offset, view = [], 0, memoryview(data)
+    while offset < len(view):
+        if offset + _HEADER.size > len(view):
+            raise _broken(what, offset, len(view))
+        sender, length = _HEADER.unpack_from(view, offset)
+        offset += _HEADER.size
+        if offset + length > len(view):
+            raise _broken(what, offset, len(view))
+        frames.append((sender, bytes(view[offset : offset + length])))
+        offset += length
+    return frames
+
+
+def _broken(what: str, offset: int, size: int) -> MalformedMessage:
+    return MalformedMessage(f"disttune: the messages for {what} do not parse (a frame is cut short at byte {offset} "
+                            f"of {size}); is another program writing into this job's rendezvous store?")
+
+
+def pack_shared(payloads: Sequence[bytes]) -> bytes:
+    """One payload per rank, each distinct payload once (framed with the first rank that sent it) and a table of
+    which payload each rank sent: ``world`` equal statuses cost one status and ``4 * world`` bytes."""
+    index: dict[bytes, int] = {}
+    frames, table = [], []
+    for rank, payload in enumerate(payloads):
+        if payload not in index:
+            index[payload] = len(index)
+            frames.append(pack_frame(rank, payload))
+        table.append(index[payload])
+    return b"".join(frames) + pack_frame(_TABLE, np.asarray(table, dtype="<u4").tobytes())
+
+
+def unpack_shared(data: bytes, world: int, what: str) -> list[tuple[int, bytes]]:
+    """What :func:`pack_shared` packed: per rank, ``(first sender, payload)`` (the first sender names a payload
+    that does not decode); a :class:`MalformedMessage` when the table does not cover ``world`` ranks."""
+    frames = unpack_frames(data, what)
+    if not frames or frames[-1][0] != _TABLE or len(frames[-1][1]) != 4 * world:
+        raise MalformedMessage(f"disttune: the messages for {what} do not carry one entry per rank of {world}; is "
+                               "another program writing into this job's rendezvous store?")
+    distinct = frames[:-1]
+    table = np.frombuffer(frames[-1][1], dtype="<u4")
+    if len(table) and int(table.max()) >= len(distinct):
+        raise MalformedMessage(f"disttune: the messages for {what} refer to a payload they do not carry; is another "
+                               "program writing into this job's rendezvous store?")
+    return [distinct[int(i)] for i in table]

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import disttune  # noqa: E402
+from disttune import wire  # noqa: E402
 from tiny_kernels import TableTimer, add_block_limited, launch_add, make_kernel  # noqa: E402
 
 cases = Cases(__doc__)
@@ -390,7 +391,8 @@ def case_pickle_bomb_note(ctx):
         if ctx.rank == FAULTY_RANK and runs["n"] == 1:
             store = distributed_c10d._get_default_store()
             channel = f"disttune/all/{step.__qualname__}#0"
-            store.set(f"{channel}/note/{ctx.rank}", pickle.dumps(_Bomb(str(touched))))
+            note = wire.pack_frame(ctx.rank, pickle.dumps(_Bomb(str(touched))))  # framed as a post is
+            store.append(f"{channel}/note", note)
             store.add(f"{channel}/posts", 1)
             time.sleep(1.0)  # rank 0 is waiting in the consensus: it reads the note there
         y = torch.empty_like(x)

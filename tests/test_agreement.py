@@ -168,3 +168,34 @@ def test_the_function_tuners_errors_name_the_cause_first_in_the_one_wording():
         assert [type(o) for o in outcomes] == [disttune.TuningError] * 2, outcomes
         assert [str(o) for o in outcomes] == [expected] * 2
         assert isinstance(outcomes[1].__cause__, (ValueError, KeyError)), "the failing rank chains its own exception"
+
+
+def _site(n_configs: int, split: bool = False):
+    from disttune.sites import Site, SiteId
+
+    site = Site(SiteId("k", (n_configs,), 0), None, [f"config {c}" for c in range(n_configs)])
+    site.share = (0, 2) if split else None
+    return site
+
+
+def test_the_timing_vector_combines_every_ranks_times_once():
+    from disttune.agreement import TimingVector, agree
+
+    rng = np.random.default_rng(0)
+    sites = [_site(3), _site(2, split=True)]
+    for world, rows in ((4, True), (4096, False)):  # 4096^2 x 6 x 8 bytes: more than every rank should receive
+        matrix = rng.uniform(1, 2, size=(world, 6))
+        matrix[:, 0] = 0.0
+        matrix[1, 2] = np.inf  # config 1 of the first site failed on rank 1
+        matrix[:, 4 + (np.arange(world) % 2)] = np.nan  # the split site: each rank timed one of its configs
+        vector = TimingVector(sites, (), "max", world)
+        assert vector.rows == rows
+        (first, agreed_first, _), (second, agreed_second, _) = vector.split(vector.combine(matrix), matrix[3, 1:], 3)
+        np.testing.assert_array_equal(agreed_first, agree(matrix[:, 1:4], "max"))
+        np.testing.assert_array_equal(agreed_second, agree(matrix[:, 4:6], "max", split=True))
+        assert agreed_first[1] == np.inf
+        np.testing.assert_array_equal(first[3], matrix[3, 1:4])  # this rank's own times, always
+        if rows:
+            np.testing.assert_array_equal(np.hstack([first, second]), matrix[:, 1:])
+        else:  # the others' rows are not sent: this rank does not know them
+            assert np.isnan(np.delete(first, 3, axis=0)).all() and np.isnan(np.delete(second, 3, axis=0)).all()

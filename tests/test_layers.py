@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "disttune"
 
 LAYERS = [
     ["env", "errors", "configs", "wire", "files", "phases", "intercept"],
-    ["timing", "comm", "device", "logs", "sites", "space", "triton_launch", "warmup"],
+    ["timing", "storeplane", "device", "logs", "sites", "space", "triton_launch", "warmup"],
+    ["comm"],
     ["objective", "search", "checks", "ending", "store", "compile", "unseen", "diagnostics", "benchmark", "startup"],
     ["agreement", "handlers", "verify", "console", "dist"],
     ["options", "fast_path"],

@@ -1,0 +1,134 @@
+"""The control plane's store protocol at 64 simulated ranks: threads of this process, each with its own TCPStore
+client of one server, each running its own :class:`~disttune.storeplane.StorePlane` (the code of ``TorchComm``).
+
+Protocol, not speed (``bench/control_plane_scale.py`` measures that): every rank gets every value, a rank that
+never arrives is named on every rank, a post ends every waiting rank, and the store keeps a bounded number of keys.
+Every test joins its rank threads within :data:`WALL_S`: a hang fails it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from disttune.errors import CollectiveTimeout, PeerFailed
+from disttune.storeplane import StorePlane
+
+WORLD = 64
+WALL_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One TCPStore server (listening on IPv4 only) and one client per simulated rank."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4 * WORLD)
+    port = listener.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
+    with ThreadPoolExecutor(16) as pool:
+        clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False), range(WORLD)))
+    yield server, clients
+    listener.close()
+
+
+def on_every_rank(cluster, job: Callable[[int, StorePlane], Any], prefix: str, timeout_s: float = 60.0) -> list[Any]:
+    """``job(rank, plane)`` on every simulated rank at once; what each returned (or raised), in rank order."""
+    _, clients = cluster
+    results: list[Any] = [None] * WORLD
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = job(r, StorePlane(clients[r], r, WORLD, prefix=prefix, timeout_s=timeout_s))
+        except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+            results[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + WALL_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), f"ranks still waiting after {WALL_S} s: a hang"
+    return results
+
+
+def test_every_rank_gets_every_value(cluster):
+    def job(r: int, plane: StorePlane):
+        floats = plane.all_gather_floats([r, -r / 2], "floats")
+        objects = plane.all_gather_objects({"rank": r, "key": (64, "f16")} if r % 2 else {"same": [1, None]}, "objects")
+        combined = plane.combine_floats([r, 1.0], "combined", lambda matrix: matrix.sum(axis=0))
+        plane.barrier("barrier")
+        return floats, objects, combined
+
+    expected_objects = [{"rank": r, "key": (64, "f16")} if r % 2 else {"same": [1, None]} for r in range(WORLD)]
+    for r, result in enumerate(on_every_rank(cluster, job, "values")):
+        assert not isinstance(result, Exception), (r, result)
+        floats, objects, combined = result
+        np.testing.assert_array_equal(floats, [[q, -q / 2] for q in range(WORLD)])
+        assert objects == expected_objects
+        np.testing.assert_array_equal(combined, [sum(range(WORLD)), WORLD])
+
+
+def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster):
+    absent = 17
+
+    def job(r: int, plane: StorePlane):
+        plane.all_gather_floats([r], "before")
+        if r != absent:
+            plane.barrier("tuning run 3/9")
+        return "returned"
+
+    results = on_every_rank(cluster, job, "absent", timeout_s=2.0)
+    assert results[absent] == "returned"
+    errors = [result for r, result in enumerate(results) if r != absent]
+    assert all(isinstance(err, CollectiveTimeout) for err in errors), errors
+    assert {err.missing for err in errors} == {(absent,)}
+    assert {str(err) for err in errors} == {"disttune: step 'tuning run 3/9': rank(s) [17] did not arrive within 2 s "
+                                            "(a rank died, hung, or skipped the step)"}
+
+
+def test_a_post_ends_every_waiting_rank(cluster):
+    poster, channel = 40, "step#0"
+
+    def job(r: int, plane: StorePlane):
+        plane.watch(channel)
+        if r == poster:  # fails before the barrier: posts instead of arriving
+            plane.post(channel, "note", {"step": "tuning run 1/9", "lines": [f"rank {r}: ValueError: boom"]})
+            return "posted"
+        plane.barrier("tuning run 1/9")
+        return "returned"
+
+    results = on_every_rank(cluster, job, "posts", timeout_s=600.0)  # only the post can end these waits in time
+    assert results[poster] == "posted"
+    errors = [result for r, result in enumerate(results) if r != poster]
+    assert all(isinstance(err, PeerFailed) and err.ranks == (poster,) for err in errors), errors
+    assert {str(err) for err in errors} == {"disttune: step 'tuning run 1/9': rank(s) [40] posted an error or left"}
+
+
+def test_the_store_keeps_a_bounded_number_of_keys(cluster):
+    server, _ = cluster
+
+    def job(r: int, plane: StorePlane):
+        for call in range(4):  # each tuning call's channel is retired when the call ends
+            plane.watch(f"tuner#{call}")
+            for _ in range(10):
+                plane.all_gather_objects({"status": None}, "status")
+                plane.barrier("run")
+            plane.watch(None)
+        plane.barrier("after the calls")  # its last arriver deletes what the calls left
+
+    before = server.num_keys()
+    results = on_every_rank(cluster, job, "bounded")
+    assert not any(isinstance(result, Exception) for result in results), results
+    deadline = time.monotonic() + 10  # the last arriver deletes on its watch thread, off the collective's path
+    while server.num_keys() - before > 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.num_keys() - before == 3  # the last barrier's own keys: data, count, result
