@@ -228,7 +228,9 @@ FUNCTION_FINAL_RUN = 3 * 3 + 1  # 3 configs x (1 warm-up + 2 timed) tuning runs,
 
 def function_with(ctx: Ranks, case: str, fault: Fault):
     """A function tuned over 3 variants: ``all_reduce`` of one element, with ``fault(run, where)`` called on the
-    faulty rank before and after it in each of its calls (tuning runs, then the final run)."""
+    faulty rank before and after it in each of its calls (tuning runs, then the final run). It returns the
+    reduced tensor without reading it, as a step of a model does: the tuner's own wait on the GPU is where a
+    stall shows (a function that blocks the host inside its own collective is ended by the group's timeout)."""
     runs = {"n": 0}
 
     @disttune.autotune([{"variant": v} for v in range(3)], key_fn=lambda: 0, n_warmup=1, n_repeat=2,
@@ -240,14 +242,14 @@ def function_with(ctx: Ranks, case: str, fault: Fault):
         total = all_reduce_one(ctx)
         if faulty(ctx):
             fault(runs["n"], "after")
-        return float(total.item())
+        return total
 
     return step
 
 
 def _function_stranding(ctx: Ranks, case: str, fault: Fault) -> dict:
     step = function_with(ctx, case, fault)
-    return {**ending(lambda: {"total": step()}), **fault.fields()}
+    return {**ending(lambda: {"total": float(step())}), **fault.fields()}
 
 
 @cases.case(breaks_group=True, default=False)
@@ -290,8 +292,8 @@ def case_function_raise_after_collective_in_final_run(ctx):
     """The same in the final run: every rank raises, the group still works, and the next call tunes again."""
     fault = Fault(_raise, run=FUNCTION_FINAL_RUN, where="after")
     step = function_with(ctx, "function_raise_after_collective_in_final_run", fault)
-    result = {**ending(lambda: {"total": step()}), **fault.fields()}
-    return {**result, "then": ending(lambda: float(all_reduce_one(ctx).item())), "again": ending(step)}
+    result = {**ending(lambda: {"total": float(step())}), **fault.fields()}
+    return {**result, "then": ending(lambda: float(all_reduce_one(ctx).item())), "again": ending(lambda: float(step()))}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
