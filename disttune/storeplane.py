@@ -62,6 +62,10 @@ POST_POLL_S = 0.1
 #: The reads of a post counter the store's host serves per second, at most, from all ranks together: beyond
 #: ``POST_POLLS_PER_S * POST_POLL_S`` ranks each rank reads less often (:attr:`StorePosts.post_poll_s`).
 POST_POLLS_PER_S = 10_000
+#: Connections of their own that a process opens to a store, besides its communicators' own: one for a blocking wait,
+#: one for the last arriver's deletions.
+SPARE_CONNECTIONS = 2
+
 #: A value no writer sets: ``compare_set`` with it as the expected value reads a key without waiting.
 _ABSENT = "\x00disttune: absent"
 #: The first byte of a collective's ``k``: its result follows, or an ending (a rank left).
@@ -235,23 +239,36 @@ class _PlaneState:
         self.sequences: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.retired: list[str] = []
         self.idle: list[Any] = []
+        self.opened = False  # whether the spare connections were opened
         self.lost = StoreLost()  # shared by every connection to the store (PlaneStore)
 
-    def connection(self) -> Optional[Any]:
-        """A connection for one blocking wait (give it back with :meth:`release`); None for a store that cannot be
-        cloned (its waits poll)."""
+    def open_spares(self) -> None:
+        """Open :data:`SPARE_CONNECTIONS` (a wait's and the housekeeping's), once per store, when the first
+        communicator over it is made (about a millisecond each). Never later: a connection opened just as the
+        store's host dies meets a refused connect, which TCPStore retries until its timeout (a minute). On the
+        calling thread: a TCPStore cloned on one thread while another uses it can answer a ``get`` with nothing."""
         with self.lock:
-            if self.idle:
-                return self.idle.pop()
-        store = PlaneStore(self.store(), self.lost)
-        try:
-            connection = PlaneStore(store.clone(), self.lost)
-            connection.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
-            return connection
-        except ControlPlaneLost:
-            raise
-        except (AttributeError, RuntimeError, NotImplementedError):
-            return None
+            if self.opened:
+                return
+            self.opened = True
+            for _ in range(SPARE_CONNECTIONS):
+                store = self.store()
+                if store is None or self.lost.reason is not None:
+                    return
+                try:
+                    connection = PlaneStore(PlaneStore(store, self.lost).clone(), self.lost)
+                    connection.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
+                except ControlPlaneLost:
+                    return
+                except (AttributeError, RuntimeError, NotImplementedError):
+                    return  # a store that cannot be cloned: its waits poll
+                self.idle.append(connection)
+
+    def connection(self) -> Optional[Any]:
+        """A spare connection for one blocking wait (give it back with :meth:`release`), or None while both are
+        in use (or the store cannot be cloned): the wait then polls on the communicator's own connection."""
+        with self.lock:
+            return self.idle.pop() if self.idle else None
 
     def release(self, connection: Optional[Any]) -> None:
         if connection is not None:
@@ -482,6 +499,7 @@ class StorePlane(StorePosts):
         shared = _state(store)  # shared by every communicator over this store (its sequences go on)
         super().__init__(PlaneStore(store, shared.lost), rank, world_size, prefix, timeout_s)
         self._shared = shared
+        shared.open_spares()
 
     def describe(self) -> str:
         return f"rendezvous store ({self.world_size} ranks)"
