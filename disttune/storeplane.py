@@ -60,8 +60,9 @@ PLANE = "plane"
 #: How often a wait reads the watched channel's posts, once it has lasted that long.
 POST_POLL_S = 0.1
 #: The reads of a post counter the store's host serves per second, at most, from all ranks together: beyond
-#: ``POST_POLLS_PER_S * POST_POLL_S`` ranks each rank reads less often (:attr:`StorePosts.post_poll_s`).
-POST_POLLS_PER_S = 10_000
+#: ``POST_POLLS_PER_S * POST_POLL_S`` ranks (200) each rank reads less often (:attr:`StorePosts.post_poll_s`: every
+#: half second at 1,000 ranks), so that the reads cost the host a few percent of its CPU while a call tunes.
+POST_POLLS_PER_S = 2_000
 #: Connections of their own that a process opens to a store, besides its communicators' own: one for a blocking wait,
 #: one for the last arriver's deletions.
 SPARE_CONNECTIONS = 2
