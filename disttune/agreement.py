@@ -14,7 +14,8 @@ collective. In the order a tuning call meets them:
 2. :meth:`Agreement.check_run` (one barrier per run: no rank starts a run whose collectives a failed
    peer would leave it waiting in): an error in any rank's tuning run is an error on all. Through the
    rendezvous store the error travels on the call's posts (the failing rank posts it and does not
-   arrive); over MPI, the barrier is an all-gather of a flag, and a second one of the errors on trouble;
+   arrive), and beyond :data:`FENCED_RUNS_MAX_RANKS` ranks there is no barrier, only a look at the posts;
+   over MPI, the barrier is an all-gather of a flag, and a second one of the errors on trouble;
 3. :meth:`Agreement.gather_agreed` (one collective of every site's per-config statistic, and of each
    measurement a measured objective reads, :mod:`disttune.objective`, combined once over the ranks:
    :class:`TimingVector`) and :meth:`Agreement.verdicts`: the agreed vector (``reduce`` over ranks,
@@ -95,6 +96,10 @@ def agree_measure(per_rank: np.ndarray, reduce: str) -> np.ndarray:
 #: Every rank receives every rank's times while ``world^2 x slots x 8`` bytes (what the store's host sends for that)
 #: stays within this; beyond it, each rank receives the agreed values and keeps its own times (its log has them).
 ROWS_BYTES = 1 << 26
+#: Up to this many ranks, every tuning run ends in a barrier through the rendezvous store (:meth:`Agreement.check_run`);
+#: beyond it the runs are not fenced: a barrier per run costs the store's host about four requests per rank, which at
+#: a thousand ranks is most of a tuning call's agreement (``bench/control_plane_scale.py``).
+FENCED_RUNS_MAX_RANKS = 64
 
 
 class TimingVector:
@@ -434,15 +439,27 @@ class Agreement:
         ``raised``, what the run raised on this rank). ``problems`` start with the run's own exception.
 
         Through the rendezvous store this is a barrier and a problem travels on the call's posts
-        (:meth:`leave_with`); elsewhere (MPI) an all-gather of one flag per rank, and of the problems on trouble."""
+        (:meth:`leave_with`); beyond :data:`FENCED_RUNS_MAX_RANKS` ranks it is only a look at the posts (a peer
+        that fails later strands this rank in the next run, which ends as any stranding does). Elsewhere (MPI)
+        an all-gather of one flag per rank, and of the problems on trouble."""
         if self.ending.plane is not None:
             if problems:
                 self.leave_with(problems, step, raised)
-            self._together(step, [], lambda: self.comm.barrier(step))
+            if self.comm.world_size <= FENCED_RUNS_MAX_RANKS:
+                self._together(step, [], lambda: self.comm.barrier(step))
+            else:
+                self._together(step, [], lambda: self._unless_posted(self.ending.plane))
             return
         flags = self._together(step, problems, lambda: self.comm.all_gather_floats([1.0 if problems else 0.0], step))
         if flags.any():
             self._raise_reports(step, problems, raised)
+
+    def _unless_posted(self, plane: Any) -> None:
+        """An unfenced run's end: leave for the verdict if a peer has posted on the call's channel by now (one store
+        request at most: a read of the post counter less than a tenth of a second old is reused). A peer that fails
+        later strands this rank in the next run's collectives, and that ends like any stranding (:mod:`ending`)."""
+        if plane.peers_posted(self.ending.channel):
+            raise PeerFailed("posted", plane.posters(self.ending.channel))
 
     def _raise_reports(self, step: str, problems: list[str], raised: Optional[BaseException] = None) -> None:
         """Some rank flagged a problem at ``step``: gather every rank's (a second all-gather) and raise them all."""

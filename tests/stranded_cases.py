@@ -17,6 +17,7 @@ calls the same ``all_reduce``, before (or after) which its fault strikes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -294,6 +295,54 @@ def case_function_raise_after_collective_in_final_run(ctx):
     step = function_with(ctx, "function_raise_after_collective_in_final_run", fault)
     result = {**ending(lambda: {"total": float(step())}), **fault.fields()}
     return {**result, "then": ending(lambda: float(all_reduce_one(ctx).item())), "again": ending(lambda: float(step()))}
+
+
+class Unfenced:
+    """Within it, the tuner ends its runs without a barrier, as it does beyond ``FENCED_RUNS_MAX_RANKS`` ranks."""
+
+    def __enter__(self) -> None:
+        import disttune.agreement
+
+        self.kept, disttune.agreement.FENCED_RUNS_MAX_RANKS = disttune.agreement.FENCED_RUNS_MAX_RANKS, 0
+
+    def __exit__(self, *exc) -> None:
+        import disttune.agreement
+
+        disttune.agreement.FENCED_RUNS_MAX_RANKS = self.kept
+
+
+@cases.case(default=False)
+def case_unfenced_collectives(ctx):
+    """How many collectives of the control plane a tuning call makes with its runs fenced and without (each call
+    tunes a kernel of its own); the winners, which must not change."""
+    from disttune.storeplane import StorePlane
+
+    started, made = StorePlane._start, {"n": 0}
+
+    def counted(self, *args, **kwargs):
+        made["n"] += 1
+        return started(self, *args, **kwargs)
+
+    counts = {}
+    StorePlane._start = counted
+    try:
+        for fenced in (True, False):
+            step, made["n"] = step_with(ctx, f"unfenced_collectives_{fenced}"), 0
+            with contextlib.nullcontext() if fenced else Unfenced():
+                tuned = _tuned(step)
+            counts["fenced" if fenced else "unfenced"] = {"collectives": made["n"], "winner": tuned["winner"],
+                                                          "runs": step.report.function_runs}
+    finally:
+        StorePlane._start = started
+    return counts
+
+
+@cases.case(breaks_group=True, default=False)
+def case_unfenced_raise_after_collective(ctx):
+    """The last rank raises in a tuning run after the step's all_reduce with the runs unfenced: its peers go on into
+    the next run's all_reduce, where it strands them, and every rank ends with the same error naming it."""
+    with Unfenced():
+        return _stranding(ctx, "unfenced_raise_after_collective", Fault(_raise, where="after"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

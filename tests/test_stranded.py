@@ -258,3 +258,31 @@ def test_nccl_fault_line(capsys):
     with capsys.disabled():
         print("\n" + summary_line(GPU_TALLY, gpu_label()))
     assert GPU_TALLY["hangs"] == GPU_TALLY["split_endings"] == GPU_TALLY["disagreements"] == 0
+
+
+# -- beyond FENCED_RUNS_MAX_RANKS ranks: runs without a barrier ------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
+def test_unfenced_runs_make_three_collectives_and_pick_the_same_winner(tmp_path):
+    """A tuning call makes its tuning runs + 3 collectives with its runs fenced, 3 without: the consensus, the
+    timing vector and the final run's status."""
+    results, _, _, _ = launch(tmp_path, 2, ["unfenced_collectives"], TALLY)
+    per_rank = outcomes(results["unfenced_collectives"])
+    for record in per_rank:
+        fenced, unfenced = record["fenced"], record["unfenced"]
+        assert unfenced["collectives"] == 3, record
+        tuning_runs = fenced["runs"] - 2  # the discovery run and the final run are not fenced
+        assert fenced["collectives"] == tuning_runs + 3 and tuning_runs > 0, record
+        assert unfenced["runs"] == fenced["runs"], record
+    assert len({(r["fenced"]["winner"], r["unfenced"]["winner"]) for r in per_rank}) == 1, per_rank
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
+def test_a_raise_after_the_steps_collective_in_unfenced_runs_ends_every_gloo_rank_at_once(tmp_path):
+    """Without a barrier after the run, the raising rank's peers are stranded in the next run's all_reduce: the
+    same error on every rank, naming it and where it failed, promptly."""
+    per_rank = run_stranding(tmp_path, 2, TALLY, "unfenced_raise_after_collective")
+    first, cause = per_rank[0]["error"].splitlines()[:2]
+    assert first == "disttune: step_with.<locals>.step: tuning run 3/9 failed on rank(s) 1:", first
+    assert cause == "  rank 1: RuntimeError: injected fault", cause
