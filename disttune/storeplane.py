@@ -627,13 +627,15 @@ class StorePlane(StorePosts):
         collective.settle(ending_record(CollectiveTimeout, str(err), missing))
 
     def _retire(self, channel: str) -> None:
-        """The channel's last two collectives (and its progress notes) are deleted by the last arriver of the next
-        collective of this process: by then every rank has left the channel."""
+        """The channel's last two collectives, its post counter (a wait's read creates it) and its progress notes
+        are deleted by the last arriver of the next collective of this process: by then every rank has left the
+        channel."""
         with self._shared.lock:
             last = self._shared.sequences.pop((self.prefix, channel), 0) - 1
             for seq in (last - 1, last):
                 if seq >= 0:
                     self._shared.retired.extend(Collective.keys_at(self._key(channel, "c", seq)))
+            self._shared.retired.append(self._key(channel, "posts"))
             if channel in self._noted:
                 self._noted.discard(channel)
                 self._shared.retired.extend(self._key(channel, "at", r) for r in range(self.world_size))
