@@ -445,21 +445,20 @@ class Agreement:
         if self.ending.plane is not None:
             if problems:
                 self.leave_with(problems, step, raised)
-            if self.comm.world_size <= FENCED_RUNS_MAX_RANKS:
-                self._together(step, [], lambda: self.comm.barrier(step))
-            else:
-                self._together(step, [], lambda: self._unless_posted(self.ending.plane))
+            fenced = self.comm.world_size <= FENCED_RUNS_MAX_RANKS
+            self._together(step, [], (lambda: self.comm.barrier(step)) if fenced else self._unless_posted)
             return
         flags = self._together(step, problems, lambda: self.comm.all_gather_floats([1.0 if problems else 0.0], step))
         if flags.any():
             self._raise_reports(step, problems, raised)
 
-    def _unless_posted(self, plane: Any) -> None:
+    def _unless_posted(self) -> None:
         """An unfenced run's end: leave for the verdict if a peer has posted on the call's channel by now (one store
         request at most: a read of the post counter less than a tenth of a second old is reused). A peer that fails
         later strands this rank in the next run's collectives, and that ends like any stranding (:mod:`ending`)."""
-        if plane.peers_posted(self.ending.channel):
-            raise PeerFailed("posted", plane.posters(self.ending.channel))
+        plane, channel = self.ending.plane, self.ending.channel
+        if plane.peers_posted(channel):
+            raise PeerFailed("posted", plane.posters(channel))
 
     def _raise_reports(self, step: str, problems: list[str], raised: Optional[BaseException] = None) -> None:
         """Some rank flagged a problem at ``step``: gather every rank's (a second all-gather) and raise them all."""

@@ -259,10 +259,8 @@ class _PlaneState:
                 try:
                     connection = PlaneStore(PlaneStore(store, self.lost).clone(), self.lost)
                     connection.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
-                except ControlPlaneLost:
-                    return
-                except (AttributeError, RuntimeError, NotImplementedError):
-                    return  # a store that cannot be cloned: its waits poll
+                except (ControlPlaneLost, AttributeError, RuntimeError, NotImplementedError):
+                    return  # a store that is gone, or cannot be cloned: the waits poll
                 self.idle.append(connection)
 
     def connection(self) -> Optional[Any]:

@@ -297,24 +297,22 @@ def case_function_raise_after_collective_in_final_run(ctx):
     return {**result, "then": ending(lambda: float(all_reduce_one(ctx).item())), "again": ending(lambda: float(step()))}
 
 
-class Unfenced:
+@contextlib.contextmanager
+def unfenced():
     """Within it, the tuner ends its runs without a barrier, as it does beyond ``FENCED_RUNS_MAX_RANKS`` ranks."""
+    import disttune.agreement
 
-    def __enter__(self) -> None:
-        import disttune.agreement
-
-        self.kept, disttune.agreement.FENCED_RUNS_MAX_RANKS = disttune.agreement.FENCED_RUNS_MAX_RANKS, 0
-
-    def __exit__(self, *exc) -> None:
-        import disttune.agreement
-
-        disttune.agreement.FENCED_RUNS_MAX_RANKS = self.kept
+    kept, disttune.agreement.FENCED_RUNS_MAX_RANKS = disttune.agreement.FENCED_RUNS_MAX_RANKS, 0
+    try:
+        yield
+    finally:
+        disttune.agreement.FENCED_RUNS_MAX_RANKS = kept
 
 
 @cases.case(default=False)
 def case_unfenced_collectives(ctx):
     """How many collectives of the control plane a tuning call makes with its runs fenced and without (each call
-    tunes a kernel of its own); the winners, which must not change."""
+    tunes a kernel of its own), and the winners each picked (the test checks that every rank agrees on them)."""
     from disttune.storeplane import StorePlane
 
     started, made = StorePlane._start, {"n": 0}
@@ -328,7 +326,7 @@ def case_unfenced_collectives(ctx):
     try:
         for fenced in (True, False):
             step, made["n"] = step_with(ctx, f"unfenced_collectives_{fenced}"), 0
-            with contextlib.nullcontext() if fenced else Unfenced():
+            with contextlib.nullcontext() if fenced else unfenced():
                 tuned = _tuned(step)
             counts["fenced" if fenced else "unfenced"] = {"collectives": made["n"], "winner": tuned["winner"],
                                                           "runs": step.report.function_runs}
@@ -341,7 +339,7 @@ def case_unfenced_collectives(ctx):
 def case_unfenced_raise_after_collective(ctx):
     """The last rank raises in a tuning run after the step's all_reduce with the runs unfenced: its peers go on into
     the next run's all_reduce, where it strands them, and every rank ends with the same error naming it."""
-    with Unfenced():
+    with unfenced():
         return _stranding(ctx, "unfenced_raise_after_collective", Fault(_raise, where="after"))
 
 
