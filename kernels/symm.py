@@ -303,7 +303,8 @@ class ShardPusher:
     (``cuMemcpyDtoDAsync``, copy engine) and after each sets the piece's arrival flag *in ``p``'s
     memory* to this call's epoch (1 when graph-safe). With ``include_own`` the local shard is also
     copied into the own workspace and flagged (for a kernel that reads every shard from the
-    workspace). It returns the ``[sum(rows), H]`` workspace at once.
+    workspace), on a copy stream of its own, beside the first push to a peer rather than ahead of
+    it. It returns the ``[sum(rows), H]`` workspace at once.
 
     Consume shard ``s`` after :meth:`wait_shard` (a stream wait, no host wait) or from a kernel
     that spins until ``arrival_flags[s * chunks + c] >= epoch``; call :meth:`finish` after
@@ -312,7 +313,7 @@ class ShardPusher:
 
     Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, one half when graph-safe;
     grown as needed, a regrowth is a collective) and a small int32 signal buffer. Cost per call: ``(w - 1) chunks``
-    copies on the copy engines, about ``(w - 1) (chunks + streams)`` stream memory operations and no local copy; on
+    copies on the copy engines, about ``(w - 1) (chunks + streams)`` stream memory operations and no local copy (one with ``include_own``); on
     the host, a driver call per operation (the addresses are computed once per shape).
 
     ``graph_safe=True``: every value written is fixed, so a CUDA graph that captured calls
@@ -368,7 +369,9 @@ class ShardPusher:
                 "call once eagerly with the same shapes before capturing it")
         if self._signals is None:
             self._signals = SignalBoard(self.group, device, freed=1 if self.graph_safe else 0)
-            self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams)]
+            # the copy streams of the pushes to peers, then one for the local copy of the own shard
+            # (``include_own``), so that copy runs beside the first push instead of ahead of every push
+            self._sides = [torch.cuda.Stream(device=device) for _ in range(self._n_streams + 1)]
             self._handles = [stream_handle(side) for side in self._sides]
             # the pusher serves one device (its streams, events and buffers live there); current_stream(None)
             # would look the current device up through several Python layers on every call
@@ -410,10 +413,13 @@ class ShardPusher:
                 pieces = [(0, 0, 0, arrival(0))]
             else:  # a rank without rows sends nothing, and nobody waits for its empty shard
                 continue
+            streams = self._n_streams
             if safe:  # one stream per target: the "read it" handshake resets its flag, so only one stream may wait on it
-                groups = [(None if p == rank else len(pushes) % len(self._sides), pieces)]
+                groups = [(None if p == rank else len(pushes) % streams, pieces)]
+            elif p == rank:  # the local copy, on the stream kept for it: the first push to a peer starts at once
+                groups = [(streams, pieces)]
             else:  # the target's pieces spread over every copy stream, each stream waiting for the target's free flag
-                groups = [(side, pieces[side::len(self._sides)]) for side in range(min(len(self._sides), len(pieces)))]
+                groups = [(side, pieces[side::streams]) for side in range(min(streams, len(pieces)))]
             pushes += [(side, free, part) for side, part in groups]
             targets += [p] * len(groups)
         shard_flags = [[board.address(rank, board.ARRIVED, s * chunks + c) for c in range(-(-rows[s] // step_rows))]
@@ -422,7 +428,9 @@ class ShardPusher:
         arrivals = [board.address(rank, board.ARRIVED, s * chunks + c)
                     for s in range(world) if (s != rank or include_own) and (rows[s] or (safe and s != rank))
                     for c in range(max(1, -(-rows[s] // step_rows)))]
-        return _PushPlan(pushes, targets, shard_flags, frees, arrivals, buf.local[parity, :sum(rows)])
+        own_side = any(side == self._n_streams for side, _, _ in pushes)
+        joined = len(self._sides) if own_side else self._n_streams
+        return _PushPlan(pushes, targets, shard_flags, frees, arrivals, buf.local[parity, :sum(rows)], joined)
 
     def gather(self, local: torch.Tensor, rows: Sequence[int], chunks: int = 1, local_work=None,
                include_own: bool = False) -> torch.Tensor:
@@ -442,7 +450,7 @@ class ShardPusher:
             local = local.contiguous()
         current = torch.cuda.current_stream(self._device_index)
         self._ready.record(current)  # (a wait uses the event as recorded when it is enqueued)
-        for side in self._sides:
+        for side in self._sides[:plan.joined]:
             side.wait_event(self._ready)
         if local_work is not None:
             local_work()
@@ -467,7 +475,7 @@ class ShardPusher:
         (``local`` may be reused) and then tells every peer that this half is free (graph-safe: after
         setting this rank's arrival flags back to 0)."""
         current = torch.cuda.current_stream(self._device_index)
-        for side, pushed in zip(self._sides, self._pushed):
+        for side, pushed in zip(self._sides[:self._plan.joined], self._pushed):
             pushed.record(side)
             current.wait_event(pushed)
         if self.graph_safe:
@@ -499,3 +507,4 @@ class _PushPlan(NamedTuple):
     frees: list  # the peers' free-flag addresses for this rank
     arrivals: list  # every arrival flag here that a call of this plan sets (graph-safe finish resets them)
     workspace: torch.Tensor
+    joined: int  # the side streams a call joins: the copy streams, and the local copy's when it has one

@@ -42,11 +42,12 @@ def workspaces(world: int, rows: int, width: int, graph_safe: bool, dtype=torch.
     return [torch.zeros(1 if graph_safe else 2, max(1, rows), width, dtype=dtype) for _ in range(world)]
 
 
-def simulated_pusher(rank: int, tensors: list, graph_safe: bool, sides=(None,), ready=None, pushed=None) -> ShardPusher:
-    """Rank ``rank``'s pusher over the workspaces ``tensors``, with ``sides`` as its side streams (their own
-    handles) and ``ready`` / ``pushed`` as its events."""
-    pusher = ShardPusher(None, graph_safe=graph_safe)
+def simulated_pusher(rank: int, tensors: list, graph_safe: bool, sides=(None,), own_side="own copy", ready=None,
+                     pushed=None) -> ShardPusher:
+    """Rank ``rank``'s pusher over the workspaces ``tensors``, with ``sides`` as its copy streams and ``own_side``
+    as the stream of its local copy (each stream its own handle), and ``ready`` / ``pushed`` as its events."""
+    pusher = ShardPusher(None, streams=len(sides), graph_safe=graph_safe)
     pusher._buffer, pusher._signals = Workspace(rank, tensors), Board()
-    pusher._sides, pusher._handles = list(sides), list(sides)
+    pusher._sides = pusher._handles = [*sides, own_side]
     pusher._ready, pusher._pushed = ready, pushed
     return pusher

@@ -56,8 +56,10 @@ def test_every_flag_a_sender_sets_is_one_its_receiver_resets_and_copies_land_at_
                 order.append(receiver)
             streams_to.setdefault(receiver, []).append(side)
             assert free == (None if receiver == sender else (sender, SignalBoard.FREED, receiver))
-            # graph-safe: the own shard is copied on the current stream (None), peers on a side stream
+            # graph-safe: the own shard is copied on the current stream (None), peers on a copy stream; else the
+            # own shard on the stream kept for it, beside the first push to a peer
             assert (side is None) == (graph_safe and receiver == sender)
+            assert (side == streams) == (not graph_safe and receiver == sender)  # (the index after the copy streams)
             start = tensors[receiver][parity].data_ptr() + sum(rows[:sender]) * row_bytes
             copied.setdefault(receiver, []).extend((dest - start, size) for _, dest, size, _ in pieces if size)
             set_in[receiver] += [flag for _, _, _, flag in pieces]
@@ -66,7 +68,7 @@ def test_every_flag_a_sender_sets_is_one_its_receiver_resets_and_copies_land_at_
             assert sorted(offset for offset, _ in sizes) == [c * step * row_bytes for c in range(len(sizes))]
         for receiver, sides in streams_to.items():  # graph-safe: one stream per receiver (its handshake)
             pieces = -(-rows[sender] // step) if rows[sender] else 1
-            assert len(set(sides)) == len(sides) == (1 if graph_safe else min(streams, pieces))
+            assert len(set(sides)) == len(sides) == (1 if graph_safe or receiver == sender else min(streams, pieces))
         peers = {p for p in range(world) if p != sender}
         expected = (peers if rows[sender] or graph_safe else set()) | ({sender} if include_own and rows[sender] else set())
         assert set(order) == expected, f"rank {sender} pushes to {sorted(order)}, expected {sorted(expected)}"

@@ -64,11 +64,12 @@ class Gpu:
                 self.flags[(owner, symm.SignalBoard.FREED, slot)] = 1 if graph_safe else 0
         self.current = [Stream(self, f"rank {r} current") for r in range(world)]
         self.sides = [[Stream(self, f"rank {r} side {n}") for n in range(COPY_STREAMS)] for r in range(world)]
+        self.own_sides = [Stream(self, f"rank {r} own copy") for r in range(world)]
         self.collectives = [0] * world  # collectives each rank has reached (executed or at a stream's head)
         self.failures: list = []
 
     def streams(self) -> list:
-        return self.current + [side for sides in self.sides for side in sides]
+        return self.current + [side for sides in self.sides for side in sides] + self.own_sides
 
     def ready(self, op) -> bool:
         kind = op[0]
@@ -134,8 +135,9 @@ class Job:
         self.gpu = state["gpu"] = Gpu(world, graph_safe)
         self.spaces = workspaces(world, capacity * ROW_SCALE, WIDTH, graph_safe)
         self.tokens = [torch.zeros(capacity * ROW_SCALE, WIDTH) for _ in range(world)]
-        self.pushers = [simulated_pusher(r, self.spaces, graph_safe, sides=tuple(self.gpu.sides[r]), ready=Event(),
-                                         pushed=[Event() for _ in self.gpu.sides[r]]) for r in range(world)]
+        self.pushers = [simulated_pusher(r, self.spaces, graph_safe, sides=tuple(self.gpu.sides[r]),
+                                         own_side=self.gpu.own_sides[r], ready=Event(),
+                                         pushed=[Event() for _ in range(COPY_STREAMS + 1)]) for r in range(world)]
         self.collective = 0
         self.checked = 0
 
