@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="square,llama")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (one call from idle: twice that)")
     parser.add_argument("--only", choices=["ag", "rs", "both"], default="both")
-    parser.add_argument("--chunks", type=int, default=4, help="fused AG-GEMM: flagged pieces per pushed shard")
+    parser.add_argument("--chunks", type=int, default=1, help="fused AG-GEMM: flagged pieces per pushed shard")
     parser.add_argument("--streams", default="1,2", help="copy streams, a comma-separated list: one contender each")
     parser.add_argument("--rs-launches", default="2",
                         help="GEMM-RS: GEMMs the last partial is computed in, a comma-separated list: one contender each")

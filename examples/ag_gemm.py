@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-warmup", type=int, default=3)
     parser.add_argument("--n-repeat", type=int, default=5)
     parser.add_argument("--samples", type=int, default=30, help="timing rounds of the tuned step and the baseline")
+    parser.add_argument("--design", choices=["auto", "decomposed", "fused"], default="auto",
+                        help="the AllGatherGEMM design (auto: the one it picks for the world size)")
     return parser.parse_args(argv)
 
 
@@ -67,7 +69,7 @@ def main() -> int:
     a_shard = torch.randn(options.M // world, options.K, generator=generator).to(device, dtype)
     b_local = (torch.randn(options.K, options.N // world, generator=generator) / options.K ** 0.5).to(device, dtype)
     c = torch.empty(options.M, options.N // world, device=device, dtype=dtype)
-    ag_gemm = AllGatherGEMM()
+    ag_gemm = AllGatherGEMM(design=options.design)
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=options.n_warmup, n_repeat=options.n_repeat,
                                  verbose=False)  # the table below says more

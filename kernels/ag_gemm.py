@@ -14,15 +14,21 @@ local shard is launched first, before any communication is even enqueued. ``chun
 
 Designs (``design=``):
 
-* ``"decomposed"`` (``"auto"``): one GEMM launch per shard; the local shard's GEMM reads
-  ``a_shard`` directly and starts at once, each peer shard's GEMM waits (a stream wait, no
-  SM) for the shard's arrival flag. ``gemm="cublas"`` runs the same schedule with
-  ``torch.matmul`` per shard (a baseline for the transport; nothing to tune).
-* ``"fused"``: the local shard is copied into the workspace too, and one persistent Triton
-  GEMM (``kernels.shard_gemm``) walks the local shard's tiles first; each tile spins on its
-  piece's flag (``chunks`` pieces per shard, multiples of 256 rows) before loading A. Its
-  local tiles wait for the local copy, and its one launch cannot start before the exchange
-  is enqueued; that is why ``"auto"`` picks decomposed.
+* ``"decomposed"``: one GEMM launch per shard; the local shard's GEMM reads ``a_shard``
+  directly and starts at once, each peer shard's GEMM waits (a stream wait, no SM) for the
+  shard's arrival flag. ``gemm="cublas"`` runs the same schedule with ``torch.matmul`` per
+  shard (a baseline for the transport; nothing to tune).
+* ``"fused"``: one persistent Triton GEMM (``kernels.shard_gemm``) over the whole workspace;
+  the local shard is copied into it on a copy stream of its own, beside the first push, and
+  the kernel walks the local shard's tiles first; each tile spins on its piece's flag
+  (``chunks`` pieces per shard, multiples of 256 rows) before loading A.
+* ``"auto"``: fused on GPUs from :data:`FUSED_FROM_WORLD` ranks on, decomposed below. The
+  decomposed design costs the host one GEMM launch and a few driver calls per shard; with
+  4 ranks an 8192^3 step's shards are 2048 rows, each GEMM takes the GPU about as long as
+  the host takes to issue it, and the step runs at the host's pace (4 x H100: decomposed
+  0.64-0.76 ms, fused 0.47-0.49, sequential 0.71). At 2 ranks each shard's GEMM is long
+  enough to hide its launch, and the decomposed design starts its local GEMM before the
+  exchange is enqueued.
 
 On CPUs (gloo, ``TRITON_INTERPRET=1``) both designs gather with ``dist.all_gather`` first
 and then run the same GEMM code (fused: flags preset), so CI checks tile mapping and results.
@@ -48,9 +54,20 @@ from .symm import (DEFAULT_STREAMS, ShardPusher, Timeline, arrival_order, chunk_
                    refuse_epoch_capture, uses_nccl)
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts
 
-__all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "DESIGNS"]
+__all__ = ["AllGatherGEMM", "ag_gemm", "ag_gemm_reference", "auto_design", "DESIGNS", "FUSED_FROM_WORLD"]
 
 DESIGNS = ("auto", "fused", "decomposed")
+
+#: ``"auto"`` picks the fused design on GPUs from this many ranks on, where the shards are short enough that a
+#: GEMM launch per shard holds the step to the host's pace (``bench/ag_gemm.py`` at 2 and 4 ranks:
+#: docs/benchmarks.md).
+FUSED_FROM_WORLD = 3
+
+
+def auto_design(world_size: int, device: torch.device) -> str:
+    """The design ``"auto"`` runs for ``world_size`` ranks on ``device``: fused on GPUs from :data:`FUSED_FROM_WORLD`
+    ranks on, else decomposed (on CPUs both gather first; decomposed is the simpler)."""
+    return "fused" if device.type == "cuda" and world_size >= FUSED_FROM_WORLD else "decomposed"
 
 
 class AllGatherGEMM:
@@ -88,7 +105,9 @@ class AllGatherGEMM:
 
     def design_for(self, device: torch.device) -> str:
         """The design a call on ``device`` runs (``auto`` resolved)."""
-        return "decomposed" if self.requested_design == "auto" else self.requested_design
+        if self.requested_design != "auto":
+            return self.requested_design
+        return auto_design(self.info.world_size, device)
 
     def __call__(self, a_shard: torch.Tensor, b_local: torch.Tensor, out: Optional[torch.Tensor] = None,
                  shard_rows: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -93,6 +93,14 @@ def test_chunks_of_pushed_shards_start_on_tile_boundaries():
         assert size % CHUNK_ALIGN == 0 and -(-max(rows) // size) <= chunks
 
 
+def test_auto_runs_one_persistent_gemm_on_gpus_from_three_ranks_and_a_launch_per_shard_below():
+    from disttune.kernels.ag_gemm import auto_design
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [auto_design(world, gpu) for world in (1, 2, 3, 4, 8)] == ["decomposed"] * 2 + ["fused"] * 3
+    assert {auto_design(world, cpu) for world in (1, 2, 4, 8)} == {"decomposed"}  # both designs gather first there
+
+
 @pytest.mark.slow
 def test_one_ranks_bad_input_is_an_error_on_every_rank_and_a_rank_without_columns_still_gathers(tmp_path):
     (per_rank,) = run_cases(CASES, ["bad_input_one_rank"], tmp_path, 2, timeout=120).values()
