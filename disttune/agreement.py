@@ -634,6 +634,8 @@ class Verdict:
 
     def result(self) -> SiteResult:
         site, choice = self.site, self.choice
-        return SiteResult(site.id, tuple(site.configs), tuple(tuple(map(float, row)) for row in self.per_rank),
-                          tuple(map(float, self.agreed)), self.winner, "tuned", site.split, self.measurements,
+        per_rank = np.asarray(self.per_rank, dtype=np.float64).tolist()  # Python floats in one C pass: [N, configs]
+        return SiteResult(site.id, tuple(site.configs), tuple(map(tuple, per_rank)),
+                          tuple(np.asarray(self.agreed, dtype=np.float64).tolist()), self.winner, "tuned", site.split,
+                          self.measurements,
                           choice.scores if choice else (), choice.front if choice else ())
