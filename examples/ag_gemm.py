@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import disttune  # noqa: E402
 from demo_common import check_output, compare, finish, run  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
-from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
+from disttune.kernels.ag_gemm import DESIGNS, AllGatherGEMM, ag_gemm_reference  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-warmup", type=int, default=3)
     parser.add_argument("--n-repeat", type=int, default=5)
     parser.add_argument("--samples", type=int, default=30, help="timing rounds of the tuned step and the baseline")
-    parser.add_argument("--design", choices=["auto", "decomposed", "fused"], default="auto",
+    parser.add_argument("--design", choices=DESIGNS, default="auto",
                         help="the AllGatherGEMM design (auto: the one it picks for the world size)")
     return parser.parse_args(argv)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 import disttune  # noqa: E402
 from demo_common import run  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
-from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
+from disttune.kernels.ag_gemm import DESIGNS, AllGatherGEMM, ag_gemm_reference  # noqa: E402
 from disttune.kernels.gemm_rs import GemmReduceScatter, gemm_rs_reference  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--T", type=int, default=8192 if gpu else 64, help="tokens, all ranks")
     parser.add_argument("--H", type=int, default=8192 if gpu else 32, help="model width")
     parser.add_argument("--F", type=int, default=28672 if gpu else 64, help="MLP width, all ranks")
-    parser.add_argument("--design", choices=["auto", "fused", "decomposed"], default="auto")
+    parser.add_argument("--design", choices=DESIGNS, default="auto")
     return parser.parse_args(argv)
 
 

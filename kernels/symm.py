@@ -313,8 +313,8 @@ class ShardPusher:
 
     Memory: a ``[2, capacity, H]`` symmetric workspace (double-buffered, one half when graph-safe;
     grown as needed, a regrowth is a collective) and a small int32 signal buffer. Cost per call: ``(w - 1) chunks``
-    copies on the copy engines, about ``(w - 1) (chunks + streams)`` stream memory operations and no local copy (one with ``include_own``); on
-    the host, a driver call per operation (the addresses are computed once per shape).
+    copies on the copy engines, about ``(w - 1) (chunks + streams)`` stream memory operations and no local copy
+    (one with ``include_own``); on the host, a driver call per operation (the addresses are computed once per shape).
 
     ``graph_safe=True``: every value written is fixed, so a CUDA graph that captured calls
     (``torch.cuda.graph``) can replay them. Epochs would be baked into the graph and repeat on
