@@ -2,11 +2,12 @@
 
 The layers:
 
-* :func:`moe_mlp` -- gate-up grouped GEMM (token-gathered A, sorted C), SiLU-gated product in
-  torch, down grouped GEMM (sorted A, flat C, routing weight in the epilogue), top-k sum back to
+* :func:`moe_mlp` -- gate-up grouped GEMM (token-gathered A, sorted C), SiLU-gated product (one
+  Triton launch), down grouped GEMM (sorted A, flat C, routing weight in the epilogue), top-k sum back to
   ``[T, H]``: two GEMM launches and a few torch ops.
 * :func:`tp_moe_layer` -- the tensor-parallel MoE MLP over ranks: :func:`ag_moe` (gate-up),
-  SiLU-gating, :func:`moe_rs` (down). ``graph_safe=True`` makes it capturable in a CUDA graph.
+  SiLU-gating, :func:`moe_rs_stacked` (down, one launch). ``graph_safe=True`` makes it capturable
+  in a CUDA graph.
 * references: :func:`moe_gemm_reference`, :func:`moe_mlp_reference` (per-expert torch loops).
 
 The pieces they are built from live in their own modules and are re-exported here, so
@@ -17,6 +18,7 @@ The pieces they are built from live in their own modules and are re-exported her
   (:func:`moe_gemm`, :func:`make_moe_kernel`);
 * ``kernels.moe_ag`` -- AllGather-MoE (:func:`ag_moe`);
 * ``kernels.moe_rs`` -- MoE-ReduceScatter (:func:`moe_rs`);
+* ``kernels.moe_activation`` -- the SiLU gating between the two GEMMs (:func:`silu_and_mul`);
 * ``kernels.moe_common`` -- the input checks and buffers they share.
 
 Every host function here is what a user wraps with ``disttune.contextual_autotune``.
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 # re-exported beside the MoE names: tests and benchmarks size and check MoE configs with them
 from .matmul import gemm_config, interpreting, max_shared_memory, shared_memory_bytes  # noqa: F401
+from .moe_activation import silu_and_mul
 from .moe_ag import AgMoeResult, ag_moe, ag_moe_for_caller
 from .moe_common import POISON_ENV, check_device, check_float_tensor, topk_sum
 from .moe_gemm import (
@@ -51,7 +54,7 @@ from .moe_gemm import (
     prune_moe_configs,
 )
 from .moe_routing import MoeRouting, check_token_routing, moe_align, moe_align_block_size, moe_align_stacked
-from .moe_rs import moe_rs, moe_rs_agreed
+from .moe_rs import moe_rs, moe_rs_stacked
 
 __all__ = [
     "HOPPER_MOE_CONFIGS",
@@ -79,18 +82,11 @@ __all__ = [
     "ag_moe",
     "AgMoeResult",
     "moe_rs",
+    "moe_rs_stacked",
     "tp_moe_layer",
     "moe_gemm_reference",
     "moe_mlp_reference",
 ]
-
-
-def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    """``silu(h[:, :I]) * h[:, I:]`` for ``h [R, 2I]`` (gate first, then up), computed in fp32."""
-    if h.dim() != 2 or h.shape[1] % 2:
-        raise ValueError(f"silu_and_mul: h must be [rows, 2 * I], got shape {tuple(h.shape)}")
-    gate, up = h.float().chunk(2, dim=1)
-    return (F.silu(gate) * up).to(h.dtype)
 
 
 def _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, where):
@@ -140,7 +136,7 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, *, group=None,
                  tokens_per_rank: Optional[Sequence[int]] = None, kernel=None, check_ids: bool = True,
                  bucket: Callable[[int], int] = next_power_of_2, graph_safe: bool = False) -> torch.Tensor:
-    """Tensor-parallel MoE MLP: :func:`ag_moe` (gate-up) -> SiLU-gating -> :func:`moe_rs` (down).
+    """Tensor-parallel MoE MLP: :func:`ag_moe` (gate-up) -> SiLU-gating -> :func:`moe_rs_stacked` (down).
 
     Each rank: its tokens ``x [T_r, H]`` with routing, its slice of every expert
     ``w_gate_up [E, H, 2 * I_r]`` (its gate columns then its up columns) and
@@ -154,8 +150,8 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
                                  extra_check=lambda: _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down,
                                                                 "tp_moe_layer"))
     g = silu_and_mul(gathered.out)
-    return moe_rs_agreed(g, gathered.routings, gathered.topk_weights, w_down, group=group, kernel=kernel,
-                         bucket=bucket)
+    return moe_rs_stacked(g, gathered.routing, gathered.topk_weights, w_down, group=group, kernel=kernel,
+                          bucket=bucket)
 
 
 # --------------------------------------------------------------------------- references
