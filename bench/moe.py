@@ -20,8 +20,8 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
    call (the time to issue it, 50 calls back to back, best of 3 rounds) is printed beside its GPU µs
    (back to back) and its one call from idle, which is at least the larger of the two.
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
-   ``moe.ag_moe`` / ``moe.moe_rs`` vs the sequential forms (NCCL all_gather of tokens and
-   routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
+   ``moe.ag_moe`` / ``moe.moe_rs_stacked`` (the layer's MoE-RS) vs the sequential forms (NCCL
+   all_gather of tokens and routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
    weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks. On GPUs
    a second table times the same steps captured in CUDA graphs and replayed (``ag_moe`` with
    ``graph_safe=True``): a few µs of host per call, so the GPU work and the overlap decide.
@@ -284,8 +284,8 @@ class Bench:
             w_sorted = wts_all.reshape(-1)[rt_all.sorted_ids.long()].to(self.dtype)
             rs_out = torch.empty(T // w, H, device=self.device, dtype=self.dtype)
 
-            def rs_fused():
-                return moe.moe_rs(h_chunks, ag.routings, wts_all, p["w_down"], kernel=kernel)
+            def rs_fused():  # the layer's form: one launch over every destination's rows
+                return moe.moe_rs_stacked(h_chunks, ag.routing, wts_all, p["w_down"], kernel=kernel)
 
             full = torch.empty(T, H, device=self.device, dtype=self.dtype)
 
@@ -403,12 +403,9 @@ class Bench:
             arrived = (torch.ones(self.world, dtype=torch.int32, device=self.device), 1) if self.gpu else None
             moe.moe_gemm(self._gathered_tokens(p), p["w_gu"], ag.routing, a_order="token", kernel=alone_kernel,
                          rows_bucket=rows_bucket, first_group=self.rank * E, wait=arrived)
-            for r in range(self.world):
-                tok0 = sum(p["tpr"][:r])
-                moe.moe_gemm(g[ag.row_offsets[r]:ag.row_offsets[r + 1]], p["w_down"], ag.routings[r],
-                             a_order="sorted", out_order="flat",
-                             weights=ag.topk_weights[tok0: tok0 + p["tpr"][r]], kernel=alone_kernel,
-                             rows_bucket=rows_bucket)
+            # the down GEMM: one launch over every destination's rows, as in the layer
+            moe.moe_gemm(g, p["w_down"], ag.routing, a_order="sorted", out_order="flat", weights=ag.topk_weights,
+                         kernel=alone_kernel, rows_bucket=rows_bucket)
             self.sync()
             alone_tuning_s = time.perf_counter() - t0
             n_key = len(moe.MOE_KEY)
@@ -418,7 +415,7 @@ class Bench:
             dist.all_gather_object(everyone, alone_winners)
             alone_agree = all(w_ == everyone[0] for w_ in everyone)
             # The bare rows launch each key's cached winner at every occurrence; the wrapped call launches each
-            # occurrence's own (moe_rs launches one key once per destination rank). Where they differ, the
+            # occurrence's own (a key launched more than once has an occurrence per launch). Where they differ, the
             # wrapped call runs other kernels than the bare row, and the host column alone compares the calls.
             differs = [f"{r.site.describe()}: wrapped `{disttune.describe_config(r.config)}`, bare "
                        f"`{disttune.describe_config(ctx_kernel.cache[r.site.key])}`"

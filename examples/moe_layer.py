@@ -3,8 +3,8 @@
 Each rank holds its own tokens ``x [T/w, H]`` with their routing (top-k experts and weights) and a
 slice of every expert's weights (``w_gate_up [E, H, 2 I/w]``, ``w_down [E, I/w, H]``). The shipped
 ``tp_moe_layer`` runs ``ag_moe`` (every rank's tokens are pushed to every rank while the grouped
-GEMM starts on the local ones), SiLU-gating, and ``moe_rs`` (each destination's rows are computed
-and reduced to their owner while the next destination's compute). ``contextual_autotune`` tunes
+GEMM starts on the local ones), SiLU-gating in one launch, and ``moe_rs_stacked`` (every
+destination's rows in one GEMM, then one reduce-scatter). ``contextual_autotune`` tunes
 its grouped-GEMM launches while that communication runs, and every rank agrees on the winners.
 Then the tuned layer is timed against the sequential form (all-gather the tokens, the same MoE MLP,
 then reduce-scatter), itself tuned in context with the same configs. Run it with
@@ -78,7 +78,10 @@ def main() -> int:
     @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat,
                                  verbose=False)  # the table below says more
     def moe_layer_step() -> torch.Tensor:
-        return moe.tp_moe_layer(x, ids, weights, w_gate_up, w_down, kernel=layer_kernel)
+        # every rank holds T/w tokens and the router's ids are trusted, as the sequential form below
+        # assumes too: no host sync for the token counts or the id range
+        return moe.tp_moe_layer(x, ids, weights, w_gate_up, w_down, kernel=layer_kernel,
+                                tokens_per_rank=[T_r] * world, check_ids=False)
 
     x_all = torch.empty(o.T, o.H, device=device, dtype=dtype)
     ids_all = torch.empty(o.T, o.top_k, device=device, dtype=ids.dtype)

@@ -5,6 +5,10 @@ destination rank's rows by its slice of the down weights (weight in the epilogue
 the top-k choices in fp32 and reduces the result to the rank that owns the tokens, asynchronously,
 while the next destination's chunk computes. Cost: one GEMM launch and one ``dist.reduce`` per rank
 with tokens; a signature's first call adds one small all-gather and a host sync (the cross-rank input check).
+
+:func:`moe_rs_stacked` is the form ``kernels.moe.tp_moe_layer`` runs: one GEMM launch over every
+destination's rows (the rank-stacked routing :func:`~kernels.moe_ag.ag_moe` returns), one top-k sum and
+one reduce-scatter. It hides no communication, but its host cost does not grow with the ranks.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import torch.distributed as dist
 from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of, topk_sum
 from .moe_gemm import moe_gemm, next_power_of_2
 from .moe_routing import MoeRouting, check_routing
-from .symm import refuse_capture
+from .symm import refuse_capture, uses_nccl
 from .tp_common import check_inputs, group_info
 
-__all__ = ["moe_rs", "moe_rs_agreed"]
+__all__ = ["moe_rs", "moe_rs_stacked"]
 
 
 def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Optional[torch.Tensor],
@@ -41,10 +45,43 @@ def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Option
     weights given or not) raise the same ValueError on every rank: the first call with a given
     signature (shapes, dtypes and every rank's token count) all-gathers it once (one small
     collective and a host sync; not allowed during CUDA-graph capture, so run it eagerly first);
-    later calls with that signature check locally only. ``kernels.moe.tp_moe_layer`` skips this
-    (:func:`moe_rs_agreed`): its ``ag_moe`` has checked already.
+    later calls with that signature check locally only.
     """
-    return _moe_rs(h, routings, topk_weights, w, group=group, kernel=kernel, bucket=bucket, check_across_ranks=True)
+    info = group_info(group)
+    rank, world = info.rank, info.world_size
+    where = "moe_rs"
+    signature, described = _moe_rs_signature(h, routings, topk_weights, w)
+    agreed = _agreed_signatures.setdefault(id(group), set())
+    if signature not in agreed:
+        refuse_capture(where, "run it once eagerly with the same inputs first (the ranks check then that their "
+                              "inputs agree)")
+    check_inputs(info, where, agreed, signature, described,
+                 lambda: _check_moe_rs(where, h, routings, topk_weights, w, world))
+    H = w.shape[2]
+    rows = [rt.num_rows for rt in routings]
+    rows_bucket = int(bucket(sum(rows)))
+    row_off, tok_off, works, mine = 0, 0, [], None
+    for r, rt in enumerate(routings):
+        T, k = rt.num_tokens, rt.top_k
+        part_h = h[row_off: row_off + rows[r]]
+        wts = topk_weights[tok_off: tok_off + T] if topk_weights is not None else None
+        partial = empty_buffer((T, H), h.dtype, h.device)
+        if T:
+            y = moe_gemm(part_h, w, rt, a_order="sorted", out_order="flat", weights=wts, kernel=kernel,
+                         rows_bucket=rows_bucket)
+            partial = topk_sum(y, T, k, h.dtype)
+        else:
+            partial.zero_()
+        dst = dist.get_global_rank(group, r) if group is not None else r
+        if T:
+            works.append(dist.reduce(partial, dst=dst, group=group, async_op=True))
+        if r == rank:
+            mine = partial
+        row_off += rows[r]
+        tok_off += T
+    for work in works:
+        work.wait()
+    return mine
 
 
 #: Per group, the moe_rs signatures every rank has agreed on.
@@ -90,51 +127,65 @@ def _moe_rs_signature(h, routings, topk_weights, w) -> tuple[tuple, dict]:
     return signature, described
 
 
-def moe_rs_agreed(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Optional[torch.Tensor],
-                  w: torch.Tensor, *, group=None, kernel=None,
-                  bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
-    """:func:`moe_rs` for inputs every rank has already agreed on (a caller's own cross-rank check, as
-    ``kernels.moe.tp_moe_layer``'s ``ag_moe`` makes): local input checks only, no collective before the GEMMs."""
-    return _moe_rs(h, routings, topk_weights, w, group=group, kernel=kernel, bucket=bucket, check_across_ranks=False)
 
 
-def _moe_rs(h, routings, topk_weights, w, *, group, kernel, bucket, check_across_ranks: bool) -> torch.Tensor:
-    """:func:`moe_rs`; ``check_across_ranks=False`` when the caller has already made the ranks agree."""
-    info = group_info(group)
-    rank, world = info.rank, info.world_size
+def moe_rs_stacked(h: torch.Tensor, routing: MoeRouting, topk_weights: Optional[torch.Tensor], w: torch.Tensor, *,
+                   group=None, kernel=None, bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
+    """MoE-ReduceScatter over a rank-stacked routing, for inputs the ranks have agreed on: one GEMM launch,
+    one top-k sum, one reduction. Returns this rank's ``[T_rank, H]``, as :func:`moe_rs` does.
+
+    ``h [sum_r T_r * top_k, K]`` in ``routing``'s sorted order (``ag_moe(...).out`` after the activation),
+    ``routing`` rank-stacked (``ag_moe(...).routing``), ``topk_weights [sum_r T_r, top_k]`` in rank order.
+    The reduction is one ``reduce_scatter_tensor`` under NCCL when every rank has as many tokens, else one
+    ``dist.reduce`` per rank with tokens. Why one launch: per destination (:func:`moe_rs`) the GEMMs,
+    top-k sums and reductions each cost the host a launch per rank, which at 2 and 4 ranks on H100 took
+    longer than the communication they hid (docs/moe.md).
+    """
     where = "moe_rs"
-    if check_across_ranks:
-        signature, described = _moe_rs_signature(h, routings, topk_weights, w)
-        agreed = _agreed_signatures.setdefault(id(group), set())
-        if signature not in agreed:
-            refuse_capture(where, "run it once eagerly with the same inputs first (the ranks check then that their "
-                                  "inputs agree)")
-        check_inputs(info, where, agreed, signature, described,
-                     lambda: _check_moe_rs(where, h, routings, topk_weights, w, world))
-    else:
-        _check_moe_rs(where, h, routings, topk_weights, w, world)
-    H = w.shape[2]
-    rows = [rt.num_rows for rt in routings]
-    rows_bucket = int(bucket(sum(rows)))
-    row_off, tok_off, works, mine = 0, 0, [], None
-    for r, rt in enumerate(routings):
-        T, k = rt.num_tokens, rt.top_k
-        part_h = h[row_off: row_off + rows[r]]
-        wts = topk_weights[tok_off: tok_off + T] if topk_weights is not None else None
-        partial = empty_buffer((T, H), h.dtype, h.device)
-        if T:
-            y = moe_gemm(part_h, w, rt, a_order="sorted", out_order="flat", weights=wts, kernel=kernel,
-                         rows_bucket=rows_bucket)
-            partial = topk_sum(y, T, k, h.dtype)
-        else:
-            partial.zero_()
-        dst = dist.get_global_rank(group, r) if group is not None else r
-        if T:
-            works.append(dist.reduce(partial, dst=dst, group=group, async_op=True))
+    info = group_info(group)
+    _check_stacked(where, h, routing, topk_weights, w, info.world_size)
+    T, k, H = routing.num_tokens, routing.top_k, w.shape[2]
+    y = moe_gemm(h, w, routing, a_order="sorted", out_order="flat", weights=topk_weights, kernel=kernel,
+                 rows_bucket=int(bucket(routing.num_rows)))
+    summed = topk_sum(y, T, k, h.dtype) if T else empty_buffer((0, H), h.dtype, h.device)
+    return _reduce_to_owners(summed, routing.rank_tokens, info.rank, group)
+
+
+def _check_stacked(where: str, h, routing, topk_weights, w, world: int) -> None:
+    """moe_rs_stacked's local input checks (TypeError/ValueError)."""
+    check_float_tensor(where, "h", h)
+    check_float_tensor(where, "w", w)
+    check_routing(where, routing, h.device)
+    if len(routing.rank_tokens) != world:
+        raise ValueError(f"{where}: the routing stacks {len(routing.rank_tokens)} ranks, the group has {world} "
+                         "(pass ag_moe's routing)")
+    if h.dim() != 2 or w.dim() != 3 or h.shape[1] != w.shape[1] or w.shape[0] != routing.num_experts:
+        raise ValueError(f"{where}: h must be [rows, K] and w [E={routing.num_experts}, K, H], got "
+                         f"{tuple(h.shape)} and {tuple(w.shape)}")
+    if h.shape[0] != routing.num_rows:
+        raise ValueError(f"{where}: h has {h.shape[0]} rows but the routing covers {routing.num_rows}")
+    if topk_weights is not None and tuple(topk_weights.shape) != (routing.num_tokens, routing.top_k):
+        raise ValueError(f"{where}: topk_weights must be [{routing.num_tokens}, {routing.top_k}], "
+                         f"got {tuple(topk_weights.shape)}")
+    check_device(where, h, w=w, topk_weights=topk_weights)
+
+
+def _reduce_to_owners(summed: torch.Tensor, rank_tokens: Sequence[int], rank: int, group) -> torch.Tensor:
+    """Each rank's rows of ``summed`` (every rank's tokens, in rank order) summed over the ranks, on that
+    rank: one reduce-scatter where NCCL can (even token counts), else one reduce per rank with tokens."""
+    if summed.is_cuda and uses_nccl(group) and len(set(rank_tokens)) == 1:
+        mine = empty_buffer((rank_tokens[rank], summed.shape[1]), summed.dtype, summed.device)
+        dist.reduce_scatter_tensor(mine, summed, group=group)
+        return mine
+    works, start, mine = [], 0, summed[:0]
+    for r, tokens in enumerate(rank_tokens):
+        rows = summed[start:start + tokens]
+        if tokens:
+            dst = dist.get_global_rank(group, r) if group is not None else r
+            works.append(dist.reduce(rows, dst=dst, group=group, async_op=True))
         if r == rank:
-            mine = partial
-        row_off += rows[r]
-        tok_off += T
+            mine = rows
+        start += tokens
     for work in works:
         work.wait()
     return mine

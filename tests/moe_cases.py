@@ -73,10 +73,11 @@ def full_problem(ctx: Ranks, tokens: list[int], E: int, k: int, H: int, I: int, 
 @cases.case
 def case_layer(ctx: Ranks) -> dict:
     """ag_moe, moe_rs and the whole TP layer against per-expert torch references, uneven tokens,
-    E in (8, 64) and top-k in (2, 6), fresh routing per check."""
+    E in (8, 64) and top-k in (2, 6), then even tokens (the layer's reduce-scatter under NCCL), fresh
+    routing per check."""
     checks = []
-    for i, (E, k) in enumerate([(8, 2), (64, 6)]):
-        tokens = [6 + 5 * r + 3 * i for r in range(ctx.world)]  # uneven per rank
+    for i, (E, k, even) in enumerate([(8, 2, False), (64, 6, False), (8, 2, True)]):
+        tokens = [8] * ctx.world if even else [6 + 5 * r + 3 * i for r in range(ctx.world)]
         H, I = 32, 16 * ctx.world
         p = full_problem(ctx, tokens, E, k, H, I, seed=100 + i)
         kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
