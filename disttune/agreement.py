@@ -307,13 +307,15 @@ class Agreement:
         lines = [f"rank {self.comm.rank}: {msg}" for msg in own]
         self.ending.post_errors(step, lines, failed)
         try:
-            return collective()
+            result = collective()
         except (CollectiveTimeout, PeerFailed) as err:
             if self.ending.plane is not None:
                 raise self.ending.settle(err, step, failed) from err
             if not lines:
                 raise
             raise TuningError(failed_on_ranks(self.name, failed, [self.comm.rank], lines)) from err
+        self.ending.resumed()
+        return result
 
     def wait_for_device(self, step: str, counted: bool = True) -> None:
         """Wait until this rank's GPU has done the work queued so far, through the communicator's wait loop:
