@@ -22,11 +22,10 @@ GPU, or in a collective of the tuner. Every rank then ends with the same excepti
 **A stall where gloo holds the peers.** A rank that stalls before the function's own collective leaves its gloo
 peers inside that collective, whose host thread nothing can free but the process group's own timeout
 (:func:`disttune.dist.group_timeout_s`: the tuner's timeout and a few seconds). The error that timeout raises is a
-consequence: each post says whether the rank spent longer than the tuner's timeout in the wrapped function before
-it (``overdue``, timed from the call's last completed collective, :meth:`Ending.resumed`). When every post is
-overdue and some ranks neither posted nor finished (their watcher answered ``blocked``, or nothing did), the
-verdict is a :class:`~disttune.comm.CollectiveTimeout` naming those ranks, the posted errors after it
-(:func:`describe_stall`).
+consequence: each post says whether its rank's error is such a timeout, met after longer than the tuner's timeout
+in the wrapped function (``held_up``: :meth:`Ending.held_up`). When every post is held up and some ranks neither
+posted nor finished (their watcher answered ``blocked``, or nothing did), the verdict is a
+:class:`~disttune.comm.CollectiveTimeout` naming those ranks, the posted errors after it (:func:`describe_stall`).
 
 Every verdict that carries the ranks' errors has the one wording of :func:`~disttune.errors.failed_on_ranks`,
 headed by where the first failing rank failed (its post says so), so a fault reads the same whichever rank
@@ -117,7 +116,7 @@ def describe_stall(name: str, notes: dict[int, Any], answers: dict[int, Any], wo
                    ) -> Optional[dict[str, str]]:
     """The verdict of a stall that held the posting ranks inside the wrapped function (see the module doc), given
     the ``notes`` and the settle ``answers`` by rank; None when the posts do not tell of one."""
-    if not notes or not all(isinstance(note, dict) and note.get("overdue") is True for note in notes.values()):
+    if not notes or not all(isinstance(note, dict) and note.get("held_up") is True for note in notes.values()):
         return None
     stalled = [rank for rank in range(world_size) if rank not in notes and answers.get(rank) in (None, "blocked")]
     if not stalled:
@@ -179,14 +178,21 @@ class Ending:
         function (or the tuner's own work between runs)."""
         self._resumed_at = time.monotonic()
 
-    def post_errors(self, step: str, lines: list[str], failed: Optional[str] = None) -> None:
+    def held_up(self, raised: Optional[BaseException]) -> bool:
+        """Whether ``raised`` ended a wait that held this rank in the wrapped function past the tuner's timeout: a
+        timeout of the process group's (gloo's reads ``Timed out waiting ...``), met longer than the tuner's
+        timeout after the call's last collective."""
+        return (self.plane is not None and isinstance(raised, RuntimeError) and "timed out" in str(raised).lower()
+                and time.monotonic() - self._resumed_at > self.plane.timeout_s)
+
+    def post_errors(self, step: str, lines: list[str], failed: Optional[str] = None,
+                    raised: Optional[BaseException] = None) -> None:
         """Post this rank's ``lines`` (each ``"rank r: ..."``, its own exception first) on the channel, for peers
-        waiting anywhere; ``failed`` says where they arose (default: ``step`` failed). The post is ``overdue`` when
-        this rank was away from the tuner longer than its timeout (held up in the function: see the module doc)."""
+        waiting anywhere; ``failed`` says where they arose (default: ``step`` failed), ``raised`` is the exception
+        they came from, if any (is it :meth:`held_up`?)."""
         if self.plane is not None and lines and self._state is None:
-            overdue = time.monotonic() - self._resumed_at > self.plane.timeout_s
             self.plane.post(self.channel, "note", {"step": step, "failed": failed or f"{step} failed", "lines": lines,
-                                                   "overdue": overdue})
+                                                   "held_up": self.held_up(raised)})
 
     # -- the verdict ---------------------------------------------------------------------------------------------
 
@@ -219,7 +225,8 @@ class Ending:
             return err
         try:
             if not isinstance(err, (TuningError, AllConfigsFailed, CollectiveTimeout, PeerFailed)):
-                self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"], CALL_FAILED)
+                self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"], CALL_FAILED,
+                                 err)
             return self.settle(err)
         except ControlPlaneLost as lost:
             return self.lost(lost)
