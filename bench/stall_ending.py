@@ -1,14 +1,16 @@
 """How a stall before the function's own collective ends: when each rank raises, and what its error says first.
 
     torchrun --nproc_per_node=2 bench/stall_ending.py [--tuner function|contextual] [--timeout 5] [--stall 60]
+                                                      [--call 4]
 
-The last rank sleeps ``--stall`` seconds in its 4th call of the tuned function (a tuning run), before the
+The last rank sleeps ``--stall`` seconds in its ``--call``-th call of the tuned function (the 4th: a tuning run;
+the final run, with the winner, is the 10th of the function tuner and the 11th of the contextual one), before the
 function's ``all_reduce``, which its peers have entered; ``disttune.dist.init`` gets the same ``--timeout`` as the
 tuner, so the process group's own timeout is that plus its margin (:func:`disttune.dist.group_timeout_s`).
 ``--tuner function`` tunes the function over 3 variants with ``disttune.autotune``; ``contextual`` tunes a small
 Triton kernel launched after the collective with ``disttune.contextual_autotune``. Each rank prints one line:
-the seconds from the start of that 4th call (when the stall began: every rank starts it together, after the
-previous run's barrier) to its exception, the exception's type and its first line. On CPUs the kernel runs in
+the seconds from the start of that call (when the stall began: every rank starts it together, after the
+previous run's collective) to its exception, the exception's type and its first line. On CPUs the kernel runs in
 Triton's interpreter; under NCCL the same script measures the GPU path.
 """
 
@@ -31,8 +33,6 @@ import triton.language as tl  # noqa: E402
 import disttune  # noqa: E402
 from disttune import dist as dt_dist  # noqa: E402
 
-STALLED_CALL = 4  # the discovery run (contextual) or the first warm-up, then tuning runs: the 4th is a tuning run
-
 
 @triton.autotune([triton.Config({"BLOCK": b}, num_warps=1) for b in (16, 32, 64)], key=["n"])
 @triton.jit
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--tuner", choices=("function", "contextual"), default="function")
     parser.add_argument("--timeout", type=float, default=5.0, help="the tuner's and dist.init's timeout_s")
     parser.add_argument("--stall", type=float, default=60.0, help="seconds the last rank sleeps")
+    parser.add_argument("--call", type=int, default=4, help="the call of the function the last rank stalls in")
     args = parser.parse_args()
     info = dt_dist.init(timeout_s=args.timeout)
     stalls = info.rank == info.world_size - 1
@@ -54,7 +55,7 @@ def main() -> None:
 
     def body() -> torch.Tensor:
         calls["n"] += 1
-        if calls["n"] == STALLED_CALL:
+        if calls["n"] == args.call:
             calls["started"] = time.monotonic()
             if stalls:
                 time.sleep(args.stall)
