@@ -23,7 +23,7 @@ GPU, or in a collective of the tuner. Every rank then ends with the same excepti
 peers inside that collective, whose host thread nothing can free but the process group's own timeout
 (:func:`disttune.dist.group_timeout_s`: the tuner's timeout and a few seconds). The error that timeout raises is a
 consequence: each post says whether its rank's error is such a timeout, met after longer than the tuner's timeout
-in the wrapped function (``held_up``: :meth:`Ending.held_up`). When every post is held up and some ranks neither
+in the wrapped function (``held_up``: :func:`held_up`). When every post is held up and some ranks neither
 posted nor finished (their watcher answered ``blocked``, or nothing did), the verdict is a
 :class:`~disttune.comm.CollectiveTimeout` naming those ranks, the posted errors after it (:func:`describe_stall`).
 
@@ -112,6 +112,13 @@ def describe(name: str, err: BaseException, step: Optional[str], failed: Optiona
     return {"type": "TuningError", "text": f"disttune: {name}: {type(err).__name__}: {err}"}
 
 
+def held_up(raised: Optional[BaseException], away_s: float, timeout_s: float) -> bool:
+    """Whether ``raised`` ended a wait that held a rank in the wrapped function past the tuner's ``timeout_s``: a
+    timeout of the process group's (gloo's reads ``Timed out waiting ...``), met ``away_s`` after the call's last
+    collective, more than ``timeout_s``."""
+    return isinstance(raised, RuntimeError) and "timed out" in str(raised).lower() and away_s > timeout_s
+
+
 def describe_stall(name: str, notes: dict[int, Any], answers: dict[int, Any], world_size: int, timeout_s: float
                    ) -> Optional[dict[str, str]]:
     """The verdict of a stall that held the posting ranks inside the wrapped function (see the module doc), given
@@ -178,21 +185,15 @@ class Ending:
         function (or the tuner's own work between runs)."""
         self._resumed_at = time.monotonic()
 
-    def held_up(self, raised: Optional[BaseException]) -> bool:
-        """Whether ``raised`` ended a wait that held this rank in the wrapped function past the tuner's timeout: a
-        timeout of the process group's (gloo's reads ``Timed out waiting ...``), met longer than the tuner's
-        timeout after the call's last collective."""
-        return (self.plane is not None and isinstance(raised, RuntimeError) and "timed out" in str(raised).lower()
-                and time.monotonic() - self._resumed_at > self.plane.timeout_s)
-
     def post_errors(self, step: str, lines: list[str], failed: Optional[str] = None,
                     raised: Optional[BaseException] = None) -> None:
         """Post this rank's ``lines`` (each ``"rank r: ..."``, its own exception first) on the channel, for peers
         waiting anywhere; ``failed`` says where they arose (default: ``step`` failed), ``raised`` is the exception
-        they came from, if any (is it :meth:`held_up`?)."""
+        they came from, if any (is it :func:`held_up`?)."""
         if self.plane is not None and lines and self._state is None:
+            away_s = time.monotonic() - self._resumed_at
             self.plane.post(self.channel, "note", {"step": step, "failed": failed or f"{step} failed", "lines": lines,
-                                                   "held_up": self.held_up(raised)})
+                                                   "held_up": held_up(raised, away_s, self.plane.timeout_s)})
 
     # -- the verdict ---------------------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ a CollectiveTimeout naming the ranks that neither posted nor finished, only when
 
 from __future__ import annotations
 
-from disttune.ending import describe_stall
+from disttune.ending import describe_stall, held_up
 
 GLOO_TIMEOUT = "rank 0: RuntimeError: [pair.cc:1] Timed out waiting 12000ms for recv operation to complete"
 
@@ -32,6 +32,14 @@ def test_an_error_of_its_own_is_no_stall():
     own = note(False, "rank 1: ValueError: the user's own")
     assert describe_stall("step", {1: own}, {0: "blocked", 1: "drained"}, 2, 10.0) is None
     assert describe_stall("step", {0: note(True), 1: own}, {0: "drained", 1: "drained"}, 2, 10.0) is None
+
+
+def test_only_a_timeout_met_after_the_tuners_timeout_is_held_up():
+    timed_out = RuntimeError("[unbound_buffer.cc:78] Timed out waiting 12000ms for recv operation to complete")
+    assert held_up(timed_out, 12.5, 10.0)
+    assert not held_up(timed_out, 3.0, 10.0)  # a timeout of the function's own, well inside the tuner's
+    assert not held_up(ValueError("bad input"), 12.5, 10.0)  # an error of its own after a long run
+    assert not held_up(None, 12.5, 10.0)
 
 
 def test_no_stall_when_every_rank_posted_or_finished():
