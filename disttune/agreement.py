@@ -294,9 +294,11 @@ class Agreement:
         self._device_waits = 0
         self.run: Optional[str] = None  # the job's run, rank 0's (set by the consensus)
 
-    def _together(self, step: str, own: Sequence[str], collective: Callable[[], T], failed: Optional[str] = None) -> T:
+    def _together(self, step: str, own: Sequence[str], collective: Callable[[], T], failed: Optional[str] = None,
+                  raised: Optional[BaseException] = None) -> T:
         """Run one collective of this tuning call; ``own`` is this rank's errors, if it brings any, which arose
-        where ``failed`` says (default: ``step`` failed; it heads the error, whichever path raises it).
+        where ``failed`` says (default: ``step`` failed; it heads the error, whichever path raises it), from the
+        exception ``raised``, if any.
 
         Those are posted on the call's channel first. When the collective breaks, times out or is left
         for a peer's post, the ranks settle on one verdict (:mod:`disttune.ending`). Without a rendezvous
@@ -305,15 +307,17 @@ class Agreement:
         failed = failed or f"{step} failed"
         self.ending.check(step, failed)
         lines = [f"rank {self.comm.rank}: {msg}" for msg in own]
-        self.ending.post_errors(step, lines, failed)
+        self.ending.post_errors(step, lines, failed, raised)
         try:
-            return collective()
+            result = collective()
         except (CollectiveTimeout, PeerFailed) as err:
             if self.ending.plane is not None:
                 raise self.ending.settle(err, step, failed) from err
             if not lines:
                 raise
             raise TuningError(failed_on_ranks(self.name, failed, [self.comm.rank], lines)) from err
+        self.ending.resumed()
+        return result
 
     def wait_for_device(self, step: str, counted: bool = True) -> None:
         """Wait until this rank's GPU has done the work queued so far, through the communicator's wait loop:
@@ -368,7 +372,7 @@ class Agreement:
         }
         step = "consensus (site digest)"
         everyone = self._together(step, [error[1]] if error else [],
-                                  lambda: self.comm.all_gather_objects(mine, step), NOT_STARTED)
+                                  lambda: self.comm.all_gather_objects(mine, step), NOT_STARTED, error and error[0])
         self.run = everyone[0].get("run")
         failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if failed:
@@ -426,7 +430,7 @@ class Agreement:
         ``raised`` (what this rank's run raised, if anything)."""
         failed = f"{step} failed"
         self.ending.check(step, failed)
-        self.ending.post_errors(step, [f"rank {self.comm.rank}: {msg}" for msg in problems], failed)
+        self.ending.post_errors(step, [f"rank {self.comm.rank}: {msg}" for msg in problems], failed, raised)
         # the verdict is composed from every rank's posted problems; an error that is already one (a TuningError)
         # would stand as it is, so only the run's own exception is passed on, as the verdict's cause
         cause = raised if isinstance(raised, Exception) and not isinstance(raised, (TuningError, AllConfigsFailed)) \
@@ -559,7 +563,7 @@ class Agreement:
         """
         failed = [(i, *failures[r.site]) for i, r in enumerate(results) if r.site in failures]
         everyone = self._together(step, [error[1]] if error else [], lambda: self.comm.all_gather_objects(
-            {"error": error[1] if error else None, "failed": failed}, step), FINAL_RUN_FAILED)
+            {"error": error[1] if error else None, "failed": failed}, step), FINAL_RUN_FAILED, error and error[0])
         errors = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
         if errors:
             _raise_rank_errors(self.name, FINAL_RUN_FAILED, errors, error[0] if error else None)

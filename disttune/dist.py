@@ -19,9 +19,12 @@ The launcher's variables are read by :mod:`disttune.env`; this module turns them
 The backend is ``nccl`` when every local rank can have a GPU of its own and ``gloo`` otherwise; with CUDA
 each rank is pinned to ``cuda:(local_rank % device_count)`` *before* the group
 is created. The tuner's timeout comes from ``timeout_s``, else ``$DISTTUNE_TIMEOUT`` (seconds), else
-300 s; the process group's own timeout (NCCL's watchdog, gloo's wait) is that plus
-:data:`GROUP_TIMEOUT_MARGIN_S`, so that a stalled rank ends in the tuner's :class:`~disttune.comm.CollectiveTimeout`
-naming it, before the watchdog tears the process down with no cause.
+300 s; the process group's own timeout (NCCL's watchdog, gloo's wait) is a little longer
+(:func:`group_timeout_s`), so that a stalled rank ends in the tuner's :class:`~disttune.comm.CollectiveTimeout`
+naming it: under NCCL :data:`GROUP_TIMEOUT_MARGIN_S` longer, before the watchdog tears the process down with no
+cause; on gloo, whose collectives hold the host, only :data:`GLOO_TIMEOUT_MARGIN_S` longer, since its timeout is
+what frees the peers waiting inside the function's own collective for a rank that stalled before it (the tuner
+then names that rank, :mod:`disttune.ending`).
 
 :func:`init` registers :func:`destroy` to run at exit, so a script that never calls it still leaves
 its group cleanly (a process group left to the interpreter's exit can abort the process).
@@ -48,11 +51,13 @@ from .ending import abort_process_groups
 from .env import DistEnvError, LaunchEnv, Launcher, check_mpi_agrees, detect, mpi_comm_world
 from .env import timeout_s as timeout_seconds
 
-__all__ = ["DistInfo", "DistEnvError", "init", "destroy", "mpi_comm_world", "is_initialized"]
+__all__ = ["DistInfo", "DistEnvError", "init", "destroy", "mpi_comm_world", "is_initialized", "group_timeout_s"]
 
 _LOOPBACK = "127.0.0.1"
-#: How much longer than the tuner's timeout the process group's own timeout is (see the module doc).
+#: How much longer than the tuner's timeout the process group's own timeout is under NCCL (and any backend but gloo).
 GROUP_TIMEOUT_MARGIN_S = 30.0
+#: The same on gloo: a stall before the function's collective ends when this margin frees the peers (module doc).
+GLOO_TIMEOUT_MARGIN_S = 2.0
 #: How long :func:`destroy` gives the GPU to finish before it aborts the group instead of destroying it.
 DRAIN_AT_EXIT_S = 10.0
 
@@ -152,6 +157,12 @@ def _make_store(launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
     return store
 
 
+def group_timeout_s(backend: str, timeout_s: float) -> float:
+    """The process group's own timeout for the tuner's ``timeout_s`` on ``backend`` (see the module doc)."""
+    margin = GLOO_TIMEOUT_MARGIN_S if backend.lower() == "gloo" else GROUP_TIMEOUT_MARGIN_S
+    return timeout_s + margin
+
+
 def is_initialized() -> bool:
     """True when the default process group exists (a cheap check)."""
     import torch.distributed as dist
@@ -178,7 +189,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
 
     ``backend``: ``None`` picks ``nccl`` with CUDA devices, else ``gloo``; any string
     ``init_process_group`` accepts is passed on. ``timeout_s``: the tuner's per-collective timeout,
-    default ``$DISTTUNE_TIMEOUT`` or 300 s; the group's own is :data:`GROUP_TIMEOUT_MARGIN_S` longer.
+    default ``$DISTTUNE_TIMEOUT`` or 300 s; the group's own is a little longer (:func:`group_timeout_s`).
 
     Idempotent: if a default group already exists (ours or the caller's) this returns
     its :class:`DistInfo` without touching it. From its first call on, a disttune error ends the process in
@@ -200,12 +211,12 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
             startup.watch(control_store(), _INFO.rank, _INFO.world_size)
         return _INFO
 
-    timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s) + GROUP_TIMEOUT_MARGIN_S)
     launch = detect()
     device_count = _cuda_device_count()
     if backend is None:
         # NCCL needs a GPU of its own per rank; with more local ranks than GPUs fall back to gloo.
         backend = "nccl" if 0 < launch.local_world_size <= device_count else "gloo"
+    timeout = datetime.timedelta(seconds=group_timeout_s(backend, timeout_seconds(timeout_s)))
     device = _device_for(launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds to the current device

@@ -19,6 +19,14 @@ GPU, or in a collective of the tuner. Every rank then ends with the same excepti
    not) into the rendezvous store; every rank raises exactly that one. A rank that arrives late (a
    stalled rank, a rank freed by the abort) raises the verdict standing there.
 
+**A stall where gloo holds the peers.** A rank that stalls before the function's own collective leaves its gloo
+peers inside that collective, whose host thread nothing can free but the process group's own timeout
+(:func:`disttune.dist.group_timeout_s`: the tuner's timeout and a few seconds). The error that timeout raises is a
+consequence: each post says whether its rank's error is such a timeout, met after longer than the tuner's timeout
+in the wrapped function (``held_up``: :func:`held_up`). When every post is held up and some ranks neither
+posted nor finished (their watcher answered ``blocked``, or nothing did), the verdict is a
+:class:`~disttune.comm.CollectiveTimeout` naming those ranks, the posted errors after it (:func:`describe_stall`).
+
 Every verdict that carries the ranks' errors has the one wording of :func:`~disttune.errors.failed_on_ranks`,
 headed by where the first failing rank failed (its post says so), so a fault reads the same whichever rank
 settled first and whichever tuner raised it.
@@ -104,6 +112,31 @@ def describe(name: str, err: BaseException, step: Optional[str], failed: Optiona
     return {"type": "TuningError", "text": f"disttune: {name}: {type(err).__name__}: {err}"}
 
 
+def held_up(raised: Optional[BaseException], away_s: float, timeout_s: float) -> bool:
+    """Whether ``raised`` ended a wait that held a rank in the wrapped function past the tuner's ``timeout_s``: a
+    timeout of the process group's (gloo's reads ``Timed out waiting ...``), met ``away_s`` after the call's last
+    collective, more than ``timeout_s``."""
+    return isinstance(raised, RuntimeError) and "timed out" in str(raised).lower() and away_s > timeout_s
+
+
+def describe_stall(name: str, notes: dict[int, Any], answers: dict[int, Any], world_size: int, timeout_s: float
+                   ) -> Optional[dict[str, str]]:
+    """The verdict of a stall that held the posting ranks inside the wrapped function (see the module doc), given
+    the ``notes`` and the settle ``answers`` by rank; None when the posts do not tell of one."""
+    if not notes or not all(isinstance(note, dict) and note.get("held_up") is True for note in notes.values()):
+        return None
+    stalled = [rank for rank in range(world_size) if rank not in notes and answers.get(rank) in (None, "blocked")]
+    if not stalled:
+        return None
+    first = notes[min(notes)]
+    lines = [str(line) for rank in sorted(notes) for line in notes[rank].get("lines") or []]
+    return {"type": "CollectiveTimeout",
+            "text": f"disttune: {name}: step '{first.get('step')}': rank(s) {stalled} did not arrive within "
+                    f"{timeout_s:g} s (a rank died, hung, or skipped the step); rank(s) {sorted(notes)} waited for "
+                    "them inside the wrapped function until the process group's own timeout ended the wait:\n  "
+                    + "\n  ".join(lines)}
+
+
 class Ending:
     """The ending of one tuning call of ``name`` on ``channel`` over ``comm`` (see the module doc).
 
@@ -123,6 +156,7 @@ class Ending:
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
         self.step: Optional[str] = None  # the last step this rank's main thread entered (it names a lost store)
+        self._resumed_at = time.monotonic()  # when the main thread last went back to the wrapped function
 
     def __enter__(self) -> "Ending":
         if self.plane is not None:
@@ -146,11 +180,20 @@ class Ending:
 
     # -- posting ---------------------------------------------------------------------------------------------
 
-    def post_errors(self, step: str, lines: list[str], failed: Optional[str] = None) -> None:
+    def resumed(self) -> None:
+        """A collective of the call has completed: until this rank's next post its main thread is in the wrapped
+        function (or the tuner's own work between runs)."""
+        self._resumed_at = time.monotonic()
+
+    def post_errors(self, step: str, lines: list[str], failed: Optional[str] = None,
+                    raised: Optional[BaseException] = None) -> None:
         """Post this rank's ``lines`` (each ``"rank r: ..."``, its own exception first) on the channel, for peers
-        waiting anywhere; ``failed`` says where they arose (default: ``step`` failed)."""
+        waiting anywhere; ``failed`` says where they arose (default: ``step`` failed), ``raised`` is the exception
+        they came from, if any (is it :func:`held_up`?)."""
         if self.plane is not None and lines and self._state is None:
-            self.plane.post(self.channel, "note", {"step": step, "failed": failed or f"{step} failed", "lines": lines})
+            away_s = time.monotonic() - self._resumed_at
+            self.plane.post(self.channel, "note", {"step": step, "failed": failed or f"{step} failed", "lines": lines,
+                                                   "held_up": held_up(raised, away_s, self.plane.timeout_s)})
 
     # -- the verdict ---------------------------------------------------------------------------------------------
 
@@ -183,7 +226,8 @@ class Ending:
             return err
         try:
             if not isinstance(err, (TuningError, AllConfigsFailed, CollectiveTimeout, PeerFailed)):
-                self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"], CALL_FAILED)
+                self.post_errors("tuning call", [f"rank {self.plane.rank}: {type(err).__name__}: {err}"], CALL_FAILED,
+                                 err)
             return self.settle(err)
         except ControlPlaneLost as lost:
             return self.lost(lost)
@@ -218,7 +262,9 @@ class Ending:
             plane.post(self.channel, "settle", "drained" if device.drained(DRAIN_S) else "stuck")
         entries = self._settled(plane)
         abort = len(entries) < plane.world_size or any(state != "drained" for state in entries.values())
-        candidate = describe(self.name, err, step, failed, plane.posted(self.channel, "note"))
+        notes = plane.posted(self.channel, "note")
+        candidate = (describe_stall(self.name, notes, entries, plane.world_size, plane.timeout_s)
+                     or describe(self.name, err, step, failed, notes))
         verdict = plane.decide(self.channel, "verdict", {**candidate, "abort": abort})
         if verdict.get("abort"):
             abort_process_groups()

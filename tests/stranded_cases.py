@@ -230,8 +230,9 @@ FUNCTION_FINAL_RUN = 3 * 3 + 1  # 3 configs x (1 warm-up + 2 timed) tuning runs,
 def function_with(ctx: Ranks, case: str, fault: Fault):
     """A function tuned over 3 variants: ``all_reduce`` of one element, with ``fault(run, where)`` called on the
     faulty rank before and after it in each of its calls (tuning runs, then the final run). It returns the
-    reduced tensor without reading it, as a step of a model does: the tuner's own wait on the GPU is where a
-    stall shows (a function that blocks the host inside its own collective is ended by the group's timeout)."""
+    reduced tensor without reading it, as a step of a model does: under NCCL the tuner's own wait on the GPU is
+    where a stall shows; on gloo, whose collective holds the host, the process group's own timeout ends the wait
+    inside the function, and the tuner then names the stalled rank."""
     runs = {"n": 0}
 
     @disttune.autotune([{"variant": v} for v in range(3)], key_fn=lambda: 0, n_warmup=1, n_repeat=2,
@@ -341,6 +342,15 @@ def case_unfenced_raise_after_collective(ctx):
     the next run's all_reduce, where it strands them, and every rank ends with the same error naming it."""
     with unfenced():
         return _stranding(ctx, "unfenced_raise_after_collective", Fault(_raise, where="after"))
+
+
+@cases.case(breaks_group=True, default=False)
+def case_unfenced_stall_after_collective(ctx):
+    """The last rank sleeps 2.5 timeouts in a tuning run after the step's all_reduce with the runs unfenced: its
+    peers go on into the next run's all_reduce and wait there for it."""
+    with unfenced():
+        return _stranding(ctx, "unfenced_stall_after_collective",
+                          Fault(lambda: time.sleep(2.5 * ctx.options.timeout), where="after"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,8 @@ the same raises and stalls in a function tuned by ``disttune.autotune`` (the ``f
 
 What must hold, each counted before it is asserted: every rank returns the same result or raises the
 same clear error; every rank has left within :data:`PROMPT_S` of a fault whose error it could hear of,
-and within the tuner's timeout + :data:`PROMPT_S` of a stall or a death; nothing hangs.
+and within the tuner's timeout + :data:`PROMPT_S` of a stall or a death (on gloo too, where a stall before the
+function's own collective holds the peers inside it until the process group's own timeout); nothing hangs.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ def gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def launch(tmp_path: Path, world: int, cases: list[str], tally: dict, allow_failure: bool = False):
+def launch(tmp_path: Path, world: int, cases: list[str], tally: dict, allow_failure: bool = False,
+           extra_env: dict | None = None):
     """Run ``cases`` on ``world`` ranks; returns (records by case, the launch, its seconds, when it ended)."""
     out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
     started = time.monotonic()
     try:
         proc = run_launch([f"--nproc_per_node={world}", str(CASES), *cases, "--out", str(out),
-                           "--timeout", str(TIMEOUT_S)], timeout=240 + 3 * TIMEOUT_S)
+                           "--timeout", str(TIMEOUT_S)], timeout=240 + 3 * TIMEOUT_S, extra_env=extra_env)
     except CommandTimeout:
         hang(tally)
         raise
@@ -97,8 +99,9 @@ def check_stranding(per_rank: list[dict], world: int, tally: dict, *, stall: boo
         assert max(late) < PROMPT_S, late
 
 
-def run_stranding(tmp_path: Path, world: int, tally: dict, case: str, stall: bool = False) -> list[dict]:
-    results, _, _, _ = launch(tmp_path, world, [case], tally)
+def run_stranding(tmp_path: Path, world: int, tally: dict, case: str, stall: bool = False,
+                  extra_env: dict | None = None) -> list[dict]:
+    results, _, _, _ = launch(tmp_path, world, [case], tally, extra_env=extra_env)
     check_stranding(results[case], world, tally, stall=stall)
     return results[case]
 
@@ -192,11 +195,22 @@ def test_a_raise_before_the_steps_collective_ends_every_gloo_rank_at_once(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo run is the CPU suite's (GPU machines run NCCL's)")
-@pytest.mark.parametrize("case", ["stall_after_collective", "function_stall_after_collective"])
+@pytest.mark.parametrize("case", ["stall_before_collective", "stall_after_collective",
+                                  "function_stall_before_collective", "function_stall_after_collective",
+                                  "unfenced_stall_after_collective"])
 def test_a_stalled_gloo_rank_is_named_at_the_tuners_timeout(tmp_path, case):
-    """(A stall before the function's own collective holds its gloo peers inside it, where only gloo's own
-    timeout frees them: that case runs under NCCL, whose collectives leave the host free.)"""
-    run_stranding(tmp_path, 2, TALLY, case, stall=True)
+    """After the function's own collective the peers wait in the tuner, which names the stalled rank at its timeout.
+    Before it (or, with the runs unfenced, in the next run's) they wait inside that gloo collective, which holds the
+    host until the process group's own timeout (``disttune.dist.init`` makes it the tuner's, here from
+    DISTTUNE_TIMEOUT as a user sets it, + a few seconds): the error that timeout raises comes after the stalled
+    rank, which the first line names."""
+    per_rank = run_stranding(tmp_path, 2, TALLY, case, stall=True, extra_env={"DISTTUNE_TIMEOUT": str(TIMEOUT_S)})
+    if case.startswith("unfenced") or "before" in case:
+        name = FUNCTION if case.startswith("function_") else "step_with.<locals>.step"
+        first, cause = per_rank[0]["error"].splitlines()[:2]
+        assert first.startswith(f"disttune: {name}: step 'tuning run ") and \
+            f"rank(s) [1] did not arrive within {TIMEOUT_S:g} s" in first and "rank(s) [0] waited" in first, first
+        assert cause.startswith("  rank 0: RuntimeError: ") and "Timed out" in cause, cause
 
 
 @pytest.mark.slow
