@@ -5,7 +5,7 @@ ranks agree here. Every verdict is computed from gathered data only, so every ra
 one: the same winners, or the same :class:`TuningError` with the same message, before the next
 collective. In the order a tuning call meets them:
 
-1. :meth:`Agreement.consensus` (one all-gather): each rank's error before tuning (a setting, ``key_fn``,
+1. :meth:`Agreement.consensus` (one collective, :func:`consensus_verdict`): each rank's error before tuning (a setting, ``key_fn``,
    the discovery run), the options that change
    the schedule or the verdict, each rank's site digests, which sites are split, the pinned table's
    digest, each rank's stored/pinned answer (rank 0's decides for everyone, unless it failed to launch
@@ -19,12 +19,18 @@ collective. In the order a tuning call meets them:
 3. :meth:`Agreement.gather_agreed` (one collective of every site's per-config statistic, and of each
    measurement a measured objective reads, :mod:`disttune.objective`, combined once over the ranks:
    :class:`TimingVector`) and :meth:`Agreement.verdicts`: the agreed vector (``reduce`` over ranks,
-   ``inf`` where a config failed on any rank), the winner (argmin, ties to the lowest index; a measured
+   ``inf`` where a config failed on any rank), the times' spread over the ranks, the winner (argmin, ties to the lowest index; a measured
    objective's lowest score), :class:`SiteResult` per site; every config failing is
    :class:`~disttune.sites.AllConfigsFailed`, with each rank's reasons;
-4. :meth:`Agreement.final_run_status` (one all-gather after the final run): an error or a split
+4. :meth:`Agreement.final_run_status` (one collective after the final run, :func:`final_run_verdict`): an error or a split
    winner failing on any rank in the final run; :meth:`Agreement.drop_failed_winners` scores
    such winners ``inf`` and takes the next best.
+
+The consensus, the timing vector and the final run's status are each concluded once, from every rank's
+message, by the rendezvous store's last arriver (:func:`~disttune.comm.combine_objects`,
+:func:`~disttune.comm.combine_floats`), and every rank receives only the conclusion: O(sites x configs)
+per rank whatever the number of ranks, O(ranks x sites x configs) on the one that concludes (over MPI
+every rank concludes from an all-gather, alike).
 
 Each collective is bounded by the communicator's timeout (:mod:`disttune.comm`), and so is every wait
 for the GPU (:meth:`Agreement.wait_for_device`). A rank that brings an error of its own to a collective
@@ -47,7 +53,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import numpy as np
 
 from . import device
-from .comm import CollectiveTimeout, Communicator, PeerFailed, combine_floats, wait_until
+from .comm import CollectiveTimeout, Communicator, PeerFailed, combine_floats, combine_objects, wait_until
 from .configs import config_text, describe_config
 from .ending import Ending
 from .errors import FINAL_RUN_FAILED, NOT_STARTED, StoreWarning, TuningError, failed_on_ranks
@@ -102,50 +108,99 @@ ROWS_BYTES = 1 << 26
 FENCED_RUNS_MAX_RANKS = 64
 
 
+#: The rows of :attr:`SiteTimes.spread`: over the ranks that timed a config, its min, median and max time, and the
+#: slowest rank (the first with the max; ``nan`` where no rank timed it).
+SPREAD = ("min_ms", "median_ms", "max_ms", "slowest_rank")
+
+
+def spread_of(per_rank: np.ndarray) -> np.ndarray:
+    """``[world, n]`` times -> ``[4, n]``: :data:`SPREAD` per config, over the ranks whose time is not ``nan``
+    (``inf``, a failure, is the slowest)."""
+    per_rank = np.asarray(per_rank, dtype=np.float64)
+    timed = ~np.isnan(per_rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan columns: nan below
+        low, middle, high = np.nanmin(per_rank, axis=0), np.nanmedian(per_rank, axis=0), np.nanmax(per_rank, axis=0)
+    slowest = np.argmax(np.where(timed, per_rank, -INF), axis=0).astype(np.float64)
+    return np.vstack([low, middle, high, np.where(timed.any(axis=0), slowest, NAN)])
+
+
+@dataclass(frozen=True)
+class SiteTimes:
+    """One site's times after the agreement's collective, as this rank holds them: the ``agreed`` vector, this
+    rank's ``own`` times, their ``spread`` over the ranks (``[4, configs]``, :data:`SPREAD`), every rank's ``rows``
+    (``[world, configs]``) where :attr:`TimingVector.rows` sent them (else None), and per measurement ``extra``:
+    ``{name: (rows or None, own, agreed)}``."""
+
+    agreed: np.ndarray
+    own: np.ndarray
+    spread: np.ndarray
+    rows: Optional[np.ndarray]
+    extra: dict
+    rank: int
+    world: int
+
+    def per_rank(self) -> np.ndarray:
+        """``[world, configs]``: :attr:`rows`, or ``nan`` but for this rank's own row where they were not sent
+        (O(world x configs): for the searches' rounds, not the verdict)."""
+        return self.rows if self.rows is not None else own_row_only(self.own, self.rank, self.world)
+
+
+def own_row_only(own: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """``[world, n]`` of ``nan`` with ``own`` in row ``rank``: what a rank knows of the others' values beyond
+    :data:`ROWS_BYTES`."""
+    rows = np.full((world, len(own)), NAN)
+    rows[rank] = own
+    return rows
+
+
 class TimingVector:
     """The layout of one agreement's vector over ``sites`` and how the ranks' vectors combine, computed once for all.
 
     Each rank sends a status flag, then per site its configs' statistics and, with a measured objective, each of
     ``extra``'s readings. :meth:`combine` maps ``[world, 1 + slots]`` to the flag of any rank, each site's agreed
-    times (:func:`agree`) and measurements (:func:`agree_measure`) and, while ``world^2 x slots`` stays within
-    :data:`ROWS_BYTES`, every rank's vector; :meth:`split` reads that back into ``(per-rank matrix, agreed,
-    {name: (per-rank, agreed)})`` per site. Beyond the bound the per-rank matrix holds this rank's row only (``nan``
-    elsewhere): the store's host then sends each rank ``O(slots)`` values, not ``O(world x slots)``.
+    times (:func:`agree`) and measurements (:func:`agree_measure`), the times' spread over the ranks
+    (:func:`spread_of`) and, while ``world^2 x slots`` stays within :data:`ROWS_BYTES`, every rank's vector;
+    :meth:`split` reads that back into one :class:`SiteTimes` per site. Beyond the bound each rank receives
+    ``O(slots)`` values, not ``O(world x slots)``, and holds no ``[world, configs]`` matrix.
     """
 
     def __init__(self, sites: Sequence[Site], extra: Sequence[str], reduce: str, world: int) -> None:
         self.sites = [(len(site.configs), site.split) for site in sites]
         self.extra, self.reduce, self.world = tuple(extra), reduce, world
         self.slots = sum((1 + len(self.extra)) * n for n, _ in self.sites)
+        self.timed = sum(n for n, _ in self.sites)
         self.rows = world * world * (1 + self.slots) * 8 <= ROWS_BYTES
 
     def combine(self, matrix: np.ndarray) -> np.ndarray:
-        """``[world, 1 + slots]`` -> any rank's flag, the agreed values, every rank's row where :attr:`rows`."""
-        data, out, offset = matrix[:, 1:], [np.asarray([float(matrix[:, 0].any())])], 0
+        """``[world, 1 + slots]`` -> any rank's flag, the agreed values, the spread of the times, every rank's row
+        where :attr:`rows`."""
+        data, out, spreads, offset = matrix[:, 1:], [np.asarray([float(matrix[:, 0].any())])], [], 0
         for n, split in self.sites:
             out.append(agree(data[:, offset : offset + n], self.reduce, split=split))
+            spreads.append(spread_of(data[:, offset : offset + n]))
             for position in range(1, 1 + len(self.extra)):
                 out.append(agree_measure(data[:, offset + position * n : offset + (position + 1) * n], self.reduce))
             offset += (1 + len(self.extra)) * n
+        out.append(np.hstack(spreads).ravel() if spreads else np.empty(0))
         if self.rows:
             out.append(data.ravel())
         return np.concatenate(out)
 
-    def split(self, combined: np.ndarray, local: Sequence[float], rank: int) -> list[tuple]:
-        """``(per-rank, agreed, {name: (per-rank readings, agreed)})`` per site, from :meth:`combine`'s vector."""
-        agreed = combined[1 : 1 + self.slots]
-        if self.rows:
-            rows = combined[1 + self.slots :].reshape(self.world, self.slots)
-        else:
-            rows = np.full((self.world, self.slots), NAN)
-            rows[rank] = local
-        out, offset = [], 0
+    def split(self, combined: np.ndarray, local: Sequence[float], rank: int) -> list[SiteTimes]:
+        """One :class:`SiteTimes` per site, from :meth:`combine`'s vector and this rank's own ``local`` vector."""
+        agreed, local = combined[1 : 1 + self.slots], np.asarray(local, dtype=np.float64)
+        spreads = combined[1 + self.slots : 1 + self.slots + 4 * self.timed].reshape(4, self.timed)
+        rows = combined[1 + self.slots + 4 * self.timed :].reshape(self.world, self.slots) if self.rows else None
+        out, offset, column = [], 0, 0
         for n, _ in self.sites:
-            part = slice(offset, offset + n)
-            extra = {name: (rows[:, offset + k * n : offset + (k + 1) * n], agreed[offset + k * n : offset + (k + 1) * n])
+            parts = [slice(offset + k * n, offset + (k + 1) * n) for k in range(1 + len(self.extra))]
+            extra = {name: (None if rows is None else rows[:, parts[k]], local[parts[k]], agreed[parts[k]])
                      for k, name in enumerate(self.extra, start=1)}
-            out.append((rows[:, part], agreed[part], extra))
+            out.append(SiteTimes(agreed[parts[0]], local[parts[0]], spreads[:, column : column + n],
+                                 None if rows is None else rows[:, parts[0]], extra, rank, self.world))
             offset += (1 + len(self.extra)) * n
+            column += n
         return out
 
 
@@ -166,9 +221,11 @@ class SiteResult:
     """The outcome of one site: candidates, agreed times (ms, inf = failed), the winner.
 
     ``per_rank_ms[r][c]`` is what rank ``r`` measured for config ``c`` (its statistic over the
-    timed runs; ``inf``: failed or pruned there). For a *split* site each config is timed by one
-    rank only, ``c % world`` of its position in the running: the other ranks hold ``nan`` there
-    ("not timed here"), and ``agreed_ms[c]`` is the owner's time (``inf`` if it failed on any rank).
+    timed runs; ``inf``: failed or pruned there). Where the ranks are too many for each to receive every
+    rank's times (:data:`ROWS_BYTES`), only this rank's row is known, the others are ``nan``, and ``spread``
+    summarises them. For a *split* site each config is timed by one rank only, ``c % world`` of its position
+    in the running: the other ranks hold ``nan`` there ("not timed here"), and ``agreed_ms[c]`` is the
+    owner's time (``inf`` if it failed on any rank).
     """
 
     site: SiteId
@@ -183,6 +240,9 @@ class SiteResult:
     measurements: tuple = ()
     scores: tuple = ()
     front: tuple = ()
+    #: ``spread[k][c]``: config ``c``'s :data:`SPREAD` entry ``k`` over the ranks that timed it (min, median and max
+    #: ms, the slowest rank), known even where the ranks' rows are not (beyond :data:`ROWS_BYTES`)
+    spread: tuple = ()
 
     @property
     def config(self) -> Any:
@@ -254,6 +314,53 @@ def describe_option_mismatch(per_rank_options: list[dict]) -> Optional[str]:
         if len(set(values)) > 1:
             lines.append(f"{name}: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
     return "\n  ".join(lines) or None
+
+
+def consensus_verdict(everyone: list[dict]) -> dict:
+    """What :meth:`Agreement.consensus` concludes from every rank's findings (in rank order), as plain data: rank
+    0's ``run``; the ranks' ``errors`` (``[rank, message]``); a ``refusal`` (the ranks differ in their options, sites
+    or pinned table: the error's text); ``split_differs``, the sites whose ``split`` differs; and per site whether
+    to ``tune`` it (its kernels' cached config differs), rank 0's store ``answer`` and the ranks where that answer
+    ``failing`` in the discovery run. Computed once, by the last arriver where the communicator can
+    (:func:`~disttune.comm.combine_objects`): O(ranks x sites) there, and every rank receives O(sites)."""
+    verdict: dict[str, Any] = {"run": everyone[0].get("run"), "refusal": None, "split_differs": [], "sites": [],
+                               "errors": [[r, d["error"]] for r, d in enumerate(everyone) if d["error"]]}
+    if verdict["errors"]:
+        return verdict
+    differing = describe_option_mismatch([d["options"] for d in everyone])
+    mismatch = describe_mismatch([d["sites"] for d in everyone])
+    split_views = [d["split"] for d in everyone]
+    tables = [d["table"] for d in everyone]
+    if differing:
+        verdict["refusal"] = ("ranks set different tuning options (every rank must pass the same, and set the same "
+                              f"DISTTUNE_* variables):\n  {differing}")
+    elif mismatch:
+        verdict["refusal"] = f"ranks disagree on what to tune: {mismatch}"
+    elif any(view != split_views[0] for view in split_views):
+        verdict["split_differs"] = [i for i in range(len(split_views[0])) if len({view[i] for view in split_views}) > 1]
+    elif len(set(tables)) != 1:
+        verdict["refusal"] = (f"ranks loaded different pinned winner tables (digests by rank: {tables}); deploy the "
+                              "same file to all")
+    else:
+        for index in range(len(everyone[0]["sites"])):
+            answer = everyone[0]["lookups"][index]  # rank 0's entry decides for everyone
+            verdict["sites"].append({
+                "tune": len({d["presets"][index] for d in everyone}) != 1,
+                "answer": answer,
+                # the ranks that launched that answer in the discovery run and saw it fail
+                "failing": [f"rank {r}: {d['failures'][index][answer]}" for r, d in enumerate(everyone)
+                            if answer is not None and answer in d["failures"][index]],
+            })
+    return verdict
+
+
+def final_run_verdict(everyone: list[dict]) -> dict:
+    """What :meth:`Agreement.final_run_status` concludes from every rank's report: the ranks' ``errors`` (``[rank,
+    message]``) and each winner that ``failed`` (``[result index, config index, "rank r: message"]``, in rank
+    order). Computed once, like :func:`consensus_verdict`."""
+    return {"errors": [[r, d["error"]] for r, d in enumerate(everyone) if d["error"]],
+            "failed": [[i, config_index, f"rank {rank}: {message}"] for rank, report in enumerate(everyone)
+                       for i, config_index, message in report["failed"]]}
 
 
 def checked_times(site: Site, statistic: Statistic) -> list[float]:
@@ -371,35 +478,23 @@ class Agreement:
             "run": run,
         }
         step = "consensus (site digest)"
-        everyone = self._together(step, [error[1]] if error else [],
-                                  lambda: self.comm.all_gather_objects(mine, step), NOT_STARTED, error and error[0])
-        self.run = everyone[0].get("run")
-        failed = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
-        if failed:
-            _raise_rank_errors(self.name, NOT_STARTED, failed, error[0] if error else None)
-        differing = describe_option_mismatch([d["options"] for d in everyone])
-        if differing:
-            raise TuningError(f"disttune: {self.name}: ranks set different tuning options (every rank must pass "
-                              f"the same, and set the same DISTTUNE_* variables):\n  {differing}")
-        mismatch = describe_mismatch([d["sites"] for d in everyone])
-        if mismatch:
-            raise TuningError(f"disttune: {self.name}: ranks disagree on what to tune: {mismatch}")
-        split_views = [d["split"] for d in everyone]
-        if any(view != split_views[0] for view in split_views):
-            differ = [site.id.describe() for i, site in enumerate(sites) if len({view[i] for view in split_views}) > 1]
+        verdict = self._together(step, [error[1]] if error else [],
+                                 lambda: combine_objects(self.comm, mine, step, consensus_verdict), NOT_STARTED,
+                                 error and error[0])
+        self.run = verdict["run"]
+        if verdict["errors"]:
+            _raise_rank_errors(self.name, NOT_STARTED, verdict["errors"], error[0] if error else None)
+        if verdict["refusal"]:
+            raise TuningError(f"disttune: {self.name}: {verdict['refusal']}")
+        if verdict["split_differs"]:
+            differ = [sites[i].id.describe() for i in verdict["split_differs"]]
             raise TuningError(f"disttune: {self.name}: ranks disagree on which sites are split (split= "
                               f"must choose the same sites on every rank): {'; '.join(differ)}")
-        if len({d["table"] for d in everyone}) != 1:
-            raise TuningError(f"disttune: {self.name}: ranks loaded different pinned winner tables "
-                              f"(digests by rank: {[d['table'] for d in everyone]}); deploy the same file to all")
         missing, broken = [], []
-        for index, site in enumerate(sites):
-            if len({d["presets"][index] for d in everyone}) != 1:
+        for site, entry in zip(sites, verdict["sites"]):
+            if entry["tune"]:
                 site.preset = None  # cached on some ranks only, or differently: tune it everywhere
-            answer = everyone[0]["lookups"][index]  # rank 0's entry decides for everyone
-            # the ranks that launched that answer in the discovery run and saw it fail
-            failing = [f"rank {r}: {d['failures'][index][answer]}" for r, d in enumerate(everyone)
-                       if answer is not None and answer in d["failures"][index]]
+            answer, failing = entry["answer"], entry["failing"]
             if table is not None:
                 site.preset = None
                 if answer is None:
@@ -472,12 +567,12 @@ class Agreement:
 
     def gather_agreed(self, tuned: Sequence[Site], step: str) -> list[tuple]:
         """One all-gather of every site's per-config statistic; (per-rank matrix, agreed vector) per site."""
-        return [(per_rank, agreed) for per_rank, agreed, _ in self.gather_measured(tuned, step)]
+        return [(times.per_rank(), times.agreed) for times in self.gather_measured(tuned, step)]
 
-    def gather_measured(self, tuned: Sequence[Site], step: str) -> list[tuple]:
+    def gather_measured(self, tuned: Sequence[Site], step: str) -> list[SiteTimes]:
         """One collective of every site's per-config statistic and, with a measured objective, of each
-        measurement in :attr:`extra`, combined once over the ranks (:class:`TimingVector`); (per-rank matrix,
-        agreed vector, ``{name: (per-rank, agreed)}``) per site.
+        measurement in :attr:`extra`, combined once over the ranks (:class:`TimingVector`); one
+        :class:`SiteTimes` per site.
 
         A statistic that raises or gives no number on any rank is the same TuningError on all: posted
         (:meth:`leave_with`) through the rendezvous store; elsewhere a status flag leads the vector, and a
@@ -510,13 +605,19 @@ class Agreement:
         """The agreement proper: each tuned site's agreed times and winner (None where every config failed or
         was pruned on some rank: :meth:`results` then raises). Computed from gathered data only."""
         verdicts = []
-        for site, (per_rank, agreed, extra) in zip(tuned, self.gather_measured(tuned, "agreement")):
-            per_rank, agreed = site.with_screening(per_rank, agreed)  # screened-out configs: screening times
+        for site, times in zip(tuned, self.gather_measured(tuned, "agreement")):
+            per_rank, agreed, own, spread = times.rows, times.agreed, times.own, times.spread
+            if site.screen is not None:  # screened-out configs: screening times
+                matrix, agreed = site.with_screening(times.per_rank(), agreed)
+                own = matrix[self.comm.rank]
+                if per_rank is not None:
+                    per_rank, spread = matrix, spread_of(matrix)
             winner = winner_index([agreed[c] if c in site.active else INF for c in range(len(agreed))])
             rows: tuple = ()
             choice = None
             if self.extra:
-                rows = tuple(Measurements(float(agreed[c]), **{name: known_value(extra[name][1][c]) for name in self.extra})
+                rows = tuple(Measurements(float(agreed[c]), **{name: known_value(times.extra[name][2][c])
+                                                               for name in self.extra})
                              for c in range(len(agreed)))
                 try:
                     choice = choose(self.objective, rows, site.active)
@@ -526,7 +627,8 @@ class Agreement:
                                       f"{site.id.describe()}: {err}") from err
                 winner = choice.winner
             verdicts.append(Verdict(site, per_rank, agreed, winner, rows, choice,
-                                    {name: readings for name, (readings, _) in extra.items()}))
+                                    {name: (readings, mine) for name, (readings, mine, _) in times.extra.items()},
+                                    own, spread, self.comm.rank, self.comm.world_size))
         return verdicts
 
     def results(self, verdicts: Sequence["Verdict"]) -> list[SiteResult]:
@@ -562,15 +664,14 @@ class Agreement:
         ["rank r: message", ...]`` for each winner that failed on some rank (empty: all ran).
         """
         failed = [(i, *failures[r.site]) for i, r in enumerate(results) if r.site in failures]
-        everyone = self._together(step, [error[1]] if error else [], lambda: self.comm.all_gather_objects(
-            {"error": error[1] if error else None, "failed": failed}, step), FINAL_RUN_FAILED, error and error[0])
-        errors = [(r, d["error"]) for r, d in enumerate(everyone) if d["error"]]
-        if errors:
-            _raise_rank_errors(self.name, FINAL_RUN_FAILED, errors, error[0] if error else None)
+        status = self._together(step, [error[1]] if error else [], lambda: combine_objects(
+            self.comm, {"error": error[1] if error else None, "failed": failed}, step, final_run_verdict),
+            FINAL_RUN_FAILED, error and error[0])
+        if status["errors"]:
+            _raise_rank_errors(self.name, FINAL_RUN_FAILED, status["errors"], error[0] if error else None)
         gathered: dict[tuple, list[str]] = {}
-        for rank, report in enumerate(everyone):
-            for i, config_index, msg in report["failed"]:
-                gathered.setdefault((i, config_index), []).append(f"rank {rank}: {msg}")
+        for i, config_index, message in status["failed"]:
+            gathered.setdefault((i, config_index), []).append(message)
         return gathered
 
     def drop_failed_winners(self, results: list[SiteResult], failed: dict[tuple, list[str]],
@@ -624,22 +725,35 @@ def settled_results(sites: Sequence[Site]) -> list[SiteResult]:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One tuned site's agreement: the per-rank and agreed times, the winner (None: every config failed or was
-    pruned on some rank), and with a measured objective the agreed measurements, the objective's choice and
-    each measurement's per-rank readings."""
+    """One tuned site's agreement: the agreed times, the winner (None: every config failed or was pruned on some
+    rank), with a measured objective the agreed measurements and the objective's choice; this rank's ``own`` times,
+    their ``spread`` over the ranks (``[4, configs]``, :data:`SPREAD`) and every rank's times ``per_rank``
+    (``[world, configs]``) where they were sent (:attr:`TimingVector.rows`; else None); ``readings``: per
+    measurement ``(per-rank readings or None, this rank's)``."""
 
     site: Site
-    per_rank: np.ndarray
+    per_rank: Optional[np.ndarray]
     agreed: np.ndarray
     winner: Optional[int]
     measurements: tuple = ()
     choice: Optional[Choice] = None
     readings: dict = field(default_factory=dict)
+    own: np.ndarray = field(default_factory=lambda: np.empty(0))
+    spread: np.ndarray = field(default_factory=lambda: np.empty((len(SPREAD), 0)))
+    rank: int = 0
+    world: int = 1
 
     def result(self) -> SiteResult:
+        """The :class:`SiteResult`: every rank's row where they were sent, else this rank's own row and ``nan`` rows
+        (one shared tuple: O(world) references, no floats made)."""
         site, choice = self.site, self.choice
-        per_rank = np.asarray(self.per_rank, dtype=np.float64).tolist()  # Python floats in one C pass: [N, configs]
-        return SiteResult(site.id, tuple(site.configs), tuple(map(tuple, per_rank)),
+        if self.per_rank is not None:
+            per_rank = tuple(map(tuple, np.asarray(self.per_rank, dtype=np.float64).tolist()))  # one C pass
+        else:
+            unknown = (NAN,) * len(site.configs)
+            per_rank = (unknown,) * self.rank + (tuple(self.own.tolist()),) + (unknown,) * (self.world - self.rank - 1)
+        return SiteResult(site.id, tuple(site.configs), per_rank,
                           tuple(np.asarray(self.agreed, dtype=np.float64).tolist()), self.winner, "tuned", site.split,
                           self.measurements,
-                          choice.scores if choice else (), choice.front if choice else ())
+                          choice.scores if choice else (), choice.front if choice else (),
+                          tuple(map(tuple, np.asarray(self.spread, dtype=np.float64).tolist())))

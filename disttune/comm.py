@@ -3,7 +3,8 @@
 The tuner talks to its peers through three operations: an all-gather of a fixed-length float
 vector (timings), an all-gather of small plain-data objects (digests, error messages,
 :mod:`disttune.wire`) and a barrier; where a communicator can, it also combines every rank's
-vector once for all (:func:`combine_floats`). Three implementations share that protocol:
+vector, or every rank's object, once for all (:func:`combine_floats`, :func:`combine_objects`), so
+that each rank receives only the result. Three implementations share that protocol:
 
 * :class:`TorchComm`, for a ``torch.distributed`` job (NCCL, gloo, ...): every collective travels
   through the job's rendezvous store (the c10d store every rank is connected to), never through a
@@ -48,7 +49,7 @@ from .wire import MalformedMessage
 
 __all__ = ["CollectiveTimeout", "PeerFailed", "ControlPlaneLost", "MalformedMessage", "Communicator", "ControlPlane",
            "LocalComm", "TorchComm", "MpiComm", "make_communicator", "is_comm", "wait_until", "start_gather_floats",
-           "combine_floats", "global_rank"]
+           "combine_floats", "combine_objects", "global_rank"]
 
 
 @runtime_checkable
@@ -95,6 +96,15 @@ class Combines(Protocol):
 
     def combine_floats(self, values: Sequence[float], step: str,
                        combine: Callable[[np.ndarray], Sequence[float]]) -> np.ndarray: ...
+
+
+@runtime_checkable
+class CombinesObjects(Protocol):
+    """A communicator that can combine every rank's object once, for all (:func:`combine_objects` uses it where it
+    is there): ``combine_objects(obj, step, combine)`` returns ``combine([every rank's obj])``, the same plain data
+    on every rank."""
+
+    def combine_objects(self, obj: Any, step: str, combine: Callable[[list[Any]], Any]) -> Any: ...
 
 
 @runtime_checkable
@@ -283,6 +293,16 @@ def combine_floats(comm: Communicator, values: Sequence[float], step: str,
     if isinstance(comm, Combines):
         return comm.combine_floats(values, step, combine)
     return np.asarray(combine(comm.all_gather_floats(values, step)), dtype=np.float64).ravel()
+
+
+def combine_objects(comm: Communicator, obj: Any, step: str, combine: Callable[[list[Any]], Any]) -> Any:
+    """``combine`` of every rank's ``obj`` (a list in rank order), the same plain data on every rank: computed once
+    where ``comm`` can (:class:`CombinesObjects`: the rendezvous store's last arriver, and each rank receives only the
+    result), else by every rank from an all-gather (``combine`` must then be deterministic). Either way the result
+    travels as plain data (:mod:`disttune.wire`), so every rank holds the same types."""
+    if isinstance(comm, CombinesObjects):
+        return comm.combine_objects(obj, step, combine)
+    return wire.unpack(wire.pack(combine(comm.all_gather_objects(obj, step))), comm.rank, step)
 
 
 def global_rank(comm: Communicator) -> int:

@@ -13,7 +13,10 @@ pid, the same on every rank, :func:`disttune.env.run_id`), so ``disttune report`
 its argument names (``M=48 N=32 K=64 dtype=float16``).
 Times in ms are numbers, or ``null`` where there is none: a config that failed
 (or was pruned) on a rank, or one this rank did not time (a split site); a
-``config`` record's ``failed_ranks`` tells the two apart.
+``config`` record's ``failed_ranks`` tells the two apart. A ``config`` record holds every
+rank's times (``per_rank_ms``) where this rank received them and logs them (every rank up to
+64 ranks, rank 0 beyond), else this rank's own (``rank_ms``); always their ``spread`` over the
+ranks (``min_ms``, ``median_ms``, ``max_ms``, ``slowest_rank``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import socket
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from . import env, files
 
@@ -95,26 +98,48 @@ class RankLog:
 
     def config_result(
         self, site: str, key: tuple, occurrence: int, config_index: int, config: str,
-        per_rank_ms: list[float], agreed_ms: float, failure: Optional[str], measures: Optional[dict] = None,
+        per_rank_ms: Optional[list[float]], agreed_ms: float, failure: Optional[str], measures: Optional[dict] = None,
+        own_ms: float = math.nan, spread: Optional[Sequence[float]] = None,
     ) -> None:
-        """One config's per-rank and agreed times; ``measures`` (a measured objective): ``{"agreed": {name:
-        value}, "per_rank": {name: [value per rank]}, "score": float, "front": bool}``, None where not read."""
-        shown = ", ".join(f"r{r}={t:.4f}" for r, t in enumerate(per_rank_ms))
-        extra = {}
+        """One config's agreed time and either every rank's (``per_rank_ms``) or, where that is None, this rank's
+        own (``own_ms``); ``spread``: its min, median and max ms over the ranks and the slowest rank
+        (:data:`disttune.agreement.SPREAD`). ``measures`` (a measured objective): ``{"agreed": {name: value},
+        "per_rank": {name: [value per rank]} or None, "own": {name: value}, "score": float, "front": bool}``, None
+        where not read. Costs O(len(per_rank_ms)) to format, O(1) without it."""
+        extra: dict[str, Any] = {}
         text = ""
         if measures is not None:
-            extra = {"measures": measures["agreed"], "per_rank_measures": measures["per_rank"],
-                     "score": _json_ms(measures["score"]), "on_front": bool(measures["front"])}
+            extra = {"measures": measures["agreed"], "score": _json_ms(measures["score"]),
+                     "on_front": bool(measures["front"])}
+            if measures.get("per_rank") is not None:
+                extra["per_rank_measures"] = measures["per_rank"]
+            else:
+                extra["rank_measures"] = measures.get("own", {})
             text = " " + " ".join(f"{name}={value}" for name, value in measures["agreed"].items()) + \
                 f" score={measures['score']:.4f}" + (" on the Pareto front" if measures["front"] else "")
+        if spread is not None:
+            low, middle, high, slowest = spread
+            extra["spread"] = {"min_ms": _json_ms(low), "median_ms": _json_ms(middle), "max_ms": _json_ms(high),
+                               "slowest_rank": None if math.isnan(slowest) else int(slowest)}
+        if per_rank_ms is not None:
+            shown = "per-rank ms [" + ", ".join(f"r{r}={t:.4f}" for r, t in enumerate(per_rank_ms)) + "]"
+            times: dict[str, Any] = {"per_rank_ms": [_json_ms(t) for t in per_rank_ms],
+                                     "failed_ranks": [r for r, t in enumerate(per_rank_ms) if math.isinf(t)]}
+        else:  # this rank's own time; of the others' only the spread, and the slowest rank if it failed
+            shown = f"this rank's ms={own_ms:.4f}"
+            if spread is not None:
+                shown += (f" ranks' min/median/max ms={spread[0]:.4f}/{spread[1]:.4f}/{spread[2]:.4f}"
+                          + ("" if math.isnan(spread[3]) else f" slowest rank={int(spread[3])}"))
+            failed = {self.rank} if math.isinf(own_ms) else set()
+            if spread is not None and math.isinf(spread[2]) and not math.isnan(spread[3]):
+                failed.add(int(spread[3]))
+            times = {"rank_ms": _json_ms(own_ms), "failed_ranks": sorted(failed)}
         self._add(
             "config",
-            f"{site} key={key!r} occurrence={occurrence} config[{config_index}]={{{config}}} per-rank ms [{shown}] "
+            f"{site} key={key!r} occurrence={occurrence} config[{config_index}]={{{config}}} {shown} "
             f"agreed={agreed_ms:.4f}" + text + (f" failed here: {failure}" if failure else ""),
             kernel=site, key=repr(key), occurrence=occurrence, config_index=config_index, config=config,
-            per_rank_ms=[_json_ms(t) for t in per_rank_ms],
-            failed_ranks=[r for r, t in enumerate(per_rank_ms) if math.isinf(t)],
-            agreed_ms=_json_ms(agreed_ms), failure=failure, **extra,
+            **times, agreed_ms=_json_ms(agreed_ms), failure=failure, **extra,
         )
 
     def winner(

@@ -184,10 +184,17 @@ def winner_noise(site: Site, result: SiteResult) -> Optional[float]:
 
 # -- the rank log's records of a verdict ------------------------------------------------------------------------
 
+#: Up to this many ranks every rank's log holds every rank's time of each config (where it received them); beyond,
+#: only rank 0's does, and the others hold their own and the spread over the ranks: O(configs) per rank.
+LOGGED_ROWS_MAX_RANKS = 64
+
+
 def log_verdicts(log: RankLog, verdicts: Sequence[Verdict], extra: Sequence[str]) -> None:
-    """Each tuned site's samples, every config's per-rank and agreed time (and measurements), and its winner."""
+    """Each tuned site's samples, every config's agreed time, per-rank times or this rank's own with their spread
+    (:data:`LOGGED_ROWS_MAX_RANKS`), measurements, and its winner."""
     for verdict in verdicts:
         site, choice = verdict.site, verdict.choice
+        every_rank = verdict.per_rank is not None and (verdict.world <= LOGGED_ROWS_MAX_RANKS or verdict.rank == 0)
         for index, samples in enumerate(site.samples):
             for iteration, (ms, at) in enumerate(zip(samples, site.sample_times[index])):
                 log.measure(site.id.kernel, site.id.key, index, config_text(site.configs[index]), iteration, ms, at)
@@ -196,10 +203,12 @@ def log_verdicts(log: RankLog, verdicts: Sequence[Verdict], extra: Sequence[str]
             if choice is not None:
                 measures = {"agreed": {name: getattr(verdict.measurements[c], name) for name in extra},
                             "per_rank": {name: [known_value(v) for v in readings[:, c]]
-                                         for name, readings in verdict.readings.items()},
+                                         for name, (readings, _) in verdict.readings.items()} if every_rank else None,
+                            "own": {name: known_value(own[c]) for name, (_, own) in verdict.readings.items()},
                             "score": choice.scores[c], "front": c in choice.front}
             log.config_result(site.id.kernel, site.id.key, site.id.occurrence, c, config_text(config),
-                              list(verdict.per_rank[:, c]), float(verdict.agreed[c]), site.failures.get(c), measures)
+                              verdict.per_rank[:, c].tolist() if every_rank else None, float(verdict.agreed[c]),
+                              site.failures.get(c), measures, float(verdict.own[c]), verdict.spread[:, c].tolist())
         if verdict.winner is not None:
             log.winner(site.id.kernel, site.id.key, site.id.occurrence, verdict.winner,
                        config_text(site.configs[verdict.winner]), float(verdict.agreed[verdict.winner]), "tuned")

@@ -547,6 +547,20 @@ class StorePlane(StorePosts):
                 decoded[sender] = wire.unpack(payload, sender, step)
         return [decoded[sender] for sender, _ in shared]
 
+    def combine_objects(self, obj: Any, step: str, combine: Callable[[list[Any]], Any]) -> Any:
+        """``combine`` of every rank's ``obj`` (plain data, in rank order), computed once, by the last rank to arrive:
+        every rank gets the same plain data back, and the store sends each rank only that. The last arriver decodes
+        each distinct message once (ranks that sent the same share one object: read, don't modify); a message that
+        does not decode, or a ``combine`` that raises, is the same error on every rank."""
+        def combined(payloads: list[bytes]) -> bytes:
+            decoded: dict[bytes, Any] = {}
+            for sender, payload in enumerate(payloads):
+                if payload not in decoded:
+                    decoded[payload] = wire.unpack(payload, sender, step)
+            return wire.pack(combine([decoded[payload] for payload in payloads]))
+
+        return wire.unpack(self._start(wire.pack(obj), step, combined)(), -1, step)
+
     def barrier(self, step: str) -> None:
         self._start(b"", step, None)()
 

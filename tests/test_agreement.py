@@ -187,15 +187,27 @@ def test_the_timing_vector_combines_every_ranks_times_once():
         matrix = rng.uniform(1, 2, size=(world, 6))
         matrix[:, 0] = 0.0
         matrix[1, 2] = np.inf  # config 1 of the first site failed on rank 1
-        matrix[:, 4 + (np.arange(world) % 2)] = np.nan  # the split site: each rank timed one of its configs
+        matrix[np.arange(world), 4 + (np.arange(world) % 2)] = np.nan  # the split site: each rank timed one config
         vector = TimingVector(sites, (), "max", world)
         assert vector.rows == rows
-        (first, agreed_first, _), (second, agreed_second, _) = vector.split(vector.combine(matrix), matrix[3, 1:], 3)
-        np.testing.assert_array_equal(agreed_first, agree(matrix[:, 1:4], "max"))
-        np.testing.assert_array_equal(agreed_second, agree(matrix[:, 4:6], "max", split=True))
-        assert agreed_first[1] == np.inf
-        np.testing.assert_array_equal(first[3], matrix[3, 1:4])  # this rank's own times, always
+        first, second = vector.split(vector.combine(matrix), matrix[3, 1:], 3)
+        np.testing.assert_array_equal(first.agreed, agree(matrix[:, 1:4], "max"))
+        np.testing.assert_array_equal(second.agreed, agree(matrix[:, 4:6], "max", split=True))
+        assert first.agreed[1] == np.inf
+        np.testing.assert_array_equal(first.own, matrix[3, 1:4])  # this rank's own times, always
+        np.testing.assert_array_equal(first.per_rank()[3], matrix[3, 1:4])
+        # the spread over the ranks, always: min, median, max and the slowest rank (a failure is the slowest)
+        times = matrix[:, 1:4]
+        np.testing.assert_array_equal(first.spread[:3, [0, 2]], [times[:, [0, 2]].min(axis=0),
+                                                                 np.median(times[:, [0, 2]], axis=0),
+                                                                 times[:, [0, 2]].max(axis=0)])
+        np.testing.assert_array_equal(first.spread[3], [times[:, 0].argmax(), 1, times[:, 2].argmax()])
+        assert first.spread[2, 1] == np.inf
+        split_times = matrix[:, 4:6]  # only the ranks that timed a split config count
+        np.testing.assert_array_equal(second.spread[2], np.nanmax(split_times, axis=0))
+        np.testing.assert_array_equal(second.spread[3], np.nanargmax(split_times, axis=0))
         if rows:
-            np.testing.assert_array_equal(np.hstack([first, second]), matrix[:, 1:])
-        else:  # the others' rows are not sent: this rank does not know them
-            assert np.isnan(np.delete(first, 3, axis=0)).all() and np.isnan(np.delete(second, 3, axis=0)).all()
+            np.testing.assert_array_equal(np.hstack([first.rows, second.rows]), matrix[:, 1:])
+        else:  # the others' rows are not sent: this rank holds its own, and no [world, configs] matrix
+            assert first.rows is None and second.rows is None
+            assert np.isnan(np.delete(first.per_rank(), 3, axis=0)).all()

@@ -331,6 +331,49 @@ def test_json_logs_write_null_for_missing_times_and_name_the_failed_ranks(tmp_pa
     assert first[0] == 1.0 and math.isnan(first[1]) and second == [1.5, 1.0, math.inf]
 
 
+def test_beyond_64_ranks_only_rank_0_logs_every_ranks_times_and_the_report_merges_the_others_own(tmp_path):
+    import numpy as np
+
+    from disttune.agreement import TimingVector, Verdict
+    from disttune.pipeline import log_verdicts
+    from disttune.sites import Site, SiteId
+
+    world = 100
+    times = np.tile([[4.0, 2.0, 1.0]], (world, 1)) + np.arange(world)[:, None] * 0.01  # the last rank is slowest
+    times[7, 2] = math.inf  # config 2 failed on rank 7
+    vector = TimingVector([Site(SiteId(KERNEL, KEY, 0), None, CONFIGS)], (), "max", world)
+    combined = vector.combine(np.hstack([np.zeros((world, 1)), times]))
+    own_5 = times[5] + 0.5  # what rank 5's own file says wins over rank 0's copy in the report
+    for rank, own in ((0, times[0]), (5, own_5)):
+        (site_times,) = vector.split(combined, own, rank)
+        site = Site(SiteId(KERNEL, KEY, 0), None, CONFIGS)
+        log = RankLog(tmp_path, rank, "step")
+        log_verdicts(log, [Verdict(site, site_times.rows, site_times.agreed, 1, own=site_times.own,
+                                   spread=site_times.spread, rank=rank, world=world)], ())
+        log.tuning("step", 1.5, 11, 1, world, "max", "median")
+        log.flush()
+
+    def configs(rank):
+        return [r for r in read_rank_records(tmp_path / f"rank-{rank}.log") if r["event"] == "config"]
+
+    assert [len(r["per_rank_ms"]) for r in configs(0)] == [world] * 3
+    mine = configs(5)
+    assert all("per_rank_ms" not in r for r in mine), "a rank beyond 0 logs its own time, not every rank's"
+    assert [r["rank_ms"] for r in mine] == [4.55, 2.55, 1.55]
+    assert [r["spread"]["slowest_rank"] for r in mine] == [world - 1, world - 1, 7]
+    assert [r["spread"]["max_ms"] for r in mine] == [4.99, 2.99, None]  # JSON has no inf
+    assert [r["spread"]["min_ms"] for r in mine] == [4.0, 2.0, 1.0]
+    assert [r["failed_ranks"] for r in mine] == [[], [], [7]]  # the failure the spread names
+    assert "ranks' min/median/max ms=4.0000/4.4950/4.9900 slowest rank=99" in (tmp_path / "rank-5.log").read_text()
+
+    report = build_report(tmp_path, tmp_path / "out")
+    assert report.problems == [f"rank-{r}.log is missing from {tmp_path} (the logs show a world size of {world})"
+                               for r in range(world) if r not in (0, 5)]
+    (site,) = report.sites
+    times[5] = own_5
+    np.testing.assert_array_equal([row.per_rank_ms for row in site.configs], times.T)
+
+
 def test_each_measure_record_carries_the_time_of_its_sample(tmp_path):
     import time
 

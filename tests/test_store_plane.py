@@ -77,6 +77,59 @@ def test_every_rank_gets_every_value(cluster):
         np.testing.assert_array_equal(combined, [sum(range(WORLD)), WORLD])
 
 
+def test_the_last_arriver_combines_the_objects_once_and_every_rank_receives_its_result(cluster):
+    combined_on: list[int] = []
+
+    def job(r: int, plane: StorePlane):
+        def verdict(everyone: list) -> dict:
+            combined_on.append(r)
+            return {"odd": [q for q, obj in enumerate(everyone) if obj["odd"]], "first": everyone[0]}
+
+        result = plane.combine_objects({"odd": r % 2 == 1, "key": (64, "f16")}, "verdict", verdict)
+        last = plane.combine_objects(r, "the last rank's", lambda everyone: everyone[-1])
+        return result, last
+
+    results = on_every_rank(cluster, job, "combined")
+    assert len(combined_on) == 1, "the combine runs on one rank only"
+    for result, last in results:
+        assert result == {"odd": list(range(1, WORLD, 2)), "first": {"odd": False, "key": (64, "f16")}}
+        assert last == WORLD - 1
+
+    def raising(r: int, plane: StorePlane):
+        return plane.combine_objects(r, "raising verdict", lambda everyone: everyone[WORLD])
+
+    errors = on_every_rank(cluster, raising, "combined raising")
+    assert all(isinstance(err, RuntimeError) for err in errors), errors
+    assert len({str(err) for err in errors}) == 1, "every rank raises the same error"
+    assert "step 'raising verdict': combining every rank's values failed" in str(errors[0])
+
+
+def test_the_consensus_through_the_store_names_the_rank_that_differs_on_every_rank(cluster):
+    from disttune.agreement import Agreement
+    from disttune.ending import Ending
+    from disttune.errors import TuningError
+    from disttune.sites import Site, SiteId
+
+    odd_one = 37
+
+    def job(r: int, plane: StorePlane):
+        configs = ["config 0", "config 1"] + (["config 2"] if r == odd_one else [])
+        sites = [Site(SiteId("gemm", (4096, "bf16"), 0), None, configs)]
+        agreement = Agreement(plane, "step")
+        agreement.channel = "step#0"  # one process per rank numbers its calls; here the ranks share a process
+        agreement.ending = Ending(plane, "step", agreement.channel)
+        with agreement.ending:
+            agreement.consensus(sites, None, {"reduce": "'max'"}, [False])
+        return "agreed"
+
+    errors = on_every_rank(cluster, job, "consensus")
+    assert all(isinstance(err, TuningError) for err in errors), errors
+    assert len({str(err) for err in errors}) == 1, "every rank raises the same error"
+    text = str(errors[0])
+    assert f"ranks [{odd_one}]: kernel gemm" in text and "with 3 config(s)" in text
+    assert f"ranks {[r for r in range(WORLD) if r != odd_one]}: kernel gemm" in text
+
+
 def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster):
     absent = 17
 

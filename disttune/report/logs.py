@@ -28,8 +28,7 @@ _READABLE_LINE = re.compile(r"^\d{4}-\d{2}-\d{2}T\S+ rank=-?\d+ ")
 _MAX_LINE_PROBLEMS = 20  # per file; the rest are counted
 _REQUIRED = {
     "measure": {"kernel": str, "key": str, "config_index": int, "ms": (int, float, type(None))},
-    "config": {"kernel": str, "key": str, "occurrence": int, "config_index": int, "config": str,
-               "per_rank_ms": list},
+    "config": {"kernel": str, "key": str, "occurrence": int, "config_index": int, "config": str},
     "winner": {"kernel": str, "key": str, "occurrence": int, "config_index": int, "config": str, "source": str},
     "tuning": {"function": str, "wall_s": (int, float), "function_runs": int, "world_size": int},
     "diagnostics": {"kernel": str, "key": str, "occurrence": int, "scope": str},
@@ -119,6 +118,13 @@ def validate_record(record: Any) -> Optional[str]:
         value = record[name]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
             return f"{event} record with a bad {name!r}: {clip(repr(value), 40)}"
+    if event == "config":  # every rank's times, or (a job of many ranks) the logging rank's own
+        if "per_rank_ms" in record and not isinstance(record["per_rank_ms"], list):
+            return f"config record with a bad 'per_rank_ms': {clip(repr(record['per_rank_ms']), 40)}"
+        if "per_rank_ms" not in record and "rank_ms" not in record:
+            return "config record without 'per_rank_ms'"
+        if "rank_ms" in record and not isinstance(record["rank_ms"], (int, float, type(None))):
+            return f"config record with a bad 'rank_ms': {clip(repr(record['rank_ms']), 40)}"
     return None
 
 

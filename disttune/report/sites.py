@@ -6,7 +6,8 @@
 A site is (function, kernel, key, occurrence). In each rank's file, a tuning of a site is the ``config``
 records that precede one of its ``winner`` records with source ``tuned``; the n-th last tuning of a rank
 is matched with the n-th last of the others. Rank ``r``'s column comes from rank ``r``'s own file when it
-has the record, else from the all-gathered ``per_rank_ms`` that another rank logged. Column ``r`` is
+has the record (every rank's ``per_rank_ms``, or its own ``rank_ms`` in a job of many ranks), else from the
+``per_rank_ms`` that another rank logged. Column ``r`` is
 taken to be global rank ``r``: logs of a tuner that agreed over a subgroup (``group=``) index
 ``per_rank_ms`` by group rank.
 
@@ -270,7 +271,7 @@ def world_size_of(logs: Sequence[RankLogData]) -> int:
             if record["event"] == "tuning":
                 world = max(world, record["world_size"])
             elif record["event"] == "config":
-                world = max(world, len(record["per_rank_ms"]))
+                world = max(world, len(record.get("per_rank_ms") or ()))
     return world
 
 
@@ -285,9 +286,16 @@ def _ms(value: Any, failed: bool = True) -> float:
 
 
 def _rank_ms(record: dict, rank: int) -> float:
-    """Rank ``rank``'s time in a config record (the caller checks the column exists)."""
+    """Rank ``rank``'s time in a config record (the caller checks the column exists: :func:`_holds`)."""
     failed = record.get("failed_ranks")
-    return _ms(record["per_rank_ms"][rank], failed=True if not isinstance(failed, list) else rank in failed)
+    value = record["per_rank_ms"][rank] if "per_rank_ms" in record else record.get("rank_ms")
+    return _ms(value, failed=True if not isinstance(failed, list) else rank in failed)
+
+
+def _holds(record: dict, rank: int, own: bool) -> bool:
+    """Whether a config record has rank ``rank``'s time: every rank's (``per_rank_ms``), or the logging rank's own
+    (``rank_ms``, a record of many ranks) where ``own``."""
+    return len(record.get("per_rank_ms") or ()) > rank or (own and "rank_ms" in record)
 
 
 def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: int) -> SiteSummary:
@@ -295,7 +303,8 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
     function, kernel, site_key_text, occurrence = key
     # the site's own world (a log directory may hold runs of several world sizes); else the directory's
     width = max([s.tuning["world_size"] for s in per_rank.values() if s.tuning]
-                + [len(rec["per_rank_ms"]) for s in per_rank.values() for rec in s.configs.values()], default=0)
+                + [len(rec.get("per_rank_ms") or ()) for s in per_rank.values() for rec in s.configs.values()],
+                default=0)
     width = max(width or world, 1 + max((r for r, s in per_rank.items() if s.configs), default=-1))
     ranks = list(range(width))
     indices = sorted({i for s in per_rank.values() for i in s.configs})
@@ -305,8 +314,9 @@ def merge_site(number: int, key: SiteKey, per_rank: dict[int, RankSite], world: 
         times = []
         for rank in ranks:
             own = per_rank.get(rank)
-            sources = ([own.configs[index]] if own and index in own.configs else []) + [rec for _, rec in holders]
-            holder = next((rec for rec in sources if len(rec["per_rank_ms"]) > rank), None)
+            mine = [own.configs[index]] if own and index in own.configs else []
+            holder = next((rec for rec in mine if _holds(rec, rank, own=True)), None) or \
+                next((rec for _, rec in holders if _holds(rec, rank, own=False)), None)
             times.append(_rank_ms(holder, rank) if holder is not None else math.nan)
         first = holders[0][1]
         # null without a failed rank: no rank timed it (a config the model search did not propose)
