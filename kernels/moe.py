@@ -17,7 +17,7 @@ The pieces they are built from live in their own modules and are re-exported her
 * ``kernels.moe_gemm`` -- the grouped GEMM kernel, its configs, tuning key and launchers
   (:func:`moe_gemm`, :func:`make_moe_kernel`);
 * ``kernels.moe_ag`` -- AllGather-MoE (:func:`ag_moe`);
-* ``kernels.moe_rs`` -- MoE-ReduceScatter (:func:`moe_rs`);
+* ``kernels.moe_rs`` -- MoE-ReduceScatter (:func:`moe_rs`, per destination; :func:`moe_rs_stacked`, one launch);
 * ``kernels.moe_activation`` -- the SiLU gating between the two GEMMs (:func:`silu_and_mul`);
 * ``kernels.moe_common`` -- the input checks and buffers they share.
 

@@ -72,9 +72,8 @@ def moe_rs(h: torch.Tensor, routings: Sequence[MoeRouting], topk_weights: Option
             partial = topk_sum(y, T, k, h.dtype)
         else:
             partial.zero_()
-        dst = dist.get_global_rank(group, r) if group is not None else r
         if T:
-            works.append(dist.reduce(partial, dst=dst, group=group, async_op=True))
+            works.append(dist.reduce(partial, dst=_global_rank(group, r), group=group, async_op=True))
         if r == rank:
             mine = partial
         row_off += rows[r]
@@ -125,8 +124,6 @@ def _moe_rs_signature(h, routings, topk_weights, w) -> tuple[tuple, dict]:
                  "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
                  "tokens per rank": tokens, "top_k": top_k[:1]}
     return signature, described
-
-
 
 
 def moe_rs_stacked(h: torch.Tensor, routing: MoeRouting, topk_weights: Optional[torch.Tensor], w: torch.Tensor, *,
@@ -181,11 +178,15 @@ def _reduce_to_owners(summed: torch.Tensor, rank_tokens: Sequence[int], rank: in
     for r, tokens in enumerate(rank_tokens):
         rows = summed[start:start + tokens]
         if tokens:
-            dst = dist.get_global_rank(group, r) if group is not None else r
-            works.append(dist.reduce(rows, dst=dst, group=group, async_op=True))
+            works.append(dist.reduce(rows, dst=_global_rank(group, r), group=group, async_op=True))
         if r == rank:
             mine = rows
         start += tokens
     for work in works:
         work.wait()
     return mine
+
+
+def _global_rank(group, rank: int) -> int:
+    """The job-wide rank of ``group``'s rank ``rank`` (what ``dist.reduce``'s ``dst`` takes)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
