@@ -53,7 +53,7 @@ from .matmul import (
     prune_by_shared_memory,
 )
 from .moe_common import INTERPRETED, check_device, check_float_tensor, empty_buffer
-from .moe_routing import MoeRouting, check_routing
+from .moe_routing import MoeRouting, check_routing, token_starts
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 
 __all__ = [
@@ -142,13 +142,15 @@ def prune_moe_configs(configs, named_args: dict, **kwargs) -> list:
 
 
 def _moe_gemm_body(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_offs_ptr, flags_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_offs_ptr, flags_ptr, rank_starts_ptr,
     R, N, K, E, B_EXPERTS, TOP_K, ROWS_BUCKET, first_group, epoch,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
     E_POW2: tl.constexpr,       # E rounded up: E groups in expert_offs, group g multiplies W[g % B_EXPERTS]
-    WAIT: tl.constexpr,         # a tile of group g first spins until flags[g // B_EXPERTS] >= epoch
+    WAIT: tl.constexpr,         # True: a tile of group g first spins until flags[g // B_EXPERTS] >= epoch;
+                                # 2: until flags[r] >= epoch for every rank r whose tokens the tile reads
+    WORLD: tl.constexpr,        # WAIT == 2: ranks, rank r's tokens from rank_starts[r] (in token order)
     A_MODE: tl.constexpr,       # 0: A [T, K] gathered by sorted_ids // TOP_K; 1: A [R, K] by sorted_ids; 2: sorted
     C_FLAT: tl.constexpr,       # store row sorted_ids[row] (True) or row (False)
     MUL_WEIGHT: tl.constexpr,   # multiply row by weights[sorted_ids[row]]
@@ -217,13 +219,26 @@ def _moe_gemm_body(
             pid_n = (tile % num_pid_in_group) // group_size_m
             group = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
         expert = group % B_EXPERTS
-        if WAIT:  # the source rank's tokens arrive by copy-engine pushes, flagged with the call's epoch
-            while tl.atomic_add(flags_ptr + group // B_EXPERTS, 0, sem="acquire", scope="sys") < epoch:
-                pass
         sel = e_idx == group
         first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), axis=0)
         row_start = tl.sum(tl.where(sel, starts, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
         row_end = tl.sum(tl.where(sel, ends, 0), axis=0)
+        # the source ranks' tokens arrive by copy-engine pushes, flagged with the call's epoch
+        if WAIT == 2:  # a group's rows are in token order: the tile reads the tokens first..last
+            first = tl.load(sorted_ids_ptr + row_start) // TOP_K
+            last = tl.load(sorted_ids_ptr + tl.minimum(row_start + BLOCK_M, row_end) - 1) // TOP_K
+            for r in tl.static_range(WORLD):
+                lo = tl.load(rank_starts_ptr + r)
+                if r + 1 < WORLD:
+                    hi = tl.load(rank_starts_ptr + r + 1)
+                else:
+                    hi = R // TOP_K
+                if (first < hi) & (last >= lo) & (hi > lo):
+                    while tl.atomic_add(flags_ptr + r, 0, sem="acquire", scope="sys") < epoch:
+                        pass
+        elif WAIT:
+            while tl.atomic_add(flags_ptr + group // B_EXPERTS, 0, sem="acquire", scope="sys") < epoch:
+                pass
 
         offs_m = row_start + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
@@ -320,9 +335,10 @@ def prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait=
         weights = weights.contiguous()
     if out is None:
         out = empty_buffer((R, w.shape[2]), a.dtype, a.device)
+    rank_starts = token_starts(routing.rank_tokens, a.device) if meta["WAIT"] == 2 else routing.expert_offs
     args = (a, w, out, weights if weights is not None else a, routing.sorted_ids, routing.expert_offs,
-            routing.expert_offs if wait is None else wait[0], R, w.shape[2], w.shape[1], routing.groups,
-            w.shape[0], routing.top_k)
+            routing.expert_offs if wait is None else wait[0], rank_starts, R, w.shape[2], w.shape[1],
+            routing.groups, w.shape[0], routing.top_k)
     strides = (*a.stride(), *w.stride(), *out.stride())
     if (meta["A_TMA"] or meta["B_TMA"]) and a.device.type == "cuda":
         ensure_descriptor_allocator()
@@ -345,7 +361,8 @@ def _layout_key(a, w, routing, a_order, out, out_order, weights, wait, tile_orde
         return None
     return (a_order, out_order, tile_order, wait is None, _tensor_layout(a), _tensor_layout(w), _tensor_layout(out),
             None if weights is None else (weights.dtype, weights.shape, weights.device),
-            routing.sorted_ids.device, routing.num_experts, routing.num_tokens, routing.top_k, routing.rank_tokens)
+            routing.sorted_ids.device, routing.num_experts, routing.num_tokens, routing.top_k, routing.rank_tokens,
+            routing.by_rank)
 
 
 def _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, tile_order) -> dict:
@@ -404,7 +421,10 @@ def _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, 
     elem = a.element_size()
     a_tma = a_mode == 2 and _descriptor_ready(a, a_stride, 1, elem)
     b_tma = _weight_layout(w, w_stride, elem)
-    return dict(E_POW2=max(2, next_power_of_2(routing.groups)), WAIT=wait is not None, A_MODE=a_mode,
+    # waiting per group (rank-stacked: one source rank each) or per tile (expert groups: the ranks it reads)
+    waits = False if wait is None else True if routing.by_rank else 2
+    return dict(E_POW2=max(2, next_power_of_2(routing.groups)), WAIT=waits,
+                WORLD=len(routing.rank_tokens) if waits == 2 else 1, A_MODE=a_mode,
                 C_FLAT=out_order == "flat", MUL_WEIGHT=weights is not None, A_TMA=a_tma, B_TMA=b_tma,
                 NUM_SMS=num_sms(a.device), PERSISTENT=True, FLATTEN=True,
                 EXPERT_BANDS=tile_order == "expert_bands")

@@ -44,7 +44,8 @@ from .symm import capturing
 from .tp_common import row_starts
 
 __all__ = ["MAX_GROUPS", "group_sort", "group_sort_block", "MoeRouting", "moe_align", "moe_align_stacked",
-           "moe_align_block_size", "check_topk_ids", "check_routing", "check_token_routing"]
+           "moe_align_gathered", "moe_align_block_size", "token_starts", "check_topk_ids", "check_routing",
+           "check_token_routing"]
 
 #: Group counts above this fall back to torch's sort (the kernel keeps one histogram bin per group).
 MAX_GROUPS = 4095
@@ -111,7 +112,7 @@ def group_sort_block(rows: int) -> int:
 _starts_cache: dict = {}
 
 
-def _token_starts(rank_tokens: tuple, device) -> torch.Tensor:
+def token_starts(rank_tokens: tuple, device) -> torch.Tensor:
     """First token of each rank as an int32 device tensor, made once per layout and kept (never
     evicted: a captured CUDA graph keeps reading the one it captured)."""
     key = (rank_tokens, device)
@@ -149,7 +150,7 @@ def group_sort(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Optional[S
     programs = cdiv(R, block)
     bins = triton.next_power_of_2(groups + 1)
     scratch = torch.empty(programs * bins, dtype=torch.int32, device=device)
-    starts = _token_starts(tuple(rank_tokens), device) if rank_tokens else offs
+    starts = token_starts(tuple(rank_tokens), device) if rank_tokens else offs
     _group_sort_kernel[(programs,)](topk_ids, starts, sorted_ids, offs, scratch, R, topk_ids.stride(0),
                                     topk_ids.stride(1), num_experts, groups, TOP_K=k, WORLD=world, BINS=bins,
                                     BLOCK=block, SCAN=SCAN_ROWS, num_warps=8)
@@ -167,7 +168,9 @@ class MoeRouting:
     A plain routing has one group per expert. A *rank-stacked* one (:func:`moe_align_stacked`)
     sorts the tokens of ``len(rank_tokens)`` ranks, concatenated in rank order, by (source rank,
     expert): group ``r * num_experts + e``, so each rank's rows stay contiguous and in the order its
-    own plain routing gives; :meth:`per_rank` returns those routings as views.
+    own plain routing gives; :meth:`per_rank` returns those routings as views. A *gathered* one
+    (:func:`moe_align_gathered`, ``by_rank=False``) keeps one group per expert over every rank's tokens
+    (each expert's rows in token order, so in rank order) and only records ``rank_tokens``.
     """
 
     sorted_ids: torch.Tensor
@@ -175,7 +178,8 @@ class MoeRouting:
     num_tokens: int
     top_k: int
     num_experts: int
-    rank_tokens: tuple = ()  # tokens of each stacked rank (empty: a plain routing)
+    rank_tokens: tuple = ()  # tokens of each rank, concatenated in rank order (empty: one rank's routing)
+    by_rank: bool = True  # with rank_tokens: one group per (rank, expert) (else one per expert)
 
     @property
     def num_rows(self) -> int:
@@ -183,7 +187,7 @@ class MoeRouting:
 
     @property
     def groups(self) -> int:
-        return self.num_experts * max(1, len(self.rank_tokens))
+        return self.num_experts * (len(self.rank_tokens) if self.rank_tokens and self.by_rank else 1)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -207,6 +211,9 @@ class MoeRouting:
         """A rank-stacked routing as one plain routing per rank (two small torch ops per rank)."""
         if not self.rank_tokens:
             return (self,)
+        if not self.by_rank:
+            raise ValueError("MoeRouting.per_rank: a gathered routing groups rows by expert over every rank's tokens, "
+                             "so a rank's rows are not contiguous; build it with moe_align_stacked to split it by rank")
         E, k, parts, token_start = self.num_experts, self.top_k, [], 0
         for r, tokens in enumerate(self.rank_tokens):
             offs = self.expert_offs[r * E: (r + 1) * E + 1]
@@ -279,6 +286,20 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
     torch.add(topk_ids, bases.view(T, k), out=keys)
     sorted_ids, offs = _sort_by_group(keys.view(-1), groups)
     return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts), rank_tokens)
+
+
+def moe_align_gathered(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int]) -> MoeRouting:
+    """The routing of every rank's ids ``[sum(rank_tokens), top_k]`` (in rank order) with one group per
+    expert, recording ``rank_tokens``: fewer, fuller M-tiles than :func:`moe_align_stacked`'s group per
+    (rank, expert) when a rank sends an expert few rows, at the price of tiles that read several ranks'
+    tokens. Expert ids are not range-checked. Cost: as :func:`moe_align`."""
+    rank_tokens = tuple(int(t) for t in rank_tokens)
+    if sum(rank_tokens) != topk_ids.shape[0]:
+        raise ValueError(f"moe_align_gathered: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
+                         f"{sum(rank_tokens)}")
+    plain = moe_align(topk_ids, num_experts, check_range=False)
+    return MoeRouting(plain.sorted_ids, plain.expert_offs, plain.num_tokens, plain.top_k, plain.num_experts,
+                      rank_tokens, by_rank=False)
 
 
 _aranges: dict = {}
