@@ -34,7 +34,7 @@ import torch.nn.functional as F
 # re-exported beside the MoE names: tests and benchmarks size and check MoE configs with them
 from .matmul import gemm_config, interpreting, max_shared_memory, shared_memory_bytes  # noqa: F401
 from .moe_activation import silu_and_mul
-from .moe_ag import AgMoeResult, ag_moe, ag_moe_for_caller
+from .moe_ag import AG_MOE_LAYOUTS, AgMoeResult, ag_moe, ag_moe_for_caller, layout_for
 from .moe_common import POISON_ENV, check_device, check_float_tensor, topk_sum
 from .moe_gemm import (
     A_ORDERS,
@@ -53,7 +53,8 @@ from .moe_gemm import (
     next_power_of_2,
     prune_moe_configs,
 )
-from .moe_routing import MoeRouting, check_token_routing, moe_align, moe_align_block_size, moe_align_stacked
+from .moe_routing import (MoeRouting, check_token_routing, moe_align, moe_align_block_size, moe_align_gathered,
+                          moe_align_stacked)
 from .moe_rs import moe_rs, moe_rs_stacked
 
 __all__ = [
@@ -71,6 +72,9 @@ __all__ = [
     "prune_moe_configs",
     "moe_align",
     "moe_align_stacked",
+    "moe_align_gathered",
+    "AG_MOE_LAYOUTS",
+    "layout_for",
     "moe_align_block_size",
     "make_moe_kernel",
     "moe_gemm_jit",
@@ -141,12 +145,14 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
     Each rank: its tokens ``x [T_r, H]`` with routing, its slice of every expert
     ``w_gate_up [E, H, 2 * I_r]`` (its gate columns then its up columns) and
     ``w_down [E, I_r, H]``. Returns ``[T_r, H]``: what :func:`moe_mlp` gives on the full weights.
-    ``graph_safe``: as :func:`ag_moe` (the whole layer can then be captured in a CUDA graph).
+    ``graph_safe``: as :func:`ag_moe` (the whole layer can then be captured in a CUDA graph). The gathered
+    rows are grouped as ``ag_moe(layout="auto")`` picks: per expert over every rank where the ranks send
+    each expert few rows, else per (rank, expert).
     """
     # the MLP check runs with ag_moe's own, so a bad input on one rank is an error on every rank
     gathered = ag_moe_for_caller(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
                                  tokens_per_rank=tokens_per_rank, kernel=kernel, out=None, check_ids=check_ids,
-                                 bucket=bucket, graph_safe=graph_safe, where="tp_moe_layer",
+                                 bucket=bucket, graph_safe=graph_safe, layout="auto", where="tp_moe_layer",
                                  extra_check=lambda: _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down,
                                                                 "tp_moe_layer"))
     g = silu_and_mul(gathered.out)

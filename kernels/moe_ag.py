@@ -24,11 +24,16 @@ import torch.distributed as dist
 
 from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of
 from .moe_gemm import moe_gemm, next_power_of_2
-from .moe_routing import MoeRouting, check_token_routing, moe_align_stacked
+from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, moe_align_stacked
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
 
-__all__ = ["AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_routing", "token_pusher"]
+__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_routing", "layout_for",
+           "token_pusher"]
+
+#: How ag_moe groups the gathered rows: per (source rank, expert), per expert over every rank, or
+#: whichever :func:`layout_for` picks for the token counts.
+AG_MOE_LAYOUTS = ("rank", "expert", "auto")
 
 
 #: (group, signature) pairs whose inputs every rank has agreed on, for calls with ``tokens_per_rank``.
@@ -82,10 +87,12 @@ def _agree_on_inputs(where: str, info: GroupInfo, tokens: int, signature: tuple,
 class AgMoeResult:
     """What :func:`ag_moe` returns.
 
-    ``out`` ``[sum_r T_r * top_k, N]``: rank r's chunk at rows ``row_offsets[r]:row_offsets[r+1]``,
-    each chunk in the sorted order of ``routings[r]`` (``routings[r].unsort(chunk)`` gives flat
-    (token, choice) order). ``routing`` is the rank-stacked routing of all of them (one group per
-    source rank and expert); ``routings`` its per-rank views, built on first use.
+    ``out`` ``[sum_r T_r * top_k, N]`` in ``routing``'s sorted order. With ``layout="rank"``: rank r's
+    chunk at rows ``row_offsets[r]:row_offsets[r+1]``, each chunk in the sorted order of ``routings[r]``
+    (``routings[r].unsort(chunk)`` gives flat (token, choice) order); ``routing`` is the rank-stacked
+    routing of all of them (one group per source rank and expert); ``routings`` its per-rank views,
+    built on first use. With ``layout="expert"``: one group per expert over every rank's tokens
+    (``routing.unsort(out)`` gives flat order); ``routings`` and :meth:`chunk` raise.
     ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order
     (``topk_ids`` a strided view into the gathered rows).
     """
@@ -102,6 +109,9 @@ class AgMoeResult:
         return self.routing.per_rank()
 
     def chunk(self, r: int) -> torch.Tensor:
+        if not self.routing.by_rank:
+            raise ValueError("AgMoeResult.chunk: with layout='expert' a rank's rows are spread over the experts' "
+                             "groups; unsort the whole output with routing.unsort, or call ag_moe with layout='rank'")
         return self.out[self.row_offsets[r]:self.row_offsets[r + 1]]
 
 
@@ -109,7 +119,8 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
            topk_weights: Optional[torch.Tensor] = None, group=None,
            tokens_per_rank: Optional[Sequence[int]] = None, kernel=None,
            out: Optional[torch.Tensor] = None, check_ids: bool = True,
-           bucket: Callable[[int], int] = next_power_of_2, graph_safe: bool = False) -> AgMoeResult:
+           bucket: Callable[[int], int] = next_power_of_2, graph_safe: bool = False,
+           layout: str = "rank") -> AgMoeResult:
     """AllGather-MoE: gather every rank's tokens ``x [T_r, H]`` and routing, then the grouped GEMM
     ``[tokens of all ranks] x w [E, H, N]`` (N: this rank's slice of the expert columns).
 
@@ -139,14 +150,22 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     fixed flag values (``ShardPusher(graph_safe=True)``, its own workspace) and must run once
     eagerly with the same shapes before capture (the workspace is allocated then). A replay costs
     the host a few µs where an eager call costs hundreds (docs/moe.md, "CUDA graphs").
+
+    ``layout`` (one of :data:`AG_MOE_LAYOUTS`): ``"rank"`` groups the rows per (source rank, expert), so
+    each rank's rows stay contiguous (:meth:`AgMoeResult.chunk`) and the GEMM computes the own tokens
+    first; ``"expert"`` groups them per expert over every rank, so each expert's rows fill whole M-tiles
+    (a tile that reads several ranks' tokens waits for each of them); ``"auto"``: :func:`layout_for`.
+    Where a rank sends an expert few rows the tiles of ``"rank"`` are partly empty and the GEMM slower
+    (docs/moe.md, "Grouping the gathered rows").
     """
     return ag_moe_for_caller(x, topk_ids, w, topk_weights=topk_weights, group=group, tokens_per_rank=tokens_per_rank,
-                             kernel=kernel, out=out, check_ids=check_ids, bucket=bucket, graph_safe=graph_safe)
+                             kernel=kernel, out=out, check_ids=check_ids, bucket=bucket, graph_safe=graph_safe,
+                             layout=layout)
 
 
 def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, kernel, out, check_ids, bucket,
-                      graph_safe,
-            where: str = "ag_moe", extra_check: Optional[Callable[[], None]] = None) -> AgMoeResult:
+                      graph_safe, layout: str = "rank", where: str = "ag_moe",
+                      extra_check: Optional[Callable[[], None]] = None) -> AgMoeResult:
     """:func:`ag_moe` on behalf of a caller named ``where`` in errors; ``extra_check`` (the caller's own
     input check, raising TypeError/ValueError) runs with the local checks, so its error too is raised on
     every rank."""
@@ -158,6 +177,8 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     def local_checks() -> None:
         if extra_check is not None:
             extra_check()
+        if layout not in AG_MOE_LAYOUTS:
+            raise ValueError(f"{where}: layout must be one of {AG_MOE_LAYOUTS}, got {layout!r}")
         check_float_tensor(where, "x", x)
         check_float_tensor(where, "w", w)
         if x.dim() != 2 or w.dim() != 3:
@@ -189,13 +210,13 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         local_error = err
     xs, ws, ids_s = shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)
     signature = (xs[1] if xs else -1, ids_s[1] if ids_s else -1, ws[0] if ws else -1, dtype_code(x), dtype_code(w),
-                 dtype_code(topk_weights), int(graph_safe), int(given is not None),
+                 dtype_code(topk_weights), int(graph_safe), int(layout == "expert"), int(given is not None),
                  hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
 
     def described() -> dict:  # for the error message only: not built on every call
         return {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
-                "tokens_per_rank": given, "graph_safe": graph_safe}
+                "tokens_per_rank": given, "graph_safe": graph_safe, "layout": layout}
 
     out_rows = out.shape[0] if isinstance(out, torch.Tensor) and out.dim() == 2 else -1
     tpr = _agree_on_inputs(where, info, xs[0] if xs else -1, signature, described, local_error, given, out_rows,
@@ -216,15 +237,24 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
     if check_ids:
         _check_gathered_ids(where, ids_all, E, tpr, pusher)
-    routing = moe_align_stacked(ids_all, E, tpr)
-    # 3. one GEMM over all ranks' tokens, own tokens first; other ranks' tiles wait for their arrival
+    by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
+    routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
+    # 3. one GEMM over all ranks' tokens (own tokens first by rank); a tile of another rank's tokens waits for them
     if row_offsets[-1]:
         moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
-                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E,
+                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E if by_rank else 0,
                  wait=(pusher.arrival_flags, pusher.epoch) if pusher is not None else None)
     if pusher is not None:
         pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
+
+
+def layout_for(tokens_per_rank: Sequence[int], top_k: int, num_experts: int) -> str:
+    """The :data:`AG_MOE_LAYOUTS` entry for a gather: ``"expert"`` where a rank sends an expert fewer than
+    512 rows on average (groups per rank and expert would leave many M-tiles partly empty), else ``"rank"``
+    (whole tiles either way; the GEMM starts on the own tokens while the others arrive)."""
+    world = max(1, len(tokens_per_rank))
+    return "expert" if world > 1 and sum(tokens_per_rank) * top_k < 512 * num_experts * world else "rank"
 
 
 def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple, pusher) -> None:

@@ -132,7 +132,8 @@ def moe_rs_stacked(h: torch.Tensor, routing: MoeRouting, topk_weights: Optional[
     one top-k sum, one reduction. Returns this rank's ``[T_rank, H]``, as :func:`moe_rs` does.
 
     ``h [sum_r T_r * top_k, K]`` in ``routing``'s sorted order (``ag_moe(...).out`` after the activation),
-    ``routing`` rank-stacked (``ag_moe(...).routing``), ``topk_weights [sum_r T_r, top_k]`` in rank order.
+    ``routing`` rank-stacked or gathered (``ag_moe(...).routing``), ``topk_weights [sum_r T_r, top_k]`` in
+    rank order.
     The reduction is one ``reduce_scatter_tensor`` under NCCL when every rank has as many tokens, else one
     ``dist.reduce`` per rank with tokens. Why one launch: per destination (:func:`moe_rs`) the GEMMs,
     top-k sums and reductions each cost the host a launch per rank, which at 2 and 4 ranks on H100 took

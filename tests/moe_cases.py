@@ -93,12 +93,22 @@ def case_layer(ctx: Ranks) -> dict:
             ag_err = max(ag_err, rel_error(got, ref_h[row: row + tokens[r] * k]))
             row += tokens[r] * k
         gathered_ok = bool(torch.equal(ag.topk_ids, p["ids"]) and torch.allclose(ag.topk_weights, p["weights"]))
+        # the same rows grouped per expert over every rank (tiles that read several ranks' tokens)
+        by_expert = moe.ag_moe(x, ids, p["w_gu_local"], topk_weights=wts, kernel=kernel, layout="expert")
+        expert_err = rel_error(by_expert.routing.unsort(by_expert.out), ref_h)
+        try:
+            by_expert.chunk(0)
+            chunk_refused = False
+        except ValueError:
+            chunk_refused = True
         # MoE-RS on the activation, and the whole layer, against the full-weight reference
         rs = moe.moe_rs(moe.silu_and_mul(ag.out), ag.routings, ag.topk_weights, p["w_d_local"], kernel=kernel)
         ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
         layer = moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel,
                                  tokens_per_rank=tokens)
         checks.append({"E": E, "k": k, "tokens": tokens, "ag_err": ag_err, "gathered_ok": gathered_ok,
+                       "expert_err": expert_err, "chunk_refused": chunk_refused,
+                       "layer_layout": moe.layout_for(tokens, k, E),
                        "rs_err": rel_error(rs, ref), "layer_err": rel_error(layer, ref),
                        "shape_ok": tuple(layer.shape) == (tokens[ctx.rank], H)})
     return {"checks": checks}
@@ -150,7 +160,8 @@ def case_agree_tp(ctx: Ranks) -> dict:
     ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
     again = layer()  # tuned: one plain run
     return {"winners": site_winners(layer), "err": rel_error(y, ref), "again_err": rel_error(again, ref),
-            "local_ids": ids.flatten().tolist()}
+            "local_ids": ids.flatten().tolist(), "groups_per_expert": 1 if moe.layout_for(tokens, 2, 8) == "expert"
+            else ctx.world}
 
 
 #: What a tuned call may do beyond launching its winners, by kind: each entry is a real function, counted

@@ -35,6 +35,6 @@ def test_moe_layer_on_eight_ranks(tmp_path):
     for rank, record in enumerate(layer):
         assert record["ok"], failure(record)
         for check in record["checks"]:
-            assert check["gathered_ok"] and check["shape_ok"], (rank, check)
-            for name in ("ag_err", "rs_err", "layer_err"):
+            assert check["gathered_ok"] and check["shape_ok"] and check["chunk_refused"], (rank, check)
+            for name in ("ag_err", "expert_err", "rs_err", "layer_err"):
                 assert check[name] < 2e-2, (rank, name, check)

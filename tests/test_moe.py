@@ -409,9 +409,12 @@ def _check_layer(per_rank):
         for check in value["checks"]:
             assert check["gathered_ok"], f"rank {rank}: gathered routing differs ({check})"
             assert check["shape_ok"], f"rank {rank}: {check}"
-            for name in ("ag_err", "rs_err", "layer_err"):
+            assert check["chunk_refused"], f"rank {rank}: chunk() of an expert-grouped gather should raise"
+            for name in ("ag_err", "expert_err", "rs_err", "layer_err"):
                 assert check[name] < 2e-2, f"rank {rank} E={check['E']} k={check['k']}: {name}={check[name]}"
         assert [(c["E"], c["k"]) for c in value["checks"]] == [(8, 2), (64, 6), (8, 2)]
+        # the layer groups these few rows per expert: its result above checks that grouping
+        assert {c["layer_layout"] for c in value["checks"]} == {"expert"}
 
 
 @pytest.mark.slow
@@ -444,12 +447,13 @@ def test_contextual_tp_layer_agreed(gloo2):
     values = _values(gloo2["agree_tp"])
     assert values[0]["local_ids"] != values[1]["local_ids"]
     winners = [v["winners"] for v in values]
-    # ag_moe and the down projection: one launch each over every rank's tokens (a group per source rank
-    # and expert), both keyed on the global bucket
+    # ag_moe and the down projection: one launch each over every rank's tokens (as few rows as these group
+    # per expert over both ranks), both keyed on the global bucket
     assert len(winners[0]) == 2 and [w[2] for w in winners[0]] == [0, 0]
     keys = [ast.literal_eval(w[1]) for w in winners[0]]
     groups, experts = moe.MOE_KEY.index("E"), moe.MOE_KEY.index("B_EXPERTS")
-    assert all(key[groups] == 2 * key[experts] for key in keys)
+    assert values[0]["groups_per_expert"] == 1
+    assert all(key[groups] == key[experts] for key in keys)
     assert winners[0] == winners[1]
     assert all(v["err"] < 2e-2 and v["again_err"] < 2e-2 for v in values)
 
