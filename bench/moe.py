@@ -260,7 +260,7 @@ class Bench:
 
             def ag_fused(graph_safe: bool = False):
                 return moe.ag_moe(p["x"], p["ids"], p["w_up"], topk_weights=p["wts"], tokens_per_rank=tpr,
-                                  kernel=kernel, check_ids=False, graph_safe=graph_safe)
+                                  kernel=kernel, check_ids=False, graph_safe=graph_safe, layout="auto")
 
             def ag_comm():
                 gather(x_all, p["x"])
@@ -280,7 +280,7 @@ class Bench:
             wts_all = ag.topk_weights
             gather(ids_all, p["ids"])
             rt_all = moe.moe_align(ids_all, E, check_range=False)
-            h_joint = torch.cat([ag.routings[r].unsort(ag.chunk(r)) for r in range(w)])[rt_all.sorted_ids.long()]
+            h_joint = ag.routing.unsort(ag.out)[rt_all.sorted_ids.long()]
             w_sorted = wts_all.reshape(-1)[rt_all.sorted_ids.long()].to(self.dtype)
             rs_out = torch.empty(T // w, H, device=self.device, dtype=self.dtype)
 
@@ -394,7 +394,7 @@ class Bench:
             ctx_tuning_s = time.perf_counter() - t0
             # alone: stock triton.autotune on each GEMM by itself, outside the layer, same keys
             ag = moe.ag_moe(p["x"], p["ids"], p["w_gu"], topk_weights=p["wts"], tokens_per_rank=p["tpr"],
-                            kernel=moe.make_moe_kernel(self.configs[:1]))
+                            kernel=moe.make_moe_kernel(self.configs[:1]), layout="auto")
             g = moe.silu_and_mul(ag.out)
             t0 = time.perf_counter()
             rows_bucket = moe.next_power_of_2(ag.out.shape[0])
@@ -402,7 +402,7 @@ class Bench:
             # that are already set, so its key is the layer's and nothing waits)
             arrived = (torch.ones(self.world, dtype=torch.int32, device=self.device), 1) if self.gpu else None
             moe.moe_gemm(self._gathered_tokens(p), p["w_gu"], ag.routing, a_order="token", kernel=alone_kernel,
-                         rows_bucket=rows_bucket, first_group=self.rank * E, wait=arrived)
+                         rows_bucket=rows_bucket, first_group=self.rank * E if ag.routing.by_rank else 0, wait=arrived)
             # the down GEMM: one launch over every destination's rows, as in the layer
             moe.moe_gemm(g, p["w_down"], ag.routing, a_order="sorted", out_order="flat", weights=ag.topk_weights,
                          kernel=alone_kernel, rows_bucket=rows_bucket)

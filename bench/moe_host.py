@@ -59,11 +59,13 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
     kernel, ctx_kernel = moe.make_moe_kernel(), moe.make_moe_kernel()
 
     def ag() -> Any:
-        return moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel, check_ids=False)
+        return moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel, check_ids=False,
+                          layout="auto")
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=1, n_repeat=2, verbose=False, store=False)
     def ag_contextual() -> Any:
-        return moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=ctx_kernel, check_ids=False)
+        return moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=ctx_kernel, check_ids=False,
+                          layout="auto")
 
     result = ag()
     ag_contextual()
@@ -77,7 +79,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         return torch._grouped_mm(routing.permute(x_all), w, offs=routing.expert_offs[1:], out_dtype=x.dtype)
 
     ag_graph = capture_graph(lambda: moe.ag_moe(x, ids, w, topk_weights=weights, tokens_per_rank=tpr, kernel=kernel,
-                                                check_ids=False, graph_safe=True))
+                                                check_ids=False, graph_safe=True, layout="auto"))
     seq_graph = capture_graph(sequential)
     arrived = (torch.ones(world, dtype=torch.int32, device="cuda"), 1)
     x_gathered = torch.zeros(T, H, device="cuda", dtype=x.dtype)
@@ -97,7 +99,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
                                          kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),
-                                         first_group=rank * E, wait=arrived),
+                                         first_group=rank * E if result.routing.by_rank else 0, wait=arrived),
         "pusher": push,
     }
     samples = benchmark.host_and_wall_us(fns, calls=options.calls, rounds=options.rounds)
