@@ -10,14 +10,18 @@ rank per node keep the flat protocol of :mod:`disttune.storeplane`, unchanged.
 
 A collective then runs the flat protocol twice, with the same keys on both stores:
 
-* every rank appends its rank to the collective's arrivals (``a``) in the rendezvous store, a request without an
-  answer that a deadline reads to name the ranks that did not arrive; then it appends its payload to its node
-  store's ``d`` and counts itself in there;
+* every rank appends its payload to its node store's ``d`` and counts itself in there;
 * the node's last arriver, its *leader*, reads the node's frames once, appends them to the rendezvous store's
   ``d`` as one bundle and counts the node in; the rendezvous store's last arriver combines every rank's payload
   and sets the result in the rendezvous store's ``k``;
 * each leader, blocked in the rendezvous store's ``get``, copies that result into its node store's ``k``, where
   the node's other ranks are blocked in theirs.
+
+A rank that has waited :data:`ARRIVAL_REPORT_S` (a quarter of the timeout where that is shorter) appends its rank to
+the collective's arrivals (``a``) in the rendezvous store, a request without an answer: a deadline names the ranks
+neither there nor in a node's bundle, so a rank that never arrives is named, while a collective that completes in
+time costs the rendezvous store nothing per rank. (A rank that arrived within that time of the first deadline is
+named with the absent ones.)
 
 Endings are decided in the rendezvous store: a deadline, a peer's post or a node store that is gone sets an
 ending in its ``k`` unless the result stands there, and the rank that set it copies what stands into its node
@@ -53,6 +57,8 @@ __all__ = ["NODE_STEP_MIN_RANKS", "NODE_EXIT_WAIT_S", "MEMBERSHIP", "Nodes", "No
 NODE_STEP_MIN_RANKS = 64
 #: How long, at most, the process holding a node store waits at exit for the node's other processes to leave.
 NODE_EXIT_WAIT_S = 30.0
+#: How long a rank waits before it reports its arrival to the rendezvous store, for a deadline's message.
+ARRIVAL_REPORT_S = 1.0
 #: The channel of the one all-gather of node names, and of the node stores' ports.
 MEMBERSHIP = "nodes"
 
@@ -170,11 +176,17 @@ class NodeCollective:
         self.everyone = Collective(store, base, rank, world_size)
         self.node = Collective(node.main, base, rank, len(node.ranks))
         self.node_store, self.node_count, self.arrivals = node, node.node_count, f"{base}/a"
+        self.reported = False
 
     def arrive(self, payload: bytes) -> bool:
-        """Arrive with ``payload`` (three requests, one to the rendezvous store); True: this rank leads its node."""
-        self.everyone.store.append(self.arrivals, wire.pack_frame(self.everyone.rank, b""))
+        """Arrive with ``payload`` (two requests to the node store); True: this rank leads its node."""
         return self.node.arrive(payload)
+
+    def report(self) -> None:
+        """Add this rank to the arrivals in the rendezvous store (once; one request without an answer)."""
+        if not self.reported:
+            self.reported = True
+            self.everyone.store.append(self.arrivals, wire.pack_frame(self.everyone.rank, b""))
 
     def deliver(self) -> bool:
         """The leader's part: the node's payloads to the rendezvous store as one bundle, and the node counted in
@@ -197,11 +209,10 @@ class NodeCollective:
             pass
 
     def missing(self) -> list[int]:
-        """The ranks that did not arrive (two requests at most): those not among the arrivals, else those whose
-        node did not bring their payload to the rendezvous store."""
-        everyone = set(range(self.everyone.world_size))
-        missing = everyone - _ranks_in(read_now(self.everyone.store, self.arrivals))
-        return sorted(missing or everyone - self.everyone.arrived())
+        """The ranks that did not arrive (two requests): neither among the reported arrivals nor in a node's
+        bundle in the rendezvous store."""
+        arrived = _ranks_in(read_now(self.everyone.store, self.arrivals)) | self.everyone.arrived()
+        return sorted(set(range(self.everyone.world_size)) - arrived)
 
     @staticmethod
     def keys_at(base: str) -> tuple[list[str], list[str]]:
@@ -248,7 +259,8 @@ class NodeStorePlane(StorePlane):
     the job is large enough and spans several nodes; ``node``: the name of this rank's node
     (:func:`disttune.env.node_name`). Its first collective, in such a job, gathers the node names and opens the
     node stores (about one flat all-gather). Cost per collective then, on the rendezvous store's host: three
-    requests per node, one append without an answer per rank; on each node store's, four requests per rank.
+    requests per node (the bundle, the count, the wait and read), and one append without an answer per rank that
+    waits :data:`ARRIVAL_REPORT_S`; on each node store's, four requests per rank.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "disttune/all",
@@ -362,8 +374,9 @@ class NodeStorePlane(StorePlane):
         pool: Any = self._shared if leader else here.node_store
         collective = here.everyone if leader else here.node
         channel, deadline, watch = self._channel, time.monotonic() + self.timeout_s, wait_watch()
-        watched = watch.watch(deadline, lambda: self._look_at(here, channel), lambda: self._expire_at(here, step),
-                              self.post_poll_s)
+        report_at = None if leader else time.monotonic() + min(ARRIVAL_REPORT_S, self.timeout_s / 4)
+        watched = watch.watch(deadline, lambda: self._look_at(here, channel, report_at),
+                              lambda: self._expire_at(here, step, leader), self.post_poll_s)
         connection = pool.connection()
         try:
             if connection is None:
@@ -376,15 +389,21 @@ class NodeStorePlane(StorePlane):
             watch.cancel(watched)
             pool.release(connection)
 
-    def _look_at(self, here: NodeCollective, channel: Optional[str]) -> bool:
-        """End the collective for every rank if a peer has posted on ``channel`` (one request; five if one has)."""
+    def _look_at(self, here: NodeCollective, channel: Optional[str], report_at: Optional[float]) -> bool:
+        """Report this rank's arrival once it has waited until ``report_at`` (None: a leader, whose node's bundle
+        says so); end the collective for every rank if a peer has posted on ``channel`` (one request; five if one
+        has)."""
+        if report_at is not None and time.monotonic() >= report_at:
+            here.report()
         if channel is None or not self.peers_posted(channel):
             return False
         here.settle(ending_record(PeerFailed, "posted", self.posters(channel)))
         return True
 
-    def _expire_at(self, here: NodeCollective, step: str) -> None:
+    def _expire_at(self, here: NodeCollective, step: str, leader: bool) -> None:
         """End the collective for every rank with the deadline's error, naming the ranks that did not arrive."""
+        if not leader:
+            here.report()
         missing = here.missing()
         here.settle(ending_record(CollectiveTimeout, str(self._timed_out(step, missing)), missing))
 
