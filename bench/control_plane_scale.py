@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import threading
@@ -51,16 +50,11 @@ RUNS, SITES, CONFIGS = 96, 4, 12  # the main job: 98 runs = discovery + 12 confi
 
 def serve(conn: Any) -> None:
     """The rendezvous store: a TCPStore server; answers its process's CPU seconds until the parent closes."""
-    import torch.distributed as dist
+    from disttune.nodeplane import loopback_store
 
     # An IPv4 listener: some container network stacks resolve the names of IPv6-mapped loopback peers slowly,
     # which makes thousands of connections take minutes; the protocol is the same.
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8192)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
-                          master_listen_fd=listener.fileno())
+    (store, _listener), port = loopback_store(8192)
     conn.send(port)
     while conn.recv() is not None:
         conn.send((time.process_time(), store.num_keys()))
@@ -288,8 +282,9 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], p
 
 
 def _line(row: dict) -> str:
-    return (f"{row['ranks']:5d} ranks ({row['per_node'] or 'flat'}), {row['kind']:24s}: {row['wall_ms_median']:9.2f} / {row['wall_ms_p90']:9.2f} ms, "
-            f"store CPU {row['store_cpu_ms']:8.3f} ms, {row['requests']:8.0f} requests, {row['keys_after']} keys")
+    return (f"{row['ranks']:5d} ranks ({row['per_node'] or 'flat'}), {row['kind']:24s}: "
+            f"{row['wall_ms_median']:9.2f} / {row['wall_ms_p90']:9.2f} ms, store CPU {row['store_cpu_ms']:8.3f} ms, "
+            f"{row['requests']:8.0f} requests, {row['keys_after']} keys")
 
 
 def main() -> None:

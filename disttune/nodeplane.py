@@ -50,8 +50,8 @@ from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
 from .storeplane import (Collective, PlaneStore, StoreLost, StorePlane, delete_keys, ending_record, read_now,
                          read_when_set, wait_watch)
 
-__all__ = ["NODE_STEP_MIN_RANKS", "NODE_EXIT_WAIT_S", "MEMBERSHIP", "Nodes", "NodeStore", "NodeCollective",
-           "NodeStorePlane"]
+__all__ = ["NODE_STEP_MIN_RANKS", "NODE_EXIT_WAIT_S", "ARRIVAL_REPORT_S", "MEMBERSHIP", "Nodes", "NodeStore",
+           "NodeCollective", "NodeStorePlane", "loopback_store"]
 
 #: Jobs of fewer ranks keep the flat protocol: their store answers a collective in a few milliseconds.
 NODE_STEP_MIN_RANKS = 64
@@ -82,9 +82,10 @@ class Nodes:
 
 
 class NodeStore:
-    """One rank's connections to its node's store (and, in the process of the node's lowest rank, the store itself:
-    ``server``); ``ranks``: the node's, ``node_count``: the job's nodes. ``main`` carries the collectives' requests; a blocking wait takes a connection of its own
-    (:meth:`connection`). Once the store is found gone, every request raises :class:`ControlPlaneLost` at once."""
+    """One rank's connections to its node's store, and in the process of the node's lowest rank the store itself
+    (``server``, from :func:`loopback_store`); ``ranks``: the node's, ``node_count``: the job's nodes. ``main``
+    carries the collectives' requests; a blocking wait takes a connection of its own (:meth:`connection`). Once
+    the store is found gone, every request raises :class:`ControlPlaneLost` at once. Costs two connections."""
 
     def __init__(self, name: str, ranks: Sequence[int], node_count: int, port: int, timeout_s: float,
                  server: Any = None) -> None:
@@ -98,18 +99,33 @@ class NodeStore:
         self._idle, self._lock = [waiter], threading.Lock()
         self._retired: list[str] = []  # the node's keys of retired channels: its next leader deletes them
 
-    @staticmethod
-    def serve() -> tuple[Any, int]:
-        """Open a node store on loopback (IPv4: some container stacks name IPv6-mapped peers slowly); its port."""
-        import torch.distributed as dist
+    @classmethod
+    def join(cls, rendezvous: Any, key: str, rank: int, name: str, ranks: Sequence[int], node_count: int,
+             timeout_s: float) -> "NodeStore":
+        """Connect to node ``name``'s store, whose port its lowest rank publishes under ``key`` in ``rendezvous``
+        once it has opened the store (when ``rank`` is that rank, it does so here). A store that cannot be opened is
+        the same error on each of the node's ranks; a port not published within ``timeout_s`` names the rank."""
+        from torch.distributed import DistStoreError
 
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1024)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
-                              master_listen_fd=listener.fileno())
-        return (store, listener), port
+        server = None
+        if rank == ranks[0]:
+            try:
+                server, port = loopback_store()
+            except Exception as err:  # noqa: BLE001 - every rank of the node raises this text
+                rendezvous.set(key, f"!disttune: rank {rank} could not open node '{name}''s store: "
+                                    f"{type(err).__name__}: {err}")
+                raise
+            rendezvous.set(key, str(port))
+        try:
+            rendezvous.wait([key], datetime.timedelta(seconds=timeout_s))
+        except DistStoreError:
+            raise CollectiveTimeout(f"disttune: rank {ranks[0]} did not open node '{name}''s store within "
+                                    f"{timeout_s:g} s (it died, hung, or skipped its first collective)", [ranks[0]]
+                                    ) from None
+        text = (read_now(rendezvous, key) or b"").decode()
+        if text.startswith("!"):
+            raise RuntimeError(text[1:])
+        return cls(name, ranks, node_count, int(text), timeout_s, server)
 
     def connection(self) -> Optional[PlaneStore]:
         """A connection for one blocking wait (give it back with :meth:`release`), or None while it is in use."""
@@ -127,6 +143,7 @@ class NodeStore:
             self._retired.extend(keys)
 
     def take_retired(self) -> list[str]:
+        """The keys :meth:`retire` was given since the last call (a leader deletes them, others drop them)."""
         with self._lock:
             retired, self._retired = self._retired, []
         return retired
@@ -159,6 +176,20 @@ class NodeStore:
             store, listener = server
             del store
             listener.close()
+
+
+def loopback_store(backlog: int = 1024) -> tuple[tuple[Any, socket.socket], int]:
+    """A ``TCPStore`` server (libuv) on loopback, listening on IPv4 (some container stacks name IPv6-mapped peers
+    slowly): ``(store, its listening socket)`` (keep both; dropping the store stops it) and its port."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(backlog)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
+                          master_listen_fd=listener.fileno())
+    return (store, listener), port
 
 
 def _connect(port: int, timeout_s: float) -> Any:
@@ -293,37 +324,13 @@ class NodeStorePlane(StorePlane):
         nodes = Nodes([str(name) for name in names])
         if not nodes.worth_a_step():
             return None
-        ranks, key = nodes.ranks_of(self.rank), self._key(MEMBERSHIP, "port", self.node)
-        server = None
-        if self.rank == ranks[0]:
-            try:
-                server, port = NodeStore.serve()
-            except Exception as err:  # noqa: BLE001 - every rank of the node raises this text
-                self.store.set(key, f"!disttune: rank {self.rank} could not open node '{self.node}''s store: "
-                                    f"{type(err).__name__}: {err}")
-                raise
-            self.store.set(key, str(port))
-        text = self._published(key, ranks[0])
-        if text.startswith("!"):
-            raise RuntimeError(text[1:])
-        store = NodeStore(self.node, ranks, len(nodes.members), int(text), self.timeout_s, server)
+        store = NodeStore.join(self.store, self._key(MEMBERSHIP, "port", self.node), self.rank, self.node,
+                               nodes.ranks_of(self.rank), len(nodes.members), self.timeout_s)
         with _LOCK:
             if not _OPEN:
                 atexit.register(_leave_nodes)
             _OPEN.append(store)
         return store
-
-    def _published(self, key: str, host: int) -> str:
-        """The node store's port (or error) that ``host`` publishes under ``key``; a timeout names ``host``."""
-        from torch.distributed import DistStoreError
-
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
-        except DistStoreError:
-            raise CollectiveTimeout(f"disttune: rank {host} did not open node '{self.node}''s store within "
-                                    f"{self.timeout_s:g} s (it died, hung, or skipped its first collective)", [host]
-                                    ) from None
-        return read_now(self.store, key).decode()
 
     # -- one collective ----------------------------------------------------------------------------------------------
 
