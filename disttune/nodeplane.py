@@ -173,6 +173,7 @@ class NodeStore:
             pass
         server, self.server = self.server, None
         if server is not None:
+            self.lost.reason = "closed by this process"  # no request tries it again
             store, listener = server
             del store
             listener.close()
