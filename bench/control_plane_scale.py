@@ -1,11 +1,16 @@
 """What the control plane costs at N ranks, simulated on one host: wall ms per collective, the store host's CPU
 per collective, store requests per collective, and the agreement of a whole tuning call.
 
-    python bench/control_plane_scale.py [--ranks 8,32,128,512,1024] [--workers 2] [--iters 20] [--out FILE]
+    python bench/control_plane_scale.py [--ranks 8,32,128,512,1024] [--per-node 8] [--workers 2] [--iters 20]
+                                        [--out FILE]
 
 One ``torch.distributed.TCPStore`` server (libuv) in its own process, as a job's rendezvous store; N simulated
 ranks as threads spread over ``--workers`` processes, each rank with its own client (keys prefixed as under
-torchrun) and its own :class:`disttune.storeplane.StorePlane`, the code :class:`disttune.comm.TorchComm` runs.
+torchrun) and its own :class:`disttune.nodeplane.NodeStorePlane`, the code :class:`disttune.comm.TorchComm` runs,
+told its node: ``--per-node`` consecutive ranks share one (8 by default; a node's ranks run in one worker process,
+and its lowest rank's process holds the node store). ``--per-node 0`` runs the flat protocol
+(:class:`disttune.storeplane.StorePlane`: every rank talks to the rendezvous store only), as every job did before
+the node-level step, and as jobs below :data:`disttune.nodeplane.NODE_STEP_MIN_RANKS` ranks still do.
 The store host's CPU is the serial part a real job cannot spread; the simulated clients share this host's
 cores, so at large N the wall times are bound by them, not by the store.
 
@@ -21,8 +26,9 @@ Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms 
                           ending, watcher threads included): the consensus, a status point after each of 96
                           tuning runs, the timing vector of 4 sites x 12 configs, the final run's status (98 runs)
 
-Store CPU: the server process's CPU time over the collectives, per collective. Requests: every request the
-clients sent the store (a ``get`` counts two: the store answers a wait, then the read), per collective.
+Store CPU: the rendezvous store's process's CPU time over the collectives, per collective (the node stores run in
+the worker processes, as they run in their ranks' processes in a job). Requests: every request the clients sent
+the rendezvous store (a ``get`` counts two: the store answers a wait, then the read), per collective.
 With ``--out FILE`` one JSON line per row is appended to FILE.
 """
 
@@ -30,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import threading
@@ -45,16 +50,11 @@ RUNS, SITES, CONFIGS = 96, 4, 12  # the main job: 98 runs = discovery + 12 confi
 
 def serve(conn: Any) -> None:
     """The rendezvous store: a TCPStore server; answers its process's CPU seconds until the parent closes."""
-    import torch.distributed as dist
+    from disttune.nodeplane import loopback_store
 
     # An IPv4 listener: some container network stacks resolve the names of IPv6-mapped loopback peers slowly,
     # which makes thousands of connections take minutes; the protocol is the same.
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8192)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
-                          master_listen_fd=listener.fileno())
+    (store, _listener), port = loopback_store(8192)
     conn.send(port)
     while conn.recv() is not None:
         conn.send((time.process_time(), store.num_keys()))
@@ -152,17 +152,19 @@ def collective(kind: str, plane: Any, rank: int) -> Callable[[], Any]:
     return lambda: plane.all_gather_objects(digest, "consensus (site digest)")
 
 
-def work(conn: Any, port: int, ranks: list[int], world: int) -> None:
+def work(conn: Any, port: int, ranks: list[int], world: int, per_node: int) -> None:
     """A worker process: one thread per simulated rank, each phase started by the parent."""
     import torch.distributed as dist
 
+    from disttune.nodeplane import NodeStorePlane
     from disttune.storeplane import StorePlane
 
     threading.stack_size(1 << 20)
     with ThreadPoolExecutor(32) as pool:
         clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_days(1)), ranks))
     stores = [CountingStore(dist.PrefixStore("default_pg", client)) for client in clients]
-    planes = [StorePlane(store, rank, world, timeout_s=900) for store, rank in zip(stores, ranks)]
+    planes = [NodeStorePlane(store, rank, world, timeout_s=900, node=f"node{rank // per_node}") if per_node else
+              StorePlane(store, rank, world, timeout_s=900) for store, rank in zip(stores, ranks)]
     gate = threading.Barrier(len(ranks) + 1)
     order: dict[str, Any] = {}
     report: dict[str, Any] = {"errors": []}
@@ -216,7 +218,14 @@ def _days(days: int) -> Any:
     return datetime.timedelta(days=days)
 
 
-def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int]) -> dict[str, dict]:
+def worker_ranks(world: int, workers: int, per_node: int, index: int) -> list[int]:
+    """The simulated ranks of worker ``index``: whole nodes (``per_node`` ranks each), else every ``workers``-th."""
+    if per_node:
+        return [rank for rank in range(world) if rank // per_node % workers == index]
+    return list(range(index, world, workers))
+
+
+def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], per_node: int = 0) -> dict[str, dict]:
     """Every kind of collective at ``world`` simulated ranks: a row per kind."""
     context = mp.get_context("spawn")
     server_end, server_conn = context.Pipe()
@@ -226,8 +235,8 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int]) -
     ends, processes = [], []
     for index in range(workers):
         end, worker_conn = context.Pipe()
-        process = context.Process(target=work, args=(worker_conn, port, list(range(index, world, workers)), world),
-                                  daemon=True)
+        process = context.Process(target=work, args=(worker_conn, port, worker_ranks(world, workers, per_node, index),
+                                                     world, per_node), daemon=True)
         process.start()
         ends.append(end)
         processes.append(process)
@@ -255,7 +264,7 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int]) -
             answers = everyone({"what": "run", "iters": iters[kind]})
             cpu_after, keys = store_state()
             (times,) = [answer["times"] for answer in answers if answer["times"] is not None]
-            rows[kind] = {"ranks": world, "kind": kind, "iters": iters[kind],
+            rows[kind] = {"ranks": world, "kind": kind, "iters": iters[kind], "per_node": per_node,
                           "wall_ms_median": statistics.median(times) * 1e3,
                           "wall_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                           "store_cpu_ms": (cpu_after - cpu) / iters[kind] * 1e3,
@@ -273,14 +282,16 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int]) -
 
 
 def _line(row: dict) -> str:
-    return (f"{row['ranks']:5d} ranks, {row['kind']:24s}: {row['wall_ms_median']:9.2f} / {row['wall_ms_p90']:9.2f} ms, "
-            f"store CPU {row['store_cpu_ms']:8.3f} ms, {row['requests']:8.0f} requests, {row['keys_after']} keys")
+    return (f"{row['ranks']:5d} ranks ({row['per_node'] or 'flat'}), {row['kind']:24s}: "
+            f"{row['wall_ms_median']:9.2f} / {row['wall_ms_p90']:9.2f} ms, store CPU {row['store_cpu_ms']:8.3f} ms, "
+            f"{row['requests']:8.0f} requests, {row['keys_after']} keys")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="8,32,128,512,1024")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--per-node", type=int, default=8, help="simulated ranks per node; 0: the flat protocol")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--calls", type=int, default=1, help="tuning calls per N")
     parser.add_argument("--gather-max", type=int, default=128, help="largest N for the gathered 1,000 floats")
@@ -292,9 +303,10 @@ def main() -> None:
     for world in map(int, options.ranks.split(",")):
         kinds = [k for k in wanted if k != "1000 floats gathered" or world <= options.gather_max]
         iters = {kind: options.calls if kind == "tuning call" else options.iters for kind in kinds}
-        all_rows.extend(measure(world, options.workers, kinds, iters).values())
-    print(f"\n### control plane at N simulated ranks ({options.workers} worker processes, one TCPStore server), "
-          "per collective\n")
+        all_rows.extend(measure(world, options.workers, kinds, iters, options.per_node).values())
+    nodes = f"{options.per_node} ranks per node" if options.per_node else "flat: no node stores"
+    print(f"\n### control plane at N simulated ranks ({options.workers} worker processes, one TCPStore server, "
+          f"{nodes}), per collective\n")
     print("| N | collective | wall ms (median / p90) | store-host CPU ms | store requests |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for row in all_rows:

@@ -12,7 +12,9 @@ that each rank receives only the result. Three implementations share that protoc
   enters an NCCL queue and never waits on a CUDA stream, so a rank whose GPU is stuck behind a user
   collective still hears from its peers. ``group=`` maps to the keys of that group's ranks. Set-up:
   none (the store exists); each collective costs the store's host about four requests per rank
-  (``bench/control_plane.py``, ``bench/control_plane_scale.py``).
+  (``bench/control_plane.py``, ``bench/control_plane_scale.py``). In jobs of 64 ranks or more over
+  several nodes the ranks of a node combine on a store of their own first, and the rendezvous store's host
+  serves about three requests per node (:mod:`disttune.nodeplane`).
 * :class:`MpiComm` over an ``mpi4py`` communicator (non-blocking MPI collectives, polled);
 * :class:`LocalComm` for a single process (no collective at all).
 
@@ -44,7 +46,8 @@ import numpy as np
 from . import wire
 from .env import DEFAULT_TIMEOUT_S
 from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
-from .storeplane import StorePlane, poll
+from .nodeplane import NodeStorePlane
+from .storeplane import poll
 from .wire import MalformedMessage
 
 __all__ = ["CollectiveTimeout", "PeerFailed", "ControlPlaneLost", "MalformedMessage", "Communicator", "ControlPlane",
@@ -184,16 +187,19 @@ def control_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
-class TorchComm(StorePlane):
+class TorchComm(NodeStorePlane):
     """The control plane of a ``torch.distributed`` job: collectives and posts through its rendezvous store
-    (:class:`~disttune.storeplane.StorePlane`; its module doc gives the protocol and its cost).
+    (:class:`~disttune.storeplane.StorePlane`; its module doc gives the protocol and its cost), through a store
+    per node first in jobs of many ranks over several nodes (:mod:`disttune.nodeplane`).
 
     ``group``: a process group (default: the whole job); its ranks name the keys, so two groups over the
     same ranks share them (their tuners' channels tell them apart). ``store``: default
-    :func:`control_store`, kept by reference, so it outlives an aborted process group.
+    :func:`control_store`, kept by reference, so it outlives an aborted process group. ``node``: this rank's
+    node (default ``$DISTTUNE_NODE``, else the host name).
     """
 
-    def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, store: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, store: Any = None,
+                 node: Optional[str] = None) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -208,7 +214,7 @@ class TorchComm(StorePlane):
         self.backend = str(dist.get_backend(group))
         prefix = "disttune/" + ("all" if group is None else ",".join(map(str, self.ranks)))
         super().__init__(store if store is not None else control_store(), dist.get_rank(group), world_size, prefix,
-                         timeout_s)
+                         timeout_s, node)
 
     def describe(self) -> str:
         return f"torch.distributed ({self.backend}, {self.world_size} ranks; control plane: the rendezvous store)"

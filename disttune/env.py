@@ -16,6 +16,8 @@ everywhere and a bad value is one clear error:
   gaps are filled by asking MPI through mpi4py;
 * :func:`local_rank` / :func:`local_world_size`: the same variables, read without starting anything
   (the tuners use them to share compiles and store writes among the ranks of a node);
+* :func:`node_name`: the node a rank runs on (``$DISTTUNE_NODE``, else the host name), for the control
+  plane's node stores;
 * :func:`log_dir`, :func:`environ_with_log_dir`: where the rank logs go, and a child process's
   environment that sends them elsewhere;
 * the store's (and the user cache root it falls back on), the progress bar's, the Triton warm-up's, the compile
@@ -35,8 +37,8 @@ from typing import Any, Literal, Mapping, Optional
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DistEnvError", "LaunchEnv", "always_tune", "cache_dir", "detect", "environ_with_log_dir",
-    "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "pinned_table", "poison_buffers",
-    "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
+    "interpreting", "local_rank", "local_world_size", "log_dir", "mpi_comm_world", "node_name", "pinned_table",
+    "poison_buffers", "progress_enabled", "sweep_table", "verify_threshold_text", "timeout_s", "triton_prints_autotuning", "xdg_cache_home", "warm_up_enabled",
     "compile_overlap", "timeout_or_error", "tuning_settings", "run_id", "check_settings", "setting_error", "launcher_rank",
     "traceback_requested", "settings_checked",
 ]
@@ -53,6 +55,7 @@ PROGRESS = "DISTTUNE_PROGRESS"
 WARM_UP = "DISTTUNE_WARM_UP"
 COMPILE_OVERLAP = "DISTTUNE_COMPILE_OVERLAP"
 MOE_POISON = "DISTTUNE_MOE_POISON"
+NODE = "DISTTUNE_NODE"
 
 
 class DistEnvError(RuntimeError, ValueError):
@@ -100,7 +103,7 @@ SETTINGS_CHECKED = "DISTTUNE_SETTINGS_CHECKED"
 
 #: Every DISTTUNE_* variable disttune reads, and the test suite's DISTTUNE_REQUIRE_MPI.
 KNOWN = (TIMEOUT, CACHE_DIR, LOG_DIR, ALWAYS_TUNE, PINNED, PROGRESS, WARM_UP, COMPILE_OVERLAP, MOE_POISON,
-         TRACEBACK, SETTINGS_CHECKED, "DISTTUNE_VERIFY", "DISTTUNE_VERIFY_CPU", "DISTTUNE_SWEEP_TABLE",
+         NODE, TRACEBACK, SETTINGS_CHECKED, "DISTTUNE_VERIFY", "DISTTUNE_VERIFY_CPU", "DISTTUNE_SWEEP_TABLE",
          "DISTTUNE_DEMO_ERRORS", "DISTTUNE_REQUIRE_MPI")
 
 
@@ -253,6 +256,14 @@ def triton_prints_autotuning() -> bool:
 def cuda_devices_narrowed() -> bool:
     """Whether ``CUDA_VISIBLE_DEVICES`` narrows CUDA's view (then CUDA's device numbers are not NVML's)."""
     return bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def node_name(node: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> str:
+    """The name of the node this rank runs on: ``node`` else ``$DISTTUNE_NODE`` else the host name. Ranks that give
+    the same name share a node store (:mod:`disttune.nodeplane`); a simulation names its nodes here."""
+    import socket
+
+    return node or environ.get(NODE) or socket.gethostname()
 
 
 def poison_buffers() -> bool:

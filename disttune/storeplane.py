@@ -53,7 +53,7 @@ from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
 from .wire import MalformedMessage
 
 __all__ = ["PLANE", "POST_POLL_S", "PlaneStore", "poll", "read_now", "ending_record", "raise_ending", "WaitWatch", "wait_watch",
-           "Collective", "StorePosts", "StorePlane"]
+           "read_when_set", "delete_keys", "Collective", "StorePosts", "StorePlane"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -71,7 +71,8 @@ SPARE_CONNECTIONS = 2
 _ABSENT = "\x00disttune: absent"
 #: The first byte of a collective's ``k``: its result follows, or an ending (a rank left).
 RESULT, ENDED = b"R", b"E"
-_ENDINGS = {"CollectiveTimeout": CollectiveTimeout, "PeerFailed": PeerFailed, "MalformedMessage": MalformedMessage}
+_ENDINGS = {"CollectiveTimeout": CollectiveTimeout, "PeerFailed": PeerFailed, "MalformedMessage": MalformedMessage,
+            "ControlPlaneLost": ControlPlaneLost}
 
 
 class StoreLost:
@@ -79,8 +80,13 @@ class StoreLost:
     request that finds it so marks it, and no connection tries the dead host again. ``reason``: torch's, kept
     out of the error's text (each connection words it differently, and every rank must raise the same text)."""
 
-    def __init__(self) -> None:
+    #: What a request to the rendezvous store raises once its host is gone.
+    RENDEZVOUS = ("disttune: the rendezvous store is unreachable: its host is gone (torchrun's agent, or rank 0 when "
+                  "the job was started without torchrun)")
+
+    def __init__(self, message: str = RENDEZVOUS) -> None:
         self.reason: Optional[str] = None
+        self.message = message
 
 
 class PlaneStore:
@@ -109,8 +115,7 @@ class PlaneStore:
                     return operation(*args)
                 except DistNetworkError as err:
                     self.lost.reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ControlPlaneLost("disttune: the rendezvous store is unreachable: its host is gone (torchrun's agent, "
-                               "or rank 0 when the job was started without torchrun)")
+        raise ControlPlaneLost(self.lost.message)
 
 
 def poll(ready: Callable[[], bool], deadline: Optional[float], on_timeout: Callable[[], Exception],
@@ -307,7 +312,7 @@ def _state(store: Any) -> _PlaneState:
         return _STATES[store]
 
 
-def _read_when_set(store: Any, key: str) -> bytes:
+def read_when_set(store: Any, key: str) -> bytes:
     """Poll ``key`` until it is set (for a store that gives a wait no connection of its own)."""
     pause = 0.0
     while (value := read_now(store, key)) is None:
@@ -570,18 +575,25 @@ class StorePlane(StorePosts):
                channel: Optional[str] = None) -> Callable[[], bytes]:
         """Arrive at the channel's next collective with ``payload``; returns the function that waits for its result.
         The last arriver combines the payloads (``combine``; None: a barrier) and deletes what is done with."""
-        channel = channel or self._channel or PLANE
+        channel, seq, retired = self._take_sequence(channel)
         shared = self._shared
-        with shared.lock:
-            seq = shared.sequences[(self.prefix, channel)]
-            shared.sequences[(self.prefix, channel)] += 1
-            retired, shared.retired = shared.retired, []
         collective = Collective(self.store, self._key(channel, "c", seq), self.rank, self.world_size)
         if not collective.arrive(payload):
             return lambda: self._outcome(self._wait(collective, step), step)
         standing = collective.settle(self._completed(collective, combine, step))
         shared.delete_later(retired + (Collective.keys_at(self._key(channel, "c", seq - 1)) if seq else []))
         return lambda: self._outcome(standing, step)
+
+    def _take_sequence(self, channel: Optional[str]) -> tuple[str, int, list[str]]:
+        """The channel a collective runs on (``channel``, else the watched one, else :data:`PLANE`), its number on
+        it, and the retired keys this process's next last arriver deletes (taken: the caller deletes them)."""
+        channel = channel or self._channel or PLANE
+        shared = self._shared
+        with shared.lock:
+            seq = shared.sequences[(self.prefix, channel)]
+            shared.sequences[(self.prefix, channel)] += 1
+            retired, shared.retired = shared.retired, []
+        return channel, seq, retired
 
     def _completed(self, collective: Collective, combine: Optional[Callable[[list[bytes]], bytes]], step: str) -> bytes:
         """What the last arriver sets: the combined result, or the error combining met (raised on every rank)."""
@@ -616,7 +628,7 @@ class StorePlane(StorePosts):
         try:
             connection = shared.connection()
             if connection is None:
-                return _read_when_set(self.store, collective.result)
+                return read_when_set(self.store, collective.result)
             return bytes(connection.get(collective.result))
         except ControlPlaneLost:  # the store's host is gone: no wait can end any more
             connection = None  # (a dead connection is not kept for the next wait)

@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "disttune"
 LAYERS = [
     ["env", "errors", "configs", "wire", "files", "phases", "intercept"],
     ["timing", "storeplane", "device", "logs", "sites", "space", "triton_launch", "warmup"],
+    ["nodeplane"],
     ["comm"],
     ["objective", "search", "checks", "ending", "store", "compile", "unseen", "diagnostics", "benchmark", "startup"],
     ["agreement", "handlers", "verify", "console", "dist"],

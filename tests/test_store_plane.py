@@ -3,61 +3,35 @@ client of one server, each running its own :class:`~disttune.storeplane.StorePla
 
 Protocol, not speed (``bench/control_plane_scale.py`` measures that): every rank gets every value, a rank that
 never arrives is named on every rank, a post ends every waiting rank, and the store keeps a bounded number of keys.
-Every test joins its rank threads within :data:`WALL_S`: a hang fails it.
+Every test joins its rank threads within :data:`simulated_ranks.WALL_S`: a hang fails it.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
+import simulated_ranks
 from disttune.errors import CollectiveTimeout, PeerFailed
 from disttune.storeplane import StorePlane
 
 WORLD = 64
-WALL_S = 90.0
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One TCPStore server (listening on IPv4 only) and one client per simulated rank."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4 * WORLD)
-    port = listener.getsockname()[1]
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
-    with ThreadPoolExecutor(16) as pool:
-        clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False), range(WORLD)))
-    yield server, clients
-    listener.close()
+    """One TCPStore server and one client per simulated rank."""
+    yield from simulated_ranks.store_and_clients(WORLD)
 
 
 def on_every_rank(cluster, job: Callable[[int, StorePlane], Any], prefix: str, timeout_s: float = 60.0) -> list[Any]:
     """``job(rank, plane)`` on every simulated rank at once; what each returned (or raised), in rank order."""
     _, clients = cluster
-    results: list[Any] = [None] * WORLD
-
-    def rank(r: int) -> None:
-        try:
-            results[r] = job(r, StorePlane(clients[r], r, WORLD, prefix=prefix, timeout_s=timeout_s))
-        except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
-            results[r] = err
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(WORLD)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + WALL_S
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    assert not any(thread.is_alive() for thread in threads), f"ranks still waiting after {WALL_S} s: a hang"
-    return results
+    return simulated_ranks.on_every_rank(
+        WORLD, lambda r: job(r, StorePlane(clients[r], r, WORLD, prefix=prefix, timeout_s=timeout_s)))
 
 
 def test_every_rank_gets_every_value(cluster):
