@@ -314,7 +314,7 @@ def _span(shape: Sequence[int], stride: Sequence[int]) -> int:
 def prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait=None, tile_order="expert_bands"):
     """Validate a grouped-GEMM call; returns (out, kernel args up to TOP_K, strides, constexpr kwargs).
 
-    ``wait``: ``(flags, epoch)`` for a rank-stacked routing whose tokens are still arriving.
+    ``wait``: ``(flags, epoch)`` for a routing of several ranks' tokens (rank-stacked or gathered) still arriving.
     The host launchers always run the persistent, flattened tile loop (``PERSISTENT=FLATTEN=True``).
     The checks and the constexprs depend only on the call's layout (shapes, strides, dtypes, devices,
     alignment, modes), so they run once per layout and are kept (up to 256 layouts); a call with a
@@ -417,7 +417,8 @@ def _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, 
         if _span(shape, stride) > _INT32_MAX:
             raise ValueError(f"{where}: {name} spans more than 2**31-1 elements; the kernel uses 32-bit offsets")
     if wait is not None and not routing.rank_tokens:
-        raise ValueError(f"{where}: waiting on arrival flags needs a rank-stacked routing (moe_align_stacked)")
+        raise ValueError(f"{where}: waiting on arrival flags needs a routing of several ranks' tokens "
+                         "(moe_align_stacked or moe_align_gathered)")
     elem = a.element_size()
     a_tma = a_mode == 2 and _descriptor_ready(a, a_stride, 1, elem)
     b_tma = _weight_layout(w, w_stride, elem)
@@ -480,7 +481,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
     For a rank-stacked routing (:func:`moe_align_stacked`, used by :func:`ag_moe`): tiles are
     walked from group ``first_group`` on, and with ``wait=(flags, epoch)`` a tile of source rank
     ``r`` spins until ``flags[r] >= epoch`` before reading A (tokens pushed by
-    ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the kernel never ends).
+    ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the kernel never ends). For a
+    gathered routing (:func:`moe_align_gathered`) a tile spins on the flag of every rank whose tokens it reads.
 
     ``tile_order`` (one of :data:`TILE_ORDERS`) chooses the order in which programs walk the tiles.
     """

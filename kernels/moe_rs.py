@@ -7,7 +7,7 @@ while the next destination's chunk computes. Cost: one GEMM launch and one ``dis
 with tokens; a signature's first call adds one small all-gather and a host sync (the cross-rank input check).
 
 :func:`moe_rs_stacked` is the form ``kernels.moe.tp_moe_layer`` runs: one GEMM launch over every
-destination's rows (the rank-stacked routing :func:`~kernels.moe_ag.ag_moe` returns), one top-k sum and
+destination's rows (the routing :func:`~kernels.moe_ag.ag_moe` returns, rank-stacked or gathered), one top-k sum and
 one reduce-scatter. It hides no communication, but its host cost does not grow with the ranks.
 """
 
@@ -128,8 +128,8 @@ def _moe_rs_signature(h, routings, topk_weights, w) -> tuple[tuple, dict]:
 
 def moe_rs_stacked(h: torch.Tensor, routing: MoeRouting, topk_weights: Optional[torch.Tensor], w: torch.Tensor, *,
                    group=None, kernel=None, bucket: Callable[[int], int] = next_power_of_2) -> torch.Tensor:
-    """MoE-ReduceScatter over a rank-stacked routing, for inputs the ranks have agreed on: one GEMM launch,
-    one top-k sum, one reduction. Returns this rank's ``[T_rank, H]``, as :func:`moe_rs` does.
+    """MoE-ReduceScatter over every rank's rows of ``ag_moe``'s routing, for inputs the ranks have agreed on: one
+    GEMM launch, one top-k sum, one reduction. Returns this rank's ``[T_rank, H]``, as :func:`moe_rs` does.
 
     ``h [sum_r T_r * top_k, K]`` in ``routing``'s sorted order (``ag_moe(...).out`` after the activation),
     ``routing`` rank-stacked or gathered (``ag_moe(...).routing``), ``topk_weights [sum_r T_r, top_k]`` in
