@@ -104,12 +104,16 @@ def case_layer(ctx: Ranks) -> dict:
         # MoE-RS on the activation, and the whole layer, against the full-weight reference
         rs = moe.moe_rs(moe.silu_and_mul(ag.out), ag.routings, ag.topk_weights, p["w_d_local"], kernel=kernel)
         ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
+        # the one-launch MoE-RS over the rank-stacked routing (the layer below groups these rows per expert)
+        rs_stacked = moe.moe_rs_stacked(moe.silu_and_mul(ag.out), ag.routing, ag.topk_weights, p["w_d_local"],
+                                        kernel=kernel)
         layer = moe.tp_moe_layer(x, ids, wts, p["w_gu_local"], p["w_d_local"], kernel=kernel,
                                  tokens_per_rank=tokens)
         checks.append({"E": E, "k": k, "tokens": tokens, "ag_err": ag_err, "gathered_ok": gathered_ok,
                        "expert_err": expert_err, "chunk_refused": chunk_refused,
                        "layer_layout": moe.layout_for(tokens, k, E),
-                       "rs_err": rel_error(rs, ref), "layer_err": rel_error(layer, ref),
+                       "rs_err": rel_error(rs, ref), "rs_stacked_err": rel_error(rs_stacked, ref),
+                       "layer_err": rel_error(layer, ref),
                        "shape_ok": tuple(layer.shape) == (tokens[ctx.rank], H)})
     return {"checks": checks}
 

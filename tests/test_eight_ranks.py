@@ -36,5 +36,5 @@ def test_moe_layer_on_eight_ranks(tmp_path):
         assert record["ok"], failure(record)
         for check in record["checks"]:
             assert check["gathered_ok"] and check["shape_ok"] and check["chunk_refused"], (rank, check)
-            for name in ("ag_err", "expert_err", "rs_err", "layer_err"):
+            for name in ("ag_err", "expert_err", "rs_err", "rs_stacked_err", "layer_err"):
                 assert check[name] < 2e-2, (rank, name, check)

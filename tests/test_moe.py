@@ -410,7 +410,7 @@ def _check_layer(per_rank):
             assert check["gathered_ok"], f"rank {rank}: gathered routing differs ({check})"
             assert check["shape_ok"], f"rank {rank}: {check}"
             assert check["chunk_refused"], f"rank {rank}: chunk() of an expert-grouped gather should raise"
-            for name in ("ag_err", "expert_err", "rs_err", "layer_err"):
+            for name in ("ag_err", "expert_err", "rs_err", "rs_stacked_err", "layer_err"):
                 assert check[name] < 2e-2, f"rank {rank} E={check['E']} k={check['k']}: {name}={check[name]}"
         assert [(c["E"], c["k"]) for c in value["checks"]] == [(8, 2), (64, 6), (8, 2)]
         # the layer groups these few rows per expert: its result above checks that grouping
