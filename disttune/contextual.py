@@ -38,6 +38,7 @@ from .comm import Communicator, global_rank, make_communicator
 from .compile import CompilePool, compile_share, default_compile_threads
 from .configs import config_text
 from .fast_path import FastPlan
+from .graphs import StepGraphs
 from .handlers import Discover
 from .intercept import active_handler, close_scope, open_scope
 from .logs import RankLog
@@ -235,6 +236,8 @@ class ContextualAutotuner:
         self._new_keys: Optional[NewKeys] = None  # keys met after tuning (see disttune.unseen)
         self._saved_call: Optional[tuple[int, tuple, dict]] = None  # (position, args, kwargs) of a call that met one
         self._votes: Optional[NewKeyVotes] = None  # the agreement points on new keys
+        # after tuning, each call signature's second call is captured in a CUDA graph and later ones replay it
+        self._graphs = StepGraphs(self.__qualname__) if self.options.cuda_graph else None
         # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
         # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
         self.__dict__ = dict(self.__dict__)
@@ -245,6 +248,11 @@ class ContextualAutotuner:
     @property
     def tuned(self) -> bool:
         return self._tuned
+
+    @property
+    def graphs(self) -> Optional[StepGraphs]:
+        """The CUDA graphs of this step with ``cuda_graph=True`` (``captures`` and ``replays`` count them), else None."""
+        return self._graphs
 
     @property
     def known_sites(self) -> dict[SiteId, Site]:
@@ -258,6 +266,8 @@ class ContextualAutotuner:
         self._plan = None
         self._known_sites, self._known_winners, self._new_keys, self._saved_call = {}, {}, None, None
         self._votes = None
+        if self._graphs is not None:
+            self._graphs.clear()
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -283,32 +293,38 @@ class ContextualAutotuner:
             # Nested inside another wrapped call: its kernels are that call's sites.
             return self.fn(*args, **kwargs)
         if self._tuned:
-            # The fast path, inlined (it is what every call after tuning costs): a spare handler (list.pop
-            # and append are atomic, so threads never share one), the bare scope pair, the planned launches.
             plan = self._plan
-            try:
-                handler = plan.spare.pop()  # type: ignore[union-attr]
-            except IndexError:
-                handler = plan.new_handler()  # type: ignore[union-attr]
-            token = open_scope(handler)
-            try:
-                result = self.fn(*args, **kwargs)
-            finally:
-                close_scope(token)
-            if handler.following:  # it followed the learned launch sequence: ready as it is for the next call
-                handler.position = 0
-                plan.spare.append(handler)  # type: ignore[union-attr]
-            else:
-                stale = plan.finish(handler)  # type: ignore[union-attr]
-                if stale:
-                    self._went_stale(stale)
-                elif plan.unseen is not None and plan.unseen.met_in_call:  # type: ignore[union-attr]
-                    self._met_new_key(plan, args, kwargs)
+            graphs = self._graphs
+            result = self._launch_winners(args, kwargs) if graphs is None else graphs(self._launch_winners, args, kwargs)
             plan.countdown -= 1  # type: ignore[union-attr]
             if not plan.countdown:  # type: ignore[union-attr]
                 self._agree_on_new_keys()
             return result
         return self.tuning_call(args, kwargs)
+
+    def _launch_winners(self, args: tuple, kwargs: dict) -> Any:
+        """One run of the function on the fast path (what every call after tuning costs): a spare handler
+        (list.pop and append are atomic, so threads never share one), the bare scope pair, the planned launches."""
+        plan = self._plan
+        try:
+            handler = plan.spare.pop()  # type: ignore[union-attr]
+        except IndexError:
+            handler = plan.new_handler()  # type: ignore[union-attr]
+        token = open_scope(handler)
+        try:
+            result = self.fn(*args, **kwargs)
+        finally:
+            close_scope(token)
+        if handler.following:  # it followed the learned launch sequence: ready as it is for the next call
+            handler.position = 0
+            plan.spare.append(handler)  # type: ignore[union-attr]
+        else:
+            stale = plan.finish(handler)  # type: ignore[union-attr]
+            if stale:
+                self._went_stale(stale)
+            elif plan.unseen is not None and plan.unseen.met_in_call:  # type: ignore[union-attr]
+                self._met_new_key(plan, args, kwargs)
+        return result
 
     def tuning_call(self, args: tuple, kwargs: dict, verbose: bool = True) -> Any:
         """One tuning call with ``args`` and ``kwargs`` (what the first call makes): the pipeline's steps, then the
@@ -319,6 +335,9 @@ class ContextualAutotuner:
         o, comm = self.options, call.comm
         self.report = call.report
         self._tuned = True
+        if self._graphs is not None:  # graphs of earlier winners are stale; this call was the signature's first
+            self._graphs.clear()
+            self._graphs.seen(args, kwargs)
         if call.verbose and comm.rank == 0:
             console.print_summary(self.__qualname__, self.report, o.reduce, call.log.path)  # type: ignore[union-attr]
         if env.triton_prints_autotuning():
@@ -486,6 +505,13 @@ def contextual_autotune(
     energy counter where ``pynvml`` imports, at the cost of a device synchronisation and two NVML reads
     per timed launch; nothing beside the time on the CPU), every measurement agreed over the ranks
     (:mod:`disttune.objective`).
+
+    ``cuda_graph`` (default False; GPUs only, a ValueError elsewhere): after tuning, each argument signature's
+    second call is captured in a CUDA graph with the winners and every later call replays it, copying its tensor
+    arguments in and returning clones of the results (:mod:`disttune.graphs`): a few µs of host per call, where
+    an eager step pays every launch and collective. The function must be capturable (no host synchronization;
+    the tensors it reads are arguments or keep their address) and the process groups it uses must be destroyed
+    after its graphs (``disttune.dist.destroy`` and the exit handler see to it). A later tuning drops the graphs.
     """
 
     def decorate(fn: F) -> F:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from . import device, startup
+from . import device, graphs, startup
 from .comm import control_store
 from .ending import abort_process_groups
 from .env import DistEnvError, LaunchEnv, Launcher, check_mpi_agrees, detect, mpi_comm_world
@@ -263,12 +263,15 @@ def destroy() -> None:
     """Destroy the default process group if it exists (frees communicators; no collective).
 
     Waits up to :data:`DRAIN_AT_EXIT_S` for this GPU's queued work (polled); a GPU still busy then
-    (stuck behind a collective a peer never entered) has its group aborted instead, which cannot hang."""
+    (stuck behind a collective a peer never entered) has its group aborted instead, which cannot hang.
+    The CUDA graphs of tuned steps (``contextual_autotune(cuda_graph=True)``) are dropped first: NCCL cannot
+    destroy a communicator that a live graph still uses."""
     global _INFO, _STORE
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         if device.drained(DRAIN_AT_EXIT_S):
+            graphs.release_all()
             dist.destroy_process_group()
         else:
             abort_process_groups()

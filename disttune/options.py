@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any, Callable, Iterable, Optional, Union
 
-from . import env
+from . import env, graphs
 from .agreement import REDUCERS
 from .checks import CheckSpec, check_spec
 from .comm import is_comm
@@ -126,6 +126,7 @@ class Options:
     flush_l2: bool = False
     check: CheckSpec = None
     probe: Optional[Probe] = None
+    cuda_graph: bool = False
     tuner: str = "contextual"
     env_error: Optional[Exception] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -169,6 +170,11 @@ class Options:
         check_path("pinned", self.pinned)
         set_("pinned", self.pinned or env.pinned_table())
         set_("compile_split", bool(self.compile_split))
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"disttune: cuda_graph must be True or False, got {self.cuda_graph!r}")
+        if self.cuda_graph and graphs.why_unavailable():
+            raise ValueError(f"disttune: cuda_graph=True, but {graphs.why_unavailable()}; pass "
+                             "cuda_graph=torch.cuda.is_available() to replay only where there is a GPU")
 
     def objective_text(self) -> str:
         """``objective`` as text: what the consensus compares and what keeps winners of one score apart in the store."""

@@ -357,6 +357,19 @@ def case_graph(ctx: Ranks) -> dict:
     torch.cuda.synchronize()
     result.update(captured=True, replays=errors,
                   flags_left_set=int(moe_ag.token_pusher(None, True).arrival_flags.count_nonzero()))
+
+    @disttune.contextual_autotune(**tuner_options(ctx, "graph_replayed"), cuda_graph=True)
+    def replayed(x_in, ids_in, wts_in) -> torch.Tensor:
+        return moe.tp_moe_layer(x_in, ids_in, wts_in, p["w_gu_local"], p["w_d_local"], kernel=kernel,
+                                tokens_per_rank=tokens, check_ids=False, graph_safe=True)
+
+    wrapped_errors = []  # tuned, then captured, then replayed on fresh inputs passed as arguments
+    for call in range(4):
+        q = full_problem(ctx, tokens, E, k, H, I, seed=1600 + 10 * call)
+        out = replayed(*(q[n][q["mine"]] for n in ("x", "ids", "weights")))
+        ref = moe.moe_mlp_reference(q["x"], q["ids"], q["weights"], p["w_gate_up"], p["w_down"])[q["mine"]]
+        wrapped_errors.append(rel_error(out, ref))
+    result.update(wrapped_errors=wrapped_errors, wrapped_graphs=(replayed.graphs.captures, replayed.graphs.replays))
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             ag(False)

@@ -514,6 +514,8 @@ def _check_graph(per_rank, must_capture: bool):
             assert replay["ag_equal"], f"rank {rank} replay {i}: the replayed ag_moe differs from the eager one"
         assert "pass graph_safe=True" in value["unsafe_capture"], value["unsafe_capture"]
         assert value["flags_left_set"] == 0, "finish should clear every arrival flag a replay set"
+        assert value["wrapped_graphs"] == [1, 3], f"rank {rank}: cuda_graph=True should capture once, then replay"
+        assert max(value["wrapped_errors"]) < 2e-2, f"rank {rank}: the replayed wrapper's results {value}"
         assert "captured in a CUDA graph but is not tuned" in value["untuned_capture"], value["untuned_capture"]
         for name, message in zip(("AllGatherGEMM", "GemmReduceScatter"), value["refused_ops"]):
             assert message.startswith(f"{name} cannot be captured in a CUDA graph") and "epoch" in message, message

@@ -1,0 +1,121 @@
+"""CUDA graphs of a tuned step (``disttune.graphs``, ``contextual_autotune(cuda_graph=True)``): which call runs
+eagerly, which captures, which replays, and what a replay returns.
+
+Without a GPU the capture is played by ``ReplayByRerun``: its "replay" runs the captured step again on the
+graph's own inputs and copies the results into the captured outputs, as a graph's replay writes them in place.
+So a test sees stale results if a call's tensors were not copied into the graph's inputs, or if a result
+aliased the graph's outputs. The real capture runs in the GPU tests (``tests/test_moe.py``, the graph case).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+import disttune
+from disttune import graphs
+from disttune.graphs import StepGraphs
+from tiny_kernels import DEV, launch_add, make_kernel, tuner
+
+
+class ReplayByRerun:
+    """Stands in for CUDA graph capture where there is no GPU (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def __call__(self, step):
+        self.captured += 1
+        outputs = step()
+
+        def replay() -> None:
+            for mine, fresh in zip(tree_leaves(outputs), tree_leaves(step())):
+                if isinstance(mine, torch.Tensor):
+                    mine.copy_(fresh)
+
+        return replay, outputs
+
+
+def eager(args, kwargs):
+    x, = args
+    return {"doubled": x * 2, "scale": kwargs.get("scale", 1)}
+
+
+def test_first_call_runs_second_captures_later_ones_replay_on_their_own_inputs():
+    step_graphs = StepGraphs("step", capture=ReplayByRerun())
+    outs = [step_graphs(eager, (torch.full((4,), float(i)),), {"scale": 3}) for i in range(4)]
+    assert [out["doubled"].tolist() for out in outs] == [[2.0 * i] * 4 for i in range(4)]
+    assert (step_graphs.captures, step_graphs.replays, len(step_graphs)) == (1, 3, 1)
+    assert outs[2]["doubled"].data_ptr() != outs[3]["doubled"].data_ptr(), "results are clones, not the graph's"
+    assert all(out["scale"] == 3 for out in outs)
+
+
+def test_each_signature_gets_its_own_graph_and_unhashable_arguments_run_eagerly():
+    step_graphs = StepGraphs("step", capture=ReplayByRerun(), capacity=2)
+    for _ in range(3):
+        for shape in ((4,), (8,), (2, 2)):  # three signatures, room for two: each is dropped before its replay
+            step_graphs(eager, (torch.ones(shape),), {})
+    assert step_graphs.replays == 0 and len(step_graphs) <= 2
+    for _ in range(3):
+        step_graphs(eager, (torch.ones(4),), {})
+        step_graphs(eager, (torch.ones(4, dtype=torch.float64),), {})
+    assert step_graphs.replays == 2 * 2
+    unhashable = StepGraphs("step", capture=ReplayByRerun())
+    for _ in range(3):
+        out = unhashable(eager, (torch.ones(2),), {"scale": {1, 2}})  # a set: a leaf, not hashable
+        assert out["scale"] == {1, 2}
+    assert (unhashable.captures, unhashable.replays) == (0, 0)
+
+
+def test_a_capture_that_fails_says_what_a_replayed_step_must_not_do():
+    def syncing(step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    step_graphs = StepGraphs("layer_step", capture=syncing)
+    step_graphs(eager, (torch.ones(2),), {})
+    with pytest.raises(RuntimeError, match=r"capturing layer_step in a CUDA graph failed .*must not synchronize"):
+        step_graphs(eager, (torch.ones(2),), {})
+    assert len(step_graphs) == 0
+
+
+def test_cuda_graph_needs_a_gpu_and_a_bool(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels on the CPU, even where there is a GPU
+    with pytest.raises(ValueError, match="cuda_graph=True, but Triton runs in its interpreter"):
+        disttune.contextual_autotune(cuda_graph=True)(lambda: None)
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="cuda_graph=True, but there is no CUDA GPU here"):
+            disttune.contextual_autotune(cuda_graph=True)(lambda: None)
+    with pytest.raises(TypeError, match="cuda_graph must be True or False"):
+        disttune.contextual_autotune(cuda_graph="yes")(lambda: None)
+    with pytest.raises(TypeError, match="no option cuda_graph="):
+        disttune.autotune([{}], key_fn=lambda: 0, cuda_graph=True)(lambda: None)
+
+
+def test_the_wrapper_replays_its_winners_after_tuning_and_drops_its_graphs_when_it_tunes_again(tmp_path, monkeypatch):
+    capture = ReplayByRerun()
+    monkeypatch.setattr(graphs, "why_unavailable", lambda: "")
+    monkeypatch.setattr(graphs, "CudaGraphCapture", lambda: capture)
+    kernel = make_kernel(blocks=(16, 32))
+
+    @tuner(tmp_path, cuda_graph=True)
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    values = [torch.full((64,), float(i), device=DEV) for i in range(4)]
+    first = step(values[0])  # the tuning call: the signature's first call
+    block = step.report.results[0].config.kwargs["BLOCK"]
+    outs = [step(v) for v in values[1:]]
+    assert torch.equal(first, values[0] + block)
+    assert all(torch.equal(out, v + block) for out, v in zip(outs, values[1:]))
+    assert (step.graphs.captures, step.graphs.replays) == (1, 3)
+    step.retune()
+    assert len(step.graphs) == 0
+    report = step.report
+    step(values[0])
+    assert step.report is not report, "retune() makes the next call a tuning call"
+    step(values[1]), step(values[2])
+    assert (step.graphs.captures, step.graphs.replays) == (2, 5)
