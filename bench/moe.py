@@ -32,7 +32,9 @@ c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down)
    call itself: one call from idle each, interleaved round by round (``disttune.benchmark.interleaved``:
    median [low-high] and host ms per call, max over ranks). The bare rows launch a key's cached
    winner at every occurrence, the wrapped call each occurrence's own: the occurrences that differ
-   are listed (then the two run different kernels and the host column compares the calls).
+   are listed (then the two run different kernels and the host column compares the calls). On GPUs a
+   fourth row is the wrapped call with ``cuda_graph=True`` (tuned on a kernel of its own, then each call a
+   CUDA graph replay).
 
 Timing (``disttune.benchmark``): CUDA events around each call (the host clock on CPUs),
 ``--warmup`` calls then ``--iters`` samples (part c: ``--iters`` interleaved rounds), median;
@@ -42,9 +44,9 @@ each contender's host launch time to its GPU time). Rank 0 prints markdown table
 ``--out FILE``, appends one JSON line per contender (with device, versions and date) to FILE.
 
 Cost on GPUs, per shape: part a 9 contenders, part b 4 steps and their 4 parts (plus 4 CUDA
-graphs), part c 3 layer variants, each ``--warmup`` + ``--iters`` single calls and, where a
+graphs), part c 3 layer variants (4 on GPUs), each ``--warmup`` + ``--iters`` single calls and, where a
 steady state is reported, 3 + 10 x ``--iters`` / 3 back-to-back calls; plus stock tuning of the
-grouped GEMM (12 configs per key) and one contextual tuning of the layer.
+grouped GEMM (12 configs per key) and one contextual tuning of the layer (two on GPUs).
 """
 
 from __future__ import annotations
@@ -381,9 +383,9 @@ class Bench:
             ctx_kernel = moe.make_moe_kernel(self.configs)
             alone_kernel = moe.make_moe_kernel(self.configs)
 
-            def layer(kernel):
+            def layer(kernel, graph_safe: bool = False):
                 return moe.tp_moe_layer(p["x"], p["ids"], p["wts"], p["w_gu"], p["w_down"], kernel=kernel,
-                                        tokens_per_rank=p["tpr"], check_ids=False)
+                                        tokens_per_rank=p["tpr"], check_ids=False, graph_safe=graph_safe)
 
             @disttune.contextual_autotune(is_dist=True, n_warmup=2, n_repeat=3, verbose=False, store=False)
             def tuned_layer():
@@ -424,6 +426,16 @@ class Bench:
             contenders = {"layer, winners tuned alone (stock triton.autotune)": lambda: layer(alone_kernel),
                           "layer, contextual winners (disttune)": lambda: layer(ctx_kernel),
                           "layer, contextual (wrapped call)": tuned_layer}
+            if self.gpu:  # the wrapped call replayed from a CUDA graph: tuned anew, on a kernel of its own
+                replay_kernel = moe.make_moe_kernel(self.configs)
+
+                @disttune.contextual_autotune(is_dist=True, n_warmup=2, n_repeat=3, verbose=False, store=False,
+                                             cuda_graph=True)
+                def replayed_layer():
+                    return layer(replay_kernel, graph_safe=True)
+
+                replayed_layer()
+                contenders["layer, contextual, replayed (cuda_graph=True)"] = replayed_layer
             # one call from idle each, the contenders interleaved round by round: drift hits them alike
             spreads = benchmark.interleaved(contenders, rounds=self.o.iters, calls=1, warmup=self.o.warmup)
             for name, spread in spreads.items():

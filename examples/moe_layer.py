@@ -7,7 +7,10 @@ GEMM starts on the local ones), SiLU-gating in one launch, and ``moe_rs_stacked`
 destination's rows in one GEMM, then one reduce-scatter). ``contextual_autotune`` tunes
 its grouped-GEMM launches while that communication runs, and every rank agrees on the winners.
 Then the tuned layer is timed against the sequential form (all-gather the tokens, the same MoE MLP,
-then reduce-scatter), itself tuned in context with the same configs. Run it with
+then reduce-scatter), itself tuned in context with the same configs. On GPUs both steps are replayed
+from CUDA graphs after tuning (``cuda_graph=True``: the eager layer's dozen launches and collectives
+cost more host time than its GPU work), so the comparison is of the GPU work; ``--no-cuda-graph``
+compares them called eagerly. Run it with
 
     bash scripts/launch.sh --nproc_per_node=2 examples/moe_layer.py   # GPUs (NCCL) or CPUs (gloo)
 
@@ -46,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-warmup", type=int, default=2)
     parser.add_argument("--n-repeat", type=int, default=3)
     parser.add_argument("--samples", type=int, default=30, help="timing rounds of the tuned layer and the baseline")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=gpu,
+                        help="replay both steps from CUDA graphs after tuning (default on GPUs)")
     return parser.parse_args(argv)
 
 
@@ -75,13 +80,13 @@ def main() -> int:
 
     layer_kernel = moe.make_moe_kernel(configs)
 
-    @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat,
+    @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat, cuda_graph=o.cuda_graph,
                                  verbose=False)  # the table below says more
     def moe_layer_step() -> torch.Tensor:
         # every rank holds T/w tokens and the router's ids are trusted, as the sequential form below
-        # assumes too: no host sync for the token counts or the id range
+        # assumes too: no host sync for the token counts or the id range (so it can be captured)
         return moe.tp_moe_layer(x, ids, weights, w_gate_up, w_down, kernel=layer_kernel,
-                                tokens_per_rank=[T_r] * world, check_ids=False)
+                                tokens_per_rank=[T_r] * world, check_ids=False, graph_safe=o.cuda_graph)
 
     x_all = torch.empty(o.T, o.H, device=device, dtype=dtype)
     ids_all = torch.empty(o.T, o.top_k, device=device, dtype=ids.dtype)
@@ -95,7 +100,8 @@ def main() -> int:
         else:
             dist.all_gather(list(out.chunk(world)), inp)
 
-    @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat, verbose=False)
+    @disttune.contextual_autotune(is_dist=True, n_warmup=o.n_warmup, n_repeat=o.n_repeat, cuda_graph=o.cuda_graph,
+                                 verbose=False)
     def sequential_step() -> torch.Tensor:
         gather(x_all, x), gather(ids_all, ids), gather(weights_all, weights)
         partial = moe.moe_mlp(x_all, ids_all, weights_all, w_gate_up, w_down, kernel=sequential_kernel,
@@ -115,11 +121,13 @@ def main() -> int:
     reference = moe.moe_mlp_reference(x_all, ids_all, weights_all, w_gate_up, w_down).float()
     dist.all_reduce(reference)  # each rank's slice of the experts adds its part
     ok, worst = check_output(out, reference[rank * T_r:(rank + 1) * T_r], tolerance=2e-2)
-    timing = compare(moe_layer_step, sequential_step, "all-gather, MoE MLP, reduce-scatter (tuned alike)",
+    alike = "tuned alike" + (", replayed alike" if o.cuda_graph else "")
+    timing = compare(moe_layer_step, sequential_step, f"all-gather, MoE MLP, reduce-scatter ({alike})",
                      gpu, world, o.samples)
     where = torch.cuda.get_device_name() if gpu else "CPU, Triton interpreter"
     title = (f"TP MoE layer T={o.T} E={o.E} top-{o.top_k} H={o.H} I={o.I} {dtype} on {world} rank(s) "
-             f"({info.backend}, {where})")
+             f"({info.backend}, {where}; " + ("steps replayed from CUDA graphs" if o.cuda_graph else "eager steps")
+             + ")")
     return finish(title, moe_layer_step, tuning_s, timing, ok, worst)
 
 if __name__ == "__main__":
