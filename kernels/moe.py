@@ -19,6 +19,7 @@ The pieces they are built from live in their own modules and are re-exported her
 * ``kernels.moe_ag`` -- AllGather-MoE (:func:`ag_moe`);
 * ``kernels.moe_rs`` -- MoE-ReduceScatter (:func:`moe_rs`, per destination; :func:`moe_rs_stacked`, one launch);
 * ``kernels.moe_activation`` -- the SiLU gating between the two GEMMs (:func:`silu_and_mul`);
+* ``kernels.moe_combine`` -- each token's top-k expert outputs summed (:func:`topk_sum`);
 * ``kernels.moe_common`` -- the input checks and buffers they share.
 
 Every host function here is what a user wraps with ``disttune.contextual_autotune``.
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 from .matmul import gemm_config, interpreting, max_shared_memory, shared_memory_bytes  # noqa: F401
 from .moe_activation import silu_and_mul
 from .moe_ag import AG_MOE_LAYOUTS, AgMoeResult, ag_moe, ag_moe_for_caller, layout_for
-from .moe_common import POISON_ENV, check_device, check_float_tensor, topk_sum
+from .moe_combine import topk_sum
+from .moe_common import POISON_ENV, check_device, check_float_tensor
 from .moe_gemm import (
     A_ORDERS,
     CPU_MOE_CONFIGS,

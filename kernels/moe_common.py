@@ -1,7 +1,7 @@
 """What the MoE modules share: input checks, output buffers and the cross-rank signature's pieces.
 
 Every function here is a few Python operations on tensor metadata, except :func:`empty_buffer`
-(one allocation, NaN-filled when ``DISTTUNE_MOE_POISON=1``) and :func:`topk_sum` (one reduction).
+(one allocation, NaN-filled when ``DISTTUNE_MOE_POISON=1``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from disttune import env
 
 from .matmul import SUPPORTED_DTYPES, interpreting
 
-__all__ = ["POISON_ENV", "INTERPRETED", "empty_buffer", "check_float_tensor", "check_device", "topk_sum",
+__all__ = ["POISON_ENV", "INTERPRETED", "empty_buffer", "check_float_tensor", "check_device",
            "DTYPE_CODES", "shape_of", "dtype_code"]
 
 #: Whether Triton runs in the interpreter (read once at import, as ``triton.jit`` decides it for the
@@ -50,11 +50,6 @@ def check_device(where: str, ref: torch.Tensor, **tensors: Optional[torch.Tensor
     if ref.device.type != "cuda" and not INTERPRETED:
         raise ValueError(f"{where}: tensors are on {ref.device}; Triton needs CUDA tensors unless "
                          "TRITON_INTERPRET=1 was set before triton was imported")
-
-
-def topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``[T * k, N]`` in flat (token, choice) order summed over the choices: ``[T, N]``, fp32 sum."""
-    return y_flat.view(T, k, -1).sum(dim=1, dtype=torch.float32).to(dtype)
 
 
 #: Codes of the float dtypes in the cross-rank signature (0: no tensor, -1: not known).

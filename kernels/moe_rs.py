@@ -18,7 +18,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of, topk_sum
+from .moe_combine import topk_sum
+from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of
 from .moe_gemm import moe_gemm, next_power_of_2
 from .moe_routing import MoeRouting, check_routing
 from .symm import refuse_capture, uses_nccl

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
-from disttune.kernels import moe, moe_activation, moe_gemm  # noqa: E402
+from disttune.kernels import moe, moe_activation, moe_combine, moe_gemm  # noqa: E402
 from helpers import failure, run_cases  # noqa: E402
 from numerics import rel_error  # noqa: E402
 
@@ -289,6 +289,28 @@ def test_silu_and_mul_kernel_matches_the_torch_form(rows, half, strided):
     assert got.shape == (rows, half) and got.dtype == h.dtype
     if rows:
         assert rel_error(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, k, cols, strided", [(37, 2, 300, False), (9, 6, 40, True), (0, 3, 16, False)])
+def test_topk_sum_kernel_matches_the_torch_form(tokens, k, cols, strided, dtype, monkeypatch):
+    """The one-launch top-k sum (Triton, interpreted here) against the torch ops, in every dtype the layer takes,
+    on token counts and widths that are not multiples of its blocks, on rows that are not contiguous, and into a
+    NaN-filled output."""
+    monkeypatch.setenv(moe.POISON_ENV, "1")
+    g = torch.Generator().manual_seed(tokens + k + cols)
+    y = torch.randn(tokens * k, cols + (5 if strided else 0), generator=g).to(DEVICE, dtype)
+    if strided:
+        y = y[:, 5:]
+    got = moe_combine.topk_sum(y, tokens, k, dtype)
+    want = moe_combine.topk_sum_torch(y, tokens, k, dtype)
+    assert got.shape == (tokens, cols) and got.dtype == dtype
+    # the interpreter truncates fp32 to bf16 where a GPU rounds to nearest: one bf16 step (2**-8) apart
+    tolerance = 8e-3 if dtype == torch.bfloat16 and INTERPRET else 2e-3
+    if tokens:
+        assert not got.isnan().any() and rel_error(got, want) < tolerance
+    with pytest.raises(ValueError, match="must be"):
+        moe_combine.topk_sum(y, tokens + 1, k, dtype)
 
 
 @pytest.mark.parametrize("E,k,dtype", [(8, 2, torch.float16), (64, 6, torch.float32)])
