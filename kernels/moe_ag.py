@@ -225,7 +225,7 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     # 3. one GEMM over all ranks' tokens (own tokens first by rank); a tile of another rank's tokens waits for them
     if row_offsets[-1]:
         moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
-                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E if by_rank else 0,
+                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E,
                  wait=(pusher.arrival_flags, pusher.epoch) if pusher is not None else None)
     if pusher is not None:
         pusher.finish()

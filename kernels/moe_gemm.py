@@ -472,10 +472,12 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
     so every rank keys the same), else ``bucket(R)`` (next power of two).
 
     For a rank-stacked routing (:func:`moe_align_stacked`, used by :func:`ag_moe`): tiles are
-    walked from group ``first_group`` on, and with ``wait=(flags, epoch)`` a tile of source rank
-    ``r`` spins until ``flags[r] >= epoch`` before reading A (tokens pushed by
-    ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the kernel never ends). For a
-    gathered routing (:func:`moe_align_gathered`) a tile spins on the flag of every rank whose tokens it reads.
+    walked from group ``first_group`` on (``rank * E`` walks the launching rank's own tokens first), and
+    with ``wait=(flags, epoch)`` a tile of source rank ``r`` spins until ``flags[r] >= epoch`` before
+    reading A (tokens pushed by ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the
+    kernel never ends). For a gathered routing (:func:`moe_align_gathered`) a tile spins on the flag of
+    every rank whose tokens it reads, and ``first_group`` is ignored (its groups are experts over every
+    rank: the walk starts at the first), so callers pass ``rank * E`` for either routing.
 
     ``tile_order`` (one of :data:`TILE_ORDERS`) chooses the order in which programs walk the tiles.
     """
@@ -488,6 +490,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
         return out.zero_()
     rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
     kern = kernel if kernel is not None else moe_gemm_kernel
+    first_group = first_group if routing.by_rank else 0
     cached_launch.launch(kern, _grid(R, N, routing, meta["NUM_SMS"]),
                          (*args, rb, first_group, 0 if wait is None else wait[1], *strides), meta)
     return out
