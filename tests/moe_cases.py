@@ -396,6 +396,18 @@ def case_graph(ctx: Ranks) -> dict:
     return result
 
 
+def errors_of(scenarios: dict) -> dict:
+    """Run each scenario in turn: ``{name: "ErrorType: message"}``, or None for a scenario that raised nothing."""
+    raised = {}
+    for name, call in scenarios.items():
+        try:
+            call()
+            raised[name] = None
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            raised[name] = f"{type(err).__name__}: {err}"
+    return raised
+
+
 @cases.case
 def case_inconsistent(ctx: Ranks) -> dict:
     """Inputs valid on each rank but inconsistent across ranks, or bad on one rank only: every rank
@@ -438,13 +450,7 @@ def case_inconsistent(ctx: Ranks) -> dict:
                                                   kernel=kernel),
         "moe_rs local input": lambda: moe.moe_rs(g[:-1] if odd else g, routings, gathered_wts, w_d, kernel=kernel),
     }
-    raised = {}
-    for name, call in scenarios.items():
-        try:
-            call()
-            raised[name] = None
-        except Exception as err:  # noqa: BLE001 - recorded for the test
-            raised[name] = f"{type(err).__name__}: {err}"
+    raised = errors_of(scenarios)
     # the group still works: a valid call afterwards gives the right rows
     ag = moe.ag_moe(x, ids, w, topk_weights=wts, kernel=kernel)
     ref = moe.moe_gemm_reference(p["x"], p["ids"], w)
@@ -496,13 +502,7 @@ def case_cached_checks(ctx: Ranks) -> dict:
         "moe_rs_stacked local input": lambda: moe.moe_rs_stacked(g[:-1], ag.routing, ag.topk_weights, w_d,
                                                                  kernel=kernel),
     }
-    raised = {}
-    for name, call in scenarios.items():
-        try:
-            call()
-            raised[name] = None
-        except Exception as err:  # noqa: BLE001 - recorded for the test
-            raised[name] = f"{type(err).__name__}: {err}"
+    raised = errors_of(scenarios)
     errs.append(rel_error(layer(x, ids, w_d), ref))
     return {"first": first, "second": second, "raised": raised, "errs": errs}
 
