@@ -404,7 +404,7 @@ class Bench:
             # that are already set, so its key is the layer's and nothing waits)
             arrived = (torch.ones(self.world, dtype=torch.int32, device=self.device), 1) if self.gpu else None
             moe.moe_gemm(self._gathered_tokens(p), p["w_gu"], ag.routing, a_order="token", kernel=alone_kernel,
-                         rows_bucket=rows_bucket, first_group=self.rank * E if ag.routing.by_rank else 0, wait=arrived)
+                         rows_bucket=rows_bucket, first_group=self.rank * E, wait=arrived)
             # the down GEMM: one launch over every destination's rows, as in the layer
             moe.moe_gemm(g, p["w_down"], ag.routing, a_order="sorted", out_order="flat", weights=ag.topk_weights,
                          kernel=alone_kernel, rows_bucket=rows_bucket)

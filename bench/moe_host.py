@@ -99,7 +99,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
                                          kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),
-                                         first_group=rank * E if result.routing.by_rank else 0, wait=arrived),
+                                         first_group=rank * E, wait=arrived),
         "pusher": push,
     }
     samples = benchmark.host_and_wall_us(fns, calls=options.calls, rounds=options.rounds)

@@ -4,7 +4,7 @@ The layers:
 
 * :func:`moe_mlp` -- gate-up grouped GEMM (token-gathered A, sorted C), SiLU-gated product (one
   Triton launch), down grouped GEMM (sorted A, flat C, routing weight in the epilogue), top-k sum back to
-  ``[T, H]``: two GEMM launches and a few torch ops.
+  ``[T, H]`` (one Triton launch): four launches after the routing's torch ops.
 * :func:`tp_moe_layer` -- the tensor-parallel MoE MLP over ranks: :func:`ag_moe` (gate-up),
   SiLU-gating, :func:`moe_rs_stacked` (down, one launch). ``graph_safe=True`` makes it capturable
   in a CUDA graph.
@@ -19,6 +19,7 @@ The pieces they are built from live in their own modules and are re-exported her
 * ``kernels.moe_ag`` -- AllGather-MoE (:func:`ag_moe`);
 * ``kernels.moe_rs`` -- MoE-ReduceScatter (:func:`moe_rs`, per destination; :func:`moe_rs_stacked`, one launch);
 * ``kernels.moe_activation`` -- the SiLU gating between the two GEMMs (:func:`silu_and_mul`);
+* ``kernels.moe_combine`` -- each token's top-k expert outputs summed (:func:`topk_sum`);
 * ``kernels.moe_common`` -- the input checks and buffers they share.
 
 Every host function here is what a user wraps with ``disttune.contextual_autotune``.
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 from .matmul import gemm_config, interpreting, max_shared_memory, shared_memory_bytes  # noqa: F401
 from .moe_activation import silu_and_mul
 from .moe_ag import AG_MOE_LAYOUTS, AgMoeResult, ag_moe, ag_moe_for_caller, layout_for
-from .moe_common import POISON_ENV, check_device, check_float_tensor, topk_sum
+from .moe_combine import topk_sum
+from .moe_common import POISON_ENV, check_device, check_float_tensor
 from .moe_gemm import (
     A_ORDERS,
     CPU_MOE_CONFIGS,
@@ -122,8 +124,8 @@ def moe_mlp(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torc
 
     ``w_gate_up [E, H, 2I]`` (gate columns first), ``w_down [E, I, H]``; ``topk_weights``
     ``[T, top_k]`` or None (all ones). Two grouped GEMM launches (gate-up: token-gathered A,
-    sorted C; down: sorted A, flat C, weight in the epilogue) plus torch for routing,
-    SiLU-gating and the top-k sum. Returns ``[T, H]`` in x's dtype. ``check_ids=False`` skips
+    sorted C; down: sorted A, flat C, weight in the epilogue) plus the routing (torch), the
+    SiLU gating and the top-k sum (one Triton launch each). Returns ``[T, H]`` in x's dtype. ``check_ids=False`` skips
     the range check of the expert ids (one host sync on a GPU).
     """
     E = _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, "moe_mlp")
@@ -149,12 +151,14 @@ def tp_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional
     rows are grouped as ``ag_moe(layout="auto")`` picks: per expert over every rank where the ranks send
     each expert few rows, else per (rank, expert).
     """
-    # the MLP check runs with ag_moe's own, so a bad input on one rank is an error on every rank
+    # the MLP check runs with ag_moe's own, so a bad input on one rank is an error on every rank; both are
+    # skipped where the inputs' layout passed them before
     gathered = ag_moe_for_caller(x, topk_ids, w_gate_up, topk_weights=topk_weights, group=group,
                                  tokens_per_rank=tokens_per_rank, kernel=kernel, out=None, check_ids=check_ids,
                                  bucket=bucket, graph_safe=graph_safe, layout="auto", where="tp_moe_layer",
                                  extra_check=lambda: _check_mlp(x, topk_ids, topk_weights, w_gate_up, w_down,
-                                                                "tp_moe_layer"))
+                                                                "tp_moe_layer"),
+                                 extra_inputs=(w_down,))
     g = silu_and_mul(gathered.out)
     return moe_rs_stacked(g, gathered.routing, gathered.topk_weights, w_down, group=group, kernel=kernel,
                           bucket=bucket)

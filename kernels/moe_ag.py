@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of
+from .moe_common import (PassedChecks, check_device, check_float_tensor, dtype_code, empty_buffer, shape_of,
+                          tensor_layout)
 from .moe_gemm import moe_gemm, next_power_of_2
 from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, moe_align_stacked
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
@@ -165,53 +166,35 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
 def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, kernel, out, check_ids, bucket,
                       graph_safe, layout: str = "rank", where: str = "ag_moe",
-                      extra_check: Optional[Callable[[], None]] = None) -> AgMoeResult:
+                      extra_check: Optional[Callable[[], None]] = None,
+                      extra_inputs: Optional[tuple] = None) -> AgMoeResult:
     """:func:`ag_moe` on behalf of a caller named ``where`` in errors; ``extra_check`` (the caller's own
     input check, raising TypeError/ValueError) runs with the local checks, so its error too is raised on
-    every rank."""
+    every rank. ``extra_inputs``: the tensors ``extra_check`` reads besides this call's own.
+
+    The local checks and the cross-rank signature depend only on the inputs' layout (shapes, strides,
+    dtypes, devices, ``tokens_per_rank``, ``layout``, ``graph_safe``, ``check_ids``, the group's size and
+    this rank), so a call with the layout of an earlier call that passed them skips them: a few µs of
+    Python instead of tens. A call with ``extra_check`` but no ``extra_inputs`` is checked in full.
+    """
     info = group_info(group)
     rank, world = info.rank, info.world_size
     _check_graph_safe(where, graph_safe, tokens_per_rank, check_ids)
     given = None if tokens_per_rank is None else tuple(int(t) for t in tokens_per_rank)
-
-    def local_checks() -> None:
-        if extra_check is not None:
-            extra_check()
-        if layout not in AG_MOE_LAYOUTS:
-            raise ValueError(f"{where}: layout must be one of {AG_MOE_LAYOUTS}, got {layout!r}")
-        check_float_tensor(where, "x", x)
-        check_float_tensor(where, "w", w)
-        if x.dim() != 2 or w.dim() != 3:
-            raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
-        if x.shape[1] != w.shape[1]:
-            raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={w.shape[1]}, N]")
-        # expert ids are range-checked after the routing gather, on every rank's ids at once
-        check_token_routing(where, x, topk_ids, topk_weights, w.shape[0], check_range=False)
-        check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
-        if given is not None:
-            if len(given) != world:
-                raise ValueError(f"{where}: tokens_per_rank has {len(given)} entries but the group has {world} ranks")
-            if given[rank] != x.shape[0]:
-                raise ValueError(f"{where}: tokens_per_rank[{rank}] = {given[rank]} but this rank has "
-                                 f"{x.shape[0]} tokens")
-        if out is not None:
-            check_float_tensor(where, "out", out)
-            if out.dim() != 2 or out.shape[1] != w.shape[2]:
-                raise ValueError(f"{where}: out must be [sum of tokens over ranks * top_k, N={w.shape[2]}] "
-                                 f"(w's N), got {tuple(out.shape)}")
-            if given is not None and out.shape[0] != sum(given) * topk_ids.shape[1]:
-                raise ValueError(f"{where}: out has {out.shape[0]} rows, expected {sum(given) * topk_ids.shape[1]} "
-                                 "(sum of tokens over ranks * top_k)")
-
-    try:
-        local_checks()
-        local_error = None
-    except (TypeError, ValueError) as err:
-        local_error = err
+    key = _inputs_key(where, info, x, topk_ids, topk_weights, w, out, given, layout, graph_safe, check_ids,
+                      extra_check, extra_inputs)
     xs, ws, ids_s = shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)
-    signature = (xs[1] if xs else -1, ids_s[1] if ids_s else -1, ws[0] if ws else -1, dtype_code(x), dtype_code(w),
-                 dtype_code(topk_weights), int(graph_safe), int(layout == "expert"), int(given is not None),
-                 hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
+    signature, local_error = _passed_checks.get(key), None
+    if signature is None:
+        try:
+            _check_locally(where, rank, world, x, topk_ids, topk_weights, w, out, given, layout, extra_check)
+        except (TypeError, ValueError) as err:
+            local_error = err
+        signature = (xs[1] if xs else -1, ids_s[1] if ids_s else -1, ws[0] if ws else -1, dtype_code(x),
+                     dtype_code(w), dtype_code(topk_weights), int(graph_safe), int(layout == "expert"),
+                     int(given is not None), hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
+        if local_error is None:
+            _passed_checks.add(key, signature)
 
     def described() -> dict:  # for the error message only: not built on every call
         return {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
@@ -242,11 +225,62 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     # 3. one GEMM over all ranks' tokens (own tokens first by rank); a tile of another rank's tokens waits for them
     if row_offsets[-1]:
         moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
-                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E if by_rank else 0,
+                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E,
                  wait=(pusher.arrival_flags, pusher.epoch) if pusher is not None else None)
     if pusher is not None:
         pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
+
+
+#: Layouts of calls whose local checks passed, each with its cross-rank signature.
+_passed_checks = PassedChecks()
+
+
+def _inputs_key(where: str, info: GroupInfo, x, topk_ids, topk_weights, w, out, given: Optional[tuple], layout,
+                graph_safe, check_ids, extra_check, extra_inputs: Optional[tuple]) -> Optional[tuple]:
+    """Everything the local checks and the signature read, as a :class:`PassedChecks` key; None where an
+    argument is not what it should be (the checks then run and say what is wrong) or where ``extra_check``
+    reads tensors not named in ``extra_inputs``."""
+    if (extra_check is not None and extra_inputs is None) or layout not in AG_MOE_LAYOUTS:
+        return None
+    try:
+        return (where, info.rank, info.world_size, given, layout, bool(graph_safe), bool(check_ids),
+                tensor_layout(x), tensor_layout(topk_ids), tensor_layout(topk_weights), tensor_layout(w),
+                tensor_layout(out), *map(tensor_layout, extra_inputs or ()))
+    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a tensor without storage
+        return None
+
+
+def _check_locally(where: str, rank: int, world: int, x, topk_ids, topk_weights, w, out, given: Optional[tuple],
+                   layout: str, extra_check: Optional[Callable[[], None]]) -> None:
+    """ag_moe's local input checks (TypeError/ValueError): what one rank can tell about its own inputs."""
+    if extra_check is not None:
+        extra_check()
+    if layout not in AG_MOE_LAYOUTS:
+        raise ValueError(f"{where}: layout must be one of {AG_MOE_LAYOUTS}, got {layout!r}")
+    check_float_tensor(where, "x", x)
+    check_float_tensor(where, "w", w)
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={w.shape[1]}, N]")
+    # expert ids are range-checked after the routing gather, on every rank's ids at once
+    check_token_routing(where, x, topk_ids, topk_weights, w.shape[0], check_range=False)
+    check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)
+    if given is not None:
+        if len(given) != world:
+            raise ValueError(f"{where}: tokens_per_rank has {len(given)} entries but the group has {world} ranks")
+        if given[rank] != x.shape[0]:
+            raise ValueError(f"{where}: tokens_per_rank[{rank}] = {given[rank]} but this rank has "
+                             f"{x.shape[0]} tokens")
+    if out is not None:
+        check_float_tensor(where, "out", out)
+        if out.dim() != 2 or out.shape[1] != w.shape[2]:
+            raise ValueError(f"{where}: out must be [sum of tokens over ranks * top_k, N={w.shape[2]}] "
+                             f"(w's N), got {tuple(out.shape)}")
+        if given is not None and out.shape[0] != sum(given) * topk_ids.shape[1]:
+            raise ValueError(f"{where}: out has {out.shape[0]} rows, expected {sum(given) * topk_ids.shape[1]} "
+                             "(sum of tokens over ranks * top_k)")
 
 
 def layout_for(tokens_per_rank: Sequence[int], top_k: int, num_experts: int) -> str:

@@ -1,12 +1,13 @@
 """What the MoE modules share: input checks, output buffers and the cross-rank signature's pieces.
 
 Every function here is a few Python operations on tensor metadata, except :func:`empty_buffer`
-(one allocation, NaN-filled when ``DISTTUNE_MOE_POISON=1``) and :func:`topk_sum` (one reduction).
+(one allocation, NaN-filled when ``DISTTUNE_MOE_POISON=1``). :class:`PassedChecks` remembers the
+layouts whose checks passed, so a call like an earlier one skips them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
@@ -14,8 +15,8 @@ from disttune import env
 
 from .matmul import SUPPORTED_DTYPES, interpreting
 
-__all__ = ["POISON_ENV", "INTERPRETED", "empty_buffer", "check_float_tensor", "check_device", "topk_sum",
-           "DTYPE_CODES", "shape_of", "dtype_code"]
+__all__ = ["POISON_ENV", "INTERPRETED", "empty_buffer", "check_float_tensor", "check_device",
+           "DTYPE_CODES", "shape_of", "dtype_code", "tensor_layout", "PassedChecks"]
 
 #: Whether Triton runs in the interpreter (read once at import, as ``triton.jit`` decides it for the
 #: MoE kernels jitted right after).
@@ -52,11 +53,6 @@ def check_device(where: str, ref: torch.Tensor, **tensors: Optional[torch.Tensor
                          "TRITON_INTERPRET=1 was set before triton was imported")
 
 
-def topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``[T * k, N]`` in flat (token, choice) order summed over the choices: ``[T, N]``, fp32 sum."""
-    return y_flat.view(T, k, -1).sum(dim=1, dtype=torch.float32).to(dtype)
-
-
 #: Codes of the float dtypes in the cross-rank signature (0: no tensor, -1: not known).
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
@@ -71,3 +67,31 @@ def dtype_code(t) -> int:
     if t is None:
         return 0
     return DTYPE_CODES.get(getattr(t, "dtype", None), -1)
+
+
+def tensor_layout(t) -> Optional[tuple]:
+    """What checks read of a tensor, as a dictionary key: type, dtype, shape, strides, device and the start's
+    16-byte alignment (None for None). Raises AttributeError for an object that is not tensor-like."""
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
+
+
+class PassedChecks:
+    """The layouts (keys built from :func:`tensor_layout` and the call's other arguments) whose input
+    checks passed, each with what the checks computed, so a call with a known layout skips them: one
+    dictionary lookup. Holds at most ``limit`` layouts (all dropped when full: a workload has few)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._passed: dict = {}
+
+    def get(self, key: Optional[Hashable]) -> Any:
+        """What the checks of ``key``'s layout computed, or None if they have not passed (or ``key`` is None)."""
+        return None if key is None else self._passed.get(key)
+
+    def add(self, key: Optional[Hashable], value: Any) -> None:
+        """Remember that ``key``'s checks passed, computing ``value`` (not None); a None key is not kept."""
+        if key is None:
+            return
+        if len(self._passed) >= self.limit:
+            self._passed.clear()
+        self._passed[key] = value

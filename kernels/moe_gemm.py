@@ -52,7 +52,7 @@ from .matmul import (
     make_autotuner,
     prune_by_shared_memory,
 )
-from .moe_common import INTERPRETED, check_device, check_float_tensor, empty_buffer
+from .moe_common import INTERPRETED, PassedChecks, check_device, check_float_tensor, empty_buffer, tensor_layout
 from .moe_routing import MoeRouting, check_routing, token_starts
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 
@@ -320,13 +320,10 @@ def prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait=
     alignment, modes), so they run once per layout and are kept (up to 256 layouts); a call with a
     known layout costs a few µs of Python (its layout key, ``out``'s aliasing check, the arguments)."""
     key = _layout_key(a, w, routing, a_order, out, out_order, weights, wait, tile_order)
-    meta = _checked_layouts.get(key) if key is not None else None
+    meta = _checked_layouts.get(key)
     if meta is None:
         meta = _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, tile_order)
-        if key is not None:
-            if len(_checked_layouts) >= 256:
-                _checked_layouts.clear()
-            _checked_layouts[key] = meta
+        _checked_layouts.add(key, meta)
     elif (out is not None and out.numel() and a.numel()
           and out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()):
         raise ValueError(f"{where}: out shares storage with a; in-place grouped GEMM is not supported")
@@ -345,11 +342,7 @@ def prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait=
     return out, args, strides, dict(meta)
 
 
-_checked_layouts: dict = {}
-
-
-def _tensor_layout(t) -> Optional[tuple]:
-    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
+_checked_layouts = PassedChecks()
 
 
 def _layout_key(a, w, routing, a_order, out, out_order, weights, wait, tile_order) -> Optional[tuple]:
@@ -359,7 +352,7 @@ def _layout_key(a, w, routing, a_order, out, out_order, weights, wait, tile_orde
             and (out is None or isinstance(out, torch.Tensor))
             and (weights is None or isinstance(weights, torch.Tensor))):
         return None
-    return (a_order, out_order, tile_order, wait is None, _tensor_layout(a), _tensor_layout(w), _tensor_layout(out),
+    return (a_order, out_order, tile_order, wait is None, tensor_layout(a), tensor_layout(w), tensor_layout(out),
             None if weights is None else (weights.dtype, weights.shape, weights.device),
             routing.sorted_ids.device, routing.num_experts, routing.num_tokens, routing.top_k, routing.rank_tokens,
             routing.by_rank)
@@ -479,10 +472,12 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
     so every rank keys the same), else ``bucket(R)`` (next power of two).
 
     For a rank-stacked routing (:func:`moe_align_stacked`, used by :func:`ag_moe`): tiles are
-    walked from group ``first_group`` on, and with ``wait=(flags, epoch)`` a tile of source rank
-    ``r`` spins until ``flags[r] >= epoch`` before reading A (tokens pushed by
-    ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the kernel never ends). For a
-    gathered routing (:func:`moe_align_gathered`) a tile spins on the flag of every rank whose tokens it reads.
+    walked from group ``first_group`` on (``rank * E`` walks the launching rank's own tokens first), and
+    with ``wait=(flags, epoch)`` a tile of source rank ``r`` spins until ``flags[r] >= epoch`` before
+    reading A (tokens pushed by ``kernels.symm.ShardPusher``; every flag must reach ``epoch`` or the
+    kernel never ends). For a gathered routing (:func:`moe_align_gathered`) a tile spins on the flag of
+    every rank whose tokens it reads, and ``first_group`` is ignored (its groups are experts over every
+    rank: the walk starts at the first), so callers pass ``rank * E`` for either routing.
 
     ``tile_order`` (one of :data:`TILE_ORDERS`) chooses the order in which programs walk the tiles.
     """
@@ -495,6 +490,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
         return out.zero_()
     rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
     kern = kernel if kernel is not None else moe_gemm_kernel
+    first_group = first_group if routing.by_rank else 0
     cached_launch.launch(kern, _grid(R, N, routing, meta["NUM_SMS"]),
                          (*args, rb, first_group, 0 if wait is None else wait[1], *strides), meta)
     return out

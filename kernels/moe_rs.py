@@ -18,7 +18,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .moe_common import check_device, check_float_tensor, dtype_code, empty_buffer, shape_of, topk_sum
+from .moe_combine import topk_sum
+from .moe_common import (PassedChecks, check_device, check_float_tensor, dtype_code, empty_buffer, shape_of,
+                          tensor_layout)
 from .moe_gemm import moe_gemm, next_power_of_2
 from .moe_routing import MoeRouting, check_routing
 from .symm import refuse_capture, uses_nccl
@@ -137,16 +139,35 @@ def moe_rs_stacked(h: torch.Tensor, routing: MoeRouting, topk_weights: Optional[
     The reduction is one ``reduce_scatter_tensor`` under NCCL when every rank has as many tokens, else one
     ``dist.reduce`` per rank with tokens. Why one launch: per destination (:func:`moe_rs`) the GEMMs,
     top-k sums and reductions each cost the host a launch per rank, which at 2 and 4 ranks on H100 took
-    longer than the communication they hid (docs/moe.md).
+    longer than the communication they hid (docs/moe.md). Its input checks run once per layout of the inputs
+    (shapes, strides, dtypes, devices, the routing's sizes); a call with a known layout skips them.
     """
     where = "moe_rs"
     info = group_info(group)
-    _check_stacked(where, h, routing, topk_weights, w, info.world_size)
+    key = _stacked_key(h, routing, topk_weights, w, info.world_size)
+    if _passed_stacked.get(key) is None:
+        _check_stacked(where, h, routing, topk_weights, w, info.world_size)
+        _passed_stacked.add(key, True)
     T, k, H = routing.num_tokens, routing.top_k, w.shape[2]
     y = moe_gemm(h, w, routing, a_order="sorted", out_order="flat", weights=topk_weights, kernel=kernel,
                  rows_bucket=int(bucket(routing.num_rows)))
     summed = topk_sum(y, T, k, h.dtype) if T else empty_buffer((0, H), h.dtype, h.device)
     return _reduce_to_owners(summed, routing.rank_tokens, info.rank, group)
+
+
+#: Layouts of moe_rs_stacked calls whose checks passed.
+_passed_stacked = PassedChecks()
+
+
+def _stacked_key(h, routing, topk_weights, w, world: int) -> Optional[tuple]:
+    """Everything :func:`_check_stacked` reads, as a :class:`PassedChecks` key (None where an argument is not
+    what it should be: the checks then say what is wrong)."""
+    try:
+        return (world, type(routing), routing.sorted_ids.device, routing.num_tokens, routing.top_k,
+                routing.num_experts, len(routing.rank_tokens), tensor_layout(h), tensor_layout(topk_weights),
+                tensor_layout(w))
+    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a tensor without storage
+        return None
 
 
 def _check_stacked(where: str, h, routing, topk_weights, w, world: int) -> None:

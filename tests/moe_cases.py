@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 import disttune  # noqa: E402
 from disttune import contextual, fast_path, handlers, logs, unseen  # noqa: E402
-from disttune.kernels import moe, moe_ag  # noqa: E402
+from disttune.kernels import moe, moe_ag, moe_rs  # noqa: E402
 from numerics import rel_error  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -409,6 +409,18 @@ def case_graph(ctx: Ranks) -> dict:
     return result
 
 
+def errors_of(scenarios: dict) -> dict:
+    """Run each scenario in turn: ``{name: "ErrorType: message"}``, or None for a scenario that raised nothing."""
+    raised = {}
+    for name, call in scenarios.items():
+        try:
+            call()
+            raised[name] = None
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            raised[name] = f"{type(err).__name__}: {err}"
+    return raised
+
+
 @cases.case
 def case_inconsistent(ctx: Ranks) -> dict:
     """Inputs valid on each rank but inconsistent across ranks, or bad on one rank only: every rank
@@ -451,13 +463,7 @@ def case_inconsistent(ctx: Ranks) -> dict:
                                                   kernel=kernel),
         "moe_rs local input": lambda: moe.moe_rs(g[:-1] if odd else g, routings, gathered_wts, w_d, kernel=kernel),
     }
-    raised = {}
-    for name, call in scenarios.items():
-        try:
-            call()
-            raised[name] = None
-        except Exception as err:  # noqa: BLE001 - recorded for the test
-            raised[name] = f"{type(err).__name__}: {err}"
+    raised = errors_of(scenarios)
     # the group still works: a valid call afterwards gives the right rows
     ag = moe.ag_moe(x, ids, w, topk_weights=wts, kernel=kernel)
     ref = moe.moe_gemm_reference(p["x"], p["ids"], w)
@@ -468,6 +474,50 @@ def case_inconsistent(ctx: Ranks) -> dict:
     rs = moe.moe_rs(moe.silu_and_mul(ag.out), ag.routings, ag.topk_weights, p["w_d_local"], kernel=kernel)
     ref_rs = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
     return {"raised": raised, "after_err": err, "after_rs_err": rel_error(rs, ref_rs)}
+
+
+#: The input checks a layer call runs, counted by ``case_cached_checks``.
+LAYER_CHECKS = {"check": [(moe, "_check_mlp"), (moe_ag, "_check_locally"), (moe_rs, "_check_stacked")]}
+
+
+@cases.case
+def case_cached_checks(ctx: Ranks) -> dict:
+    """The layer's input checks run once per layout of its inputs: a second call like the first (new tensors,
+    same layout) runs none of them. Bad calls after it, each differing from it in one input, on rank 1 only
+    (the down weights, the token count of its routing) or on every rank (moe_rs_stacked's activation), still
+    raise on every rank; a valid call afterwards is right."""
+    tokens = [5 + 2 * r for r in range(ctx.world)]
+    E, k, H, I = 8, 2, 48, 16 * ctx.world  # H: a layout no earlier case has checked
+    kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
+    p = full_problem(ctx, tokens, E, k, H, I, seed=1550)
+    # fresh tensors (aligned as the clones below are): a bad call differs from the good ones in its bad input only
+    x, ids, wts = (p[name][p["mine"]].clone() for name in ("x", "ids", "weights"))
+    w_gu, w_d = p["w_gu_local"], p["w_d_local"]
+    odd = ctx.rank == 1
+    ref = moe.moe_mlp_reference(p["x"], p["ids"], p["weights"], p["w_gate_up"], p["w_down"])[p["mine"]]
+
+    def layer(x_in, ids_in, w_down):
+        return moe.tp_moe_layer(x_in, ids_in, wts if ids_in.shape == ids.shape else wts[:-1], w_gu, w_down,
+                                kernel=kernel)
+
+    with count_calls(LAYER_CHECKS) as tally:
+        errs = [rel_error(layer(x, ids, w_d), ref)]
+        first = dict(tally)
+        tally.clear()
+        errs.append(rel_error(layer(x.clone(), ids.clone(), w_d.clone()), ref))
+        second = dict(tally)
+    ag = moe.ag_moe(x, ids, w_gu, topk_weights=wts, kernel=kernel, layout="expert")
+    g = moe.silu_and_mul(ag.out)
+    moe.moe_rs_stacked(g, ag.routing, ag.topk_weights, w_d, kernel=kernel)  # its layout passes the checks
+    scenarios = {
+        "layer weights": lambda: layer(x, ids, w_d[:, :, :-1] if odd else w_d),
+        "layer routing rows": lambda: layer(x, ids[:-1] if odd else ids, w_d),
+        "moe_rs_stacked local input": lambda: moe.moe_rs_stacked(g[:-1], ag.routing, ag.topk_weights, w_d,
+                                                                 kernel=kernel),
+    }
+    raised = errors_of(scenarios)
+    errs.append(rel_error(layer(x, ids, w_d), ref))
+    return {"first": first, "second": second, "raised": raised, "errs": errs}
 
 
 @cases.case

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
-from disttune.kernels import moe, moe_activation, moe_gemm  # noqa: E402
+from disttune.kernels import moe, moe_activation, moe_combine, moe_common, moe_gemm  # noqa: E402
 from helpers import failure, run_cases  # noqa: E402
 from numerics import rel_error  # noqa: E402
 
@@ -225,7 +225,7 @@ def test_moe_gemm_checks_a_layout_once_and_still_refuses_an_aliased_out(monkeypa
     checked = []
     real = moe_gemm._check_layout
     monkeypatch.setattr(moe_gemm, "_check_layout", lambda *a: checked.append(a[3]) or real(*a))
-    monkeypatch.setattr(moe_gemm, "_checked_layouts", {})
+    monkeypatch.setattr(moe_gemm, "_checked_layouts", moe_common.PassedChecks())
     first = moe_gemm.prepare_launch(x, w, rt, "token", None, "sorted", None, "test")
     second = moe_gemm.prepare_launch(x.clone(), w, rt, "token", None, "sorted", None, "test")
     assert checked == ["token"] and first[3] == second[3] and first[2] == second[2]
@@ -289,6 +289,28 @@ def test_silu_and_mul_kernel_matches_the_torch_form(rows, half, strided):
     assert got.shape == (rows, half) and got.dtype == h.dtype
     if rows:
         assert rel_error(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, k, cols, strided", [(37, 2, 300, False), (9, 6, 40, True), (0, 3, 16, False)])
+def test_topk_sum_kernel_matches_the_torch_form(tokens, k, cols, strided, dtype, monkeypatch):
+    """The one-launch top-k sum (Triton, interpreted here) against the torch ops, in every dtype the layer takes,
+    on token counts and widths that are not multiples of its blocks, on rows that are not contiguous, and into a
+    NaN-filled output."""
+    monkeypatch.setenv(moe.POISON_ENV, "1")
+    g = torch.Generator().manual_seed(tokens + k + cols)
+    y = torch.randn(tokens * k, cols + (5 if strided else 0), generator=g).to(DEVICE, dtype)
+    if strided:
+        y = y[:, 5:]
+    got = moe_combine.topk_sum(y, tokens, k, dtype)
+    want = moe_combine.topk_sum_torch(y, tokens, k, dtype)
+    assert got.shape == (tokens, cols) and got.dtype == dtype
+    # the interpreter truncates fp32 to bf16 where a GPU rounds to nearest: one bf16 step (2**-8) apart
+    tolerance = 8e-3 if dtype == torch.bfloat16 and INTERPRET else 2e-3
+    if tokens:
+        assert not got.isnan().any() and rel_error(got, want) < tolerance
+    with pytest.raises(ValueError, match="must be"):
+        moe_combine.topk_sum(y, tokens + 1, k, dtype)
 
 
 @pytest.mark.parametrize("E,k,dtype", [(8, 2, torch.float16), (64, 6, torch.float32)])
@@ -375,7 +397,7 @@ def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ", "graph",
-                                                        "inconsistent", "recover"])
+                                                        "inconsistent", "cached_checks", "recover"])
 
 
 @pytest.fixture(scope="module")
@@ -557,6 +579,32 @@ def test_inputs_inconsistent_across_ranks_are_an_error_on_every_rank(gloo2):
         assert value["after_err"] < 2e-2 and value["after_rs_err"] < 2e-2, value
     assert values[0]["raised"] == values[1]["raised"]  # the same message on both ranks
 
+
+
+#: What every rank's error must say, per bad call of ``case_cached_checks`` after a call with cached checks.
+AFTER_CACHED_CHECKS = {
+    "layer weights": "invalid input on rank(s) [1]:\n  rank 1: ValueError: tp_moe_layer: w_down must be [E, I, H]",
+    "layer routing rows": "invalid input on rank(s) [1]:\n  rank 1: ValueError: tp_moe_layer: topk_ids has",
+    "moe_rs_stacked local input": "ValueError: moe_rs: h has",
+}
+
+
+@pytest.mark.slow
+def test_layer_checks_run_once_per_layout_and_bad_calls_still_raise_everywhere(gloo2):
+    """A layer call with the inputs' layout of an earlier good call skips the input checks; a bad call after it
+    (on one rank, or on every rank) raises the same ValueError on every rank, and a valid call afterwards is right."""
+    values = _values(gloo2["cached_checks"])
+    for rank, value in enumerate(values):
+        assert value["first"] == {"check: disttune.kernels.moe._check_mlp": 1,
+                                  "check: disttune.kernels.moe_ag._check_locally": 1,
+                                  "check: disttune.kernels.moe_rs._check_stacked": 1}, value["first"]
+        assert value["second"] == {}, f"rank {rank}: a call with a known layout ran checks {value['second']}"
+        assert set(value["raised"]) == set(AFTER_CACHED_CHECKS)
+        for name, expected in AFTER_CACHED_CHECKS.items():
+            got = value["raised"][name]
+            assert got is not None and expected in got, f"rank {rank}, {name}: {got}"
+        assert all(err < 2e-2 for err in value["errs"]), value["errs"]
+    assert values[0]["raised"] == values[1]["raised"]  # the same message on both ranks
 
 
 def _check_recover(per_rank: list[dict], world: int) -> None:
