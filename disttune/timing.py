@@ -5,7 +5,8 @@ the launch's time in milliseconds once the run is over. Reading late lets GPU
 timers record events without a device synchronisation per launch.
 
 * :class:`CudaEventTimer` records two CUDA events on the current stream around the
-  launch (the launch's own GPU time, nothing of the host).
+  launch (the launch's own GPU time, nothing of the host: a sleep kernel covers the time the host
+  takes to issue it, so a starved stream does not count that time).
 * :class:`HostTimer` reads the host clock; it is what runs under
   ``TRITON_INTERPRET=1`` or without a GPU.
 
@@ -67,25 +68,60 @@ class HostTimer:
 
 
 class CudaEventTimer:
-    """CUDA events on the current stream around the launch; the read synchronises on the end event."""
+    """CUDA events on the current stream around the launch; the read synchronises on the end event.
+
+    The time is the launch's own GPU time, not the host's time to issue it. Where the host is slower
+    than the GPU (an eager step of many small launches and collectives), the stream is idle when the
+    start event is enqueued: the event fires at once and the kernel starts only once the host has
+    issued it, so the host's cost would land in the kernel's time, more on a slower rank's host (on
+    2 x H100 the MoE layer's GEMMs read up to 40 % slower than they run, and the ranks' times
+    differed by as much). So a sleep kernel (``torch.cuda._sleep``) keeps the stream busy before the
+    start event for 1.25x the host time this site's last timed launch took to issue (200 µs for its
+    first, at most 2 ms): the kernel is queued by the time the start event fires. Cost per timed
+    launch: that sleep on the GPU (where the stream is busy anyway, it delays what follows by as much)
+    and two ``perf_counter`` calls; the first timing calibrates the sleep once (one device sync).
+    """
+
+    COVER_FIRST_S = 200e-6
+    COVER_MAX_S = 2e-3
+    COVER_FACTOR = 1.25
 
     def __init__(self) -> None:
         import torch
 
         self._cuda = torch.cuda
+        self._cover_s: dict[tuple, float] = {}  # per site: how long the sleep before its next timed launch lasts
+        self._cycles_per_s: Optional[float] = None
 
     def time(self, launch: Callable[[], Any], info: LaunchInfo) -> Reader:
+        site = (info.kernel, info.key, info.occurrence)
+        self._cuda._sleep(int(self._cover_s.get(site, self.COVER_FIRST_S) * self._sleep_rate()))
         start = self._cuda.Event(enable_timing=True)
         end = self._cuda.Event(enable_timing=True)
         start.record()
+        issuing = time.perf_counter()
         launch()
+        issued_s = time.perf_counter() - issuing
         end.record()
+        self._cover_s[site] = min(self.COVER_MAX_S, self.COVER_FACTOR * issued_s + 10e-6)
 
         def read() -> float:
             end.synchronize()
             return float(start.elapsed_time(end))
 
         return read
+
+    def _sleep_rate(self) -> float:
+        """Sleep-kernel cycles per second on this GPU, measured once: a 2M-cycle sleep between two events."""
+        if self._cycles_per_s is None:
+            cycles = 2_000_000
+            start, end = self._cuda.Event(enable_timing=True), self._cuda.Event(enable_timing=True)
+            start.record()
+            self._cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self._cycles_per_s = cycles / max(start.elapsed_time(end) * 1e-3, 1e-6)
+        return self._cycles_per_s
 
 
 class L2FlushingTimer:

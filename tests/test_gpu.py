@@ -29,6 +29,27 @@ def test_cuda_events_are_the_default_timer():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_launch_issued_slowly_on_an_idle_stream_is_timed_at_its_gpu_time():
+    """The host takes 1 ms to issue a 2-element add on an idle stream: from the second timing of the site on, the
+    sleep before the start event covers that, so the time is the kernel's (µs), not the host's (1 ms)."""
+    from disttune.timing import LaunchInfo
+
+    x = torch.ones(2, device="cuda")
+
+    def slow_to_issue():
+        time.sleep(1e-3)
+        x.add_(1)
+
+    timer, info = CudaEventTimer(), LaunchInfo("add", (2,), 0, 0, None, 0, 0)
+    torch.cuda.synchronize()
+    readers = [timer.time(slow_to_issue, info) for _ in range(4)]
+    times = [read() for read in readers]
+    assert max(times[1:]) < 0.3, f"host time counted as GPU time: {times} ms"
+    assert x[0].item() == 5.0
+
+
+@pytest.mark.gpu
 @needs_two_gpus
 @pytest.mark.parametrize("launcher", [["--nproc_per_node=2"], ["--mpi", "-n", "2"]])
 def test_ag_gemm_tuned_in_context_with_the_12_config_space(launcher, tmp_path):
