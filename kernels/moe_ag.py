@@ -3,9 +3,10 @@
 :func:`ag_moe` is the first half of the tensor-parallel MoE layer (each rank holds a slice of every
 expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
 by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
-launching rank's own tokens first. On NCCL GPUs the tokens travel by copy-engine pushes into the
-peers' symmetric memory while the routing is gathered and sorted, and tiles of another rank's
-tokens wait for its arrival flag; elsewhere (gloo) the tokens are all-gathered first. Cost: the
+launching rank's own tokens first. On NCCL GPUs the routing is gathered first, then the tokens travel
+by copy-engine pushes into the peers' symmetric memory while the routing is sorted, and tiles of another
+rank's tokens wait for its arrival flag (grouped per expert: the GEMM waits for every rank's tokens once,
+on the stream); elsewhere (gloo) the tokens are all-gathered. Cost: the
 token gather, one small routing all-gather, one sort and one GEMM launch, plus one host sync for
 the token counts and one for the id range check unless ``tokens_per_rank`` / ``check_ids=False``
 are given. ``graph_safe=True`` makes it capturable in a CUDA graph (fixed-value flags, no host sync).
@@ -130,10 +131,10 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
     expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
-    tiles from the launching rank's own tokens on. On NCCL GPUs the tokens travel first, by
-    copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
-    taken from the GEMM, no barrier), while the routing is all-gathered (one small collective:
-    ids bit-cast into a float32 row next to the weights) and sorted; tiles of another rank's
+    tiles from the launching rank's own tokens on. On NCCL GPUs the routing is all-gathered first
+    (one small collective: ids bit-cast into a float32 row next to the weights), then the tokens travel
+    by copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
+    taken from the GEMM, no barrier) while the routing is sorted; tiles of another rank's
     tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest
     arrive. Elsewhere (gloo) the tokens are all-gathered first and the same kernel runs without
     waiting. The tuning key holds the bucket of the *global* row count, the same on every rank.
@@ -155,7 +156,8 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     ``layout`` (one of :data:`AG_MOE_LAYOUTS`): ``"rank"`` groups the rows per (source rank, expert), so
     each rank's rows stay contiguous (:meth:`AgMoeResult.chunk`) and the GEMM computes the own tokens
     first; ``"expert"`` groups them per expert over every rank, so each expert's rows fill whole M-tiles
-    (a tile that reads several ranks' tokens waits for each of them); ``"auto"``: :func:`layout_for`.
+    (nearly every tile reads several ranks' tokens, so the stream waits for all of them before the GEMM,
+    which then runs without arrival flags); ``"auto"``: :func:`layout_for`.
     Where a rank sends an expert few rows the tiles of ``"rank"`` are partly empty and the GEMM slower
     (docs/moe.md, "Grouping the gathered rows").
     """
@@ -210,23 +212,30 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     if out is None:
         out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
 
-    # 1. tokens first: pushed on the copy engines (GPUs) or all-gathered (elsewhere)
+    # 1. every rank's routing first (one small collective: the sort waits for it, not for the tokens)
+    ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
+    if check_ids:
+        _check_gathered_ids(where, ids_all, E, tpr)
+    # 2. the tokens: pushed on the copy engines (GPUs) while the routing travels and is sorted, or all-gathered
     pusher = token_pusher(group, graph_safe) if x.is_cuda and uses_nccl(group) else None
     if pusher is not None:
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
     else:
         x_all = _gather_rows(x, tpr, group)
-    # 2. every rank's routing: one collective, then one sort by (source rank, expert)
-    ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
-    if check_ids:
-        _check_gathered_ids(where, ids_all, E, tpr, pusher)
     by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
     routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
-    # 3. one GEMM over all ranks' tokens (own tokens first by rank); a tile of another rank's tokens waits for them
+    # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
+    # rank's tokens waits for their arrival flag; grouped by expert, nearly every tile reads several ranks'
+    # tokens, so the stream waits for all of them once and the GEMM runs without flags
+    wait = None
+    if pusher is not None and by_rank:
+        wait = (pusher.arrival_flags, pusher.epoch)
+    elif pusher is not None:
+        for shard in range(world):
+            pusher.wait_shard(shard)
     if row_offsets[-1]:
         moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
-                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E,
-                 wait=(pusher.arrival_flags, pusher.epoch) if pusher is not None else None)
+                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)
     if pusher is not None:
         pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
@@ -291,7 +300,7 @@ def layout_for(tokens_per_rank: Sequence[int], top_k: int, num_experts: int) -> 
     return "expert" if world > 1 and sum(tokens_per_rank) * top_k < 512 * num_experts * world else "rank"
 
 
-def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple, pusher) -> None:
+def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple) -> None:
     """Every rank's expert ids in ``[0, E)``: checked on the gathered ids, so every rank raises the same
     error naming the ranks whose router gave bad ids (one host sync)."""
     if not ids_all.numel():
@@ -302,8 +311,6 @@ def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple, p
     bad_rows = ((ids_all < 0) | (ids_all >= E)).any(dim=1).nonzero().flatten().tolist()
     starts = list(itertools.accumulate(tpr))
     ranks = sorted({bisect.bisect_right(starts, row) for row in bad_rows})
-    if pusher is not None:
-        pusher.finish()  # the tokens were pushed: release them, or the next call waits for them forever
     raise ValueError(f"{where}: expert ids must lie in [0, {E}), got values in [{lo}, {hi}] from rank(s) {ranks}; "
                      "check the router's output and num_experts (every rank raises this)")
 
