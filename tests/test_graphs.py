@@ -119,3 +119,34 @@ def test_the_wrapper_replays_its_winners_after_tuning_and_drops_its_graphs_when_
     assert step.report is not report, "retune() makes the next call a tuning call"
     step(values[1]), step(values[2])
     assert (step.graphs.captures, step.graphs.replays) == (2, 5)
+
+
+def test_a_new_shape_after_replays_is_tuned_and_every_graph_is_captured_again(tmp_path, monkeypatch):
+    capture = ReplayByRerun()
+    monkeypatch.setattr(graphs, "why_unavailable", lambda: "")
+    monkeypatch.setattr(graphs, "CudaGraphCapture", lambda: capture)
+    kernel = make_kernel(blocks=(16, 32))
+
+    @tuner(tmp_path, cuda_graph=True)
+    def step(x):
+        y = torch.empty_like(x)
+        launch_add(kernel, x, y)
+        return y
+
+    small, large = torch.zeros(64, device=DEV), torch.zeros(256, device=DEV)
+    for x in (small, small, small):  # tuned, captured, replayed
+        step(x)
+    assert (step.graphs.captures, step.graphs.replays, len(step.graphs)) == (1, 2, 1)
+    report = step.report
+    small_block = report.results[0].config.kwargs["BLOCK"]
+    with pytest.warns(RuntimeWarning, match="not tuned for"):
+        first_large = step(large)  # a new signature runs eagerly; its new key makes the next call tune
+    assert step.report is report and step.graphs.replays == 2
+    step(large)  # the tuning call for the new key: every graph goes, with the winners it captured
+    assert step.report is not report and len(step.graphs) == 0
+    outs = [step(x) for x in (large, large, small, small, small)]
+    (large_site,) = step.report.results
+    blocks = {64: small_block, 256: large_site.config.kwargs["BLOCK"]}
+    assert torch.equal(first_large, large + 16), "the untuned key ran its first config"
+    assert all(torch.equal(out, x + blocks[x.numel()]) for out, x in zip(outs, (large, large, small, small, small)))
+    assert (step.graphs.captures, step.graphs.replays) == (3, 6)  # small runs eagerly once more after the drop
