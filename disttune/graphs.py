@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import atexit
 import collections
-import os
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .env import interpreting
 
 __all__ = ["GRAPHS_PER_STEP", "CudaGraphCapture", "StepGraphs", "release_all", "signature", "why_unavailable"]
 
@@ -49,7 +50,7 @@ _live: "weakref.WeakSet[StepGraphs]" = weakref.WeakSet()
 
 def why_unavailable() -> str:
     """Why CUDA graphs cannot replay a step here ("" where they can): no CUDA GPU, or Triton's interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return "Triton runs in its interpreter here (TRITON_INTERPRET=1): kernels run on the CPU"
     if not torch.cuda.is_available():
         return "there is no CUDA GPU here"

@@ -18,8 +18,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "disttune"
 
 LAYERS = [
-    ["env", "errors", "configs", "wire", "files", "phases", "intercept", "graphs"],
-    ["timing", "storeplane", "device", "logs", "sites", "space", "triton_launch", "warmup"],
+    ["env", "errors", "configs", "wire", "files", "phases", "intercept"],
+    ["timing", "graphs", "storeplane", "device", "logs", "sites", "space", "triton_launch", "warmup"],
     ["nodeplane"],
     ["comm"],
     ["objective", "search", "checks", "ending", "store", "compile", "unseen", "diagnostics", "benchmark", "startup"],
