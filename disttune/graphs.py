@@ -118,7 +118,10 @@ class StepGraphs:
             self._remember(key, _SEEN)
 
     def __call__(self, run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
-        """``run(args, kwargs)`` the first time a signature is met, captured the second, replayed after."""
+        """``run(args, kwargs)`` the first time a signature is met, captured the second, replayed after (run as it
+        is while the caller captures a graph of its own, which then holds the step's launches)."""
+        if _capturing():
+            return run(args, kwargs)
         key, leaves, spec = signature(args, kwargs)
         entry = self._graphs.get(key, None) if key is not None else _UNHASHABLE
         if isinstance(entry, _Graph):
@@ -159,6 +162,10 @@ class StepGraphs:
     def clear(self) -> None:
         """Drop every graph (and its memory): the next call of each signature runs eagerly again."""
         self._graphs.clear()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _cloned(outputs: Any) -> Any:
