@@ -50,10 +50,10 @@ _live: "weakref.WeakSet[StepGraphs]" = weakref.WeakSet()
 
 def why_unavailable() -> str:
     """Why CUDA graphs cannot replay a step here ("" where they can): no CUDA GPU, or Triton's interpreter."""
-    if interpreting():
-        return "Triton runs in its interpreter here (TRITON_INTERPRET=1): kernels run on the CPU"
     if not torch.cuda.is_available():
         return "there is no CUDA GPU here"
+    if interpreting():
+        return "Triton runs in its interpreter here (TRITON_INTERPRET=1): kernels run on the CPU"
     return ""
 
 
