@@ -7,22 +7,29 @@ the whole step's time. :class:`StepGraphs` turns every call after the first of a
 ``contextual_autotune(cuda_graph=True)`` holds one per wrapper and uses it after tuning, so the graph
 captures the agreed winners; a later tuning (new keys, ``retune``) drops the graphs.
 
-A call's *signature* is its arguments' structure, each tensor's shape, strides, dtype and device, and
-every other argument's value (which must be hashable; a call with an unhashable one runs eagerly).
-For each signature: the first call runs the step as it is (its lazy allocations, Triton's compiles
-and communicator set-up happen then, outside any capture); the second clones the tensor arguments
-into the graph's own inputs, captures the step on them and replays it; every later call copies its
-tensors into those inputs and replays. Results are returned as clones (one copy per output tensor),
-so a result stays valid after the next call.
+A call's *signature* is its arguments' structure (keywords in name order), each tensor's shape,
+strides, dtype and device, every other argument's value, grad mode, autocast and the current device.
+A call with an unhashable argument, tensors that share memory, or a tensor that needs grad while grad
+is enabled runs eagerly. For each signature: the first call runs the step as it is (its lazy
+allocations, Triton's compiles and communicator set-up happen then, outside any capture); the second
+clones the tensor arguments into the graph's own inputs, captures the step on them and replays it;
+every later call copies its tensors into those inputs and replays. An argument the capture run
+changed is one the step writes into: it is copied back after every replay. Results are returned as
+clones (one copy per output tensor), so a result stays valid after the next call; a result holding
+anything but tensors and plain values (an object with tensors inside) makes its signature run eagerly.
+A capture that fails raises once, saying what a replayed step must not do; that signature then runs
+eagerly.
 
 What a replayed step must be, as for any CUDA graph: no host synchronization (``.item()``,
 ``.tolist()``, a host-side check), no CPU work whose effect the caller needs each call, and every
 tensor it reads either an argument or one that keeps its address (a closure's weights, updated in
-place). Non-tensor results are those of the capture call. Memory: each graph keeps the memory its
-step allocated (its private pool) until it is dropped; at most :data:`GRAPHS_PER_STEP` are kept per
-step, the least recently used dropped first. Graphs that captured NCCL collectives must be dropped
-before their communicators are destroyed: :func:`release_all` does it, and ``disttune.dist.destroy``
-and the exit handler call it.
+place). Non-tensor results are those of the capture call. Every rank must change its signatures at the
+same calls, as its collectives must match. One thread and one stream at a time per step. Memory: each
+graph keeps the memory its step allocated (its private pool) until it is dropped; at most
+:data:`GRAPHS_PER_STEP` are kept per step, the least recently used dropped first. Graphs that captured
+NCCL collectives must be dropped before their communicators are destroyed: :func:`release_all` does
+it; ``disttune.dist.destroy`` and the exit handler call it, and a program that destroys its process
+groups itself calls it first.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ __all__ = ["GRAPHS_PER_STEP", "CudaGraphCapture", "StepGraphs", "release_all", "
 
 #: Graphs kept per step (one per signature), least recently used dropped first.
 GRAPHS_PER_STEP = 8
-
-_SEEN = object()  # a signature called once, not captured yet
-_UNHASHABLE = object()
+#: Signatures remembered as called once (not captured yet) per step, apart from the graphs.
+SEEN_PER_STEP = 64
+#: What a result may hold besides tensors for its graph to be replayed (a replay clones the tensors).
+_PLAIN = (type(None), bool, int, float, complex, str)
 
 _live: "weakref.WeakSet[StepGraphs]" = weakref.WeakSet()
 
@@ -58,12 +66,24 @@ def why_unavailable() -> str:
 
 
 def signature(args: tuple, kwargs: dict) -> tuple[Optional[tuple], list, Any]:
-    """``(key, leaves, spec)`` of a call: the key is None when an argument that is not a tensor is unhashable."""
-    leaves, spec = tree_flatten((args, kwargs))
-    parts = []
+    """``(key, leaves, spec)`` of a call (keyword arguments in name order). The key holds the arguments'
+    structure, each tensor's shape, strides, dtype and device, every other argument's value, grad mode,
+    autocast and the current device. It is None where the call cannot be replayed: an argument that is
+    not a tensor and not hashable, a tensor that is not strided, two tensors that share memory, or one
+    that needs grad while grad is enabled."""
+    leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
+    grad = torch.is_grad_enabled()
+    parts: list = [grad, torch.is_autocast_enabled("cuda"), torch.cuda.current_device() if torch.cuda.is_available() else -1]
+    storages = set()
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            if leaf.layout != torch.strided or (grad and leaf.requires_grad):
+                return None, leaves, spec
+            storage = leaf.untyped_storage().data_ptr()
+            if storage in storages:
+                return None, leaves, spec
+            storages.add(storage)
+            parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device))
         else:
             try:
                 hash(leaf)
@@ -86,10 +106,10 @@ class CudaGraphCapture:
 
 
 class _Graph:
-    __slots__ = ("replay", "inputs", "outputs")
+    __slots__ = ("replay", "inputs", "outputs", "written")
 
-    def __init__(self, replay: Callable[[], None], inputs: list, outputs: Any) -> None:
-        self.replay, self.inputs, self.outputs = replay, inputs, outputs
+    def __init__(self, replay: Callable[[], None], inputs: list, outputs: Any, written: list) -> None:
+        self.replay, self.inputs, self.outputs, self.written = replay, inputs, outputs, written
 
 
 class StepGraphs:
@@ -97,25 +117,28 @@ class StepGraphs:
 
     ``capture`` makes a graph of a step (``CudaGraphCapture``, the real one, by default); tests that must run
     the cache's logic without a GPU pass their own. ``captures`` and ``replays`` count what the graphs did.
+    One thread and one stream at a time: a replay's inputs and outputs are the graph's own buffers.
     """
 
     def __init__(self, name: str, capture: Optional[Callable] = None, capacity: int = GRAPHS_PER_STEP) -> None:
         self.name = name
         self.capacity = capacity
         self._capture = capture if capture is not None else CudaGraphCapture()
-        self._graphs: collections.OrderedDict = collections.OrderedDict()
+        self._graphs: collections.OrderedDict = collections.OrderedDict()  # signature -> _Graph
+        self._seen: collections.OrderedDict = collections.OrderedDict()  # signatures called once
+        self._eager: set = set()  # signatures that run as they are (their capture failed, or their results)
         self.captures = 0
         self.replays = 0
         _live.add(self)
 
     def __len__(self) -> int:
-        return sum(1 for entry in self._graphs.values() if isinstance(entry, _Graph))
+        return len(self._graphs)
 
     def seen(self, args: tuple, kwargs: dict) -> None:
         """Count a call made outside :meth:`__call__` (a tuning call) as a signature's first, eager call."""
         key = signature(args, kwargs)[0]
-        if key is not None and key not in self._graphs:
-            self._remember(key, _SEEN)
+        if key is not None:
+            _remember(self._seen, key, True, SEEN_PER_STEP)
 
     def __call__(self, run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
         """``run(args, kwargs)`` the first time a signature is met, captured the second, replayed after (run as it
@@ -123,45 +146,65 @@ class StepGraphs:
         if _capturing():
             return run(args, kwargs)
         key, leaves, spec = signature(args, kwargs)
-        entry = self._graphs.get(key, None) if key is not None else _UNHASHABLE
-        if isinstance(entry, _Graph):
+        graph = self._graphs.get(key) if key is not None else None
+        if graph is not None:
             self._graphs.move_to_end(key)
-            for mine, given in zip(entry.inputs, leaves):
-                if mine is not None:
-                    mine.copy_(given)
-            entry.replay()
-            self.replays += 1
-            return _cloned(entry.outputs)
-        if entry is None:
-            self._remember(key, _SEEN)
-        if entry is not _SEEN:  # a first call, or an unhashable argument: eager
+            return self._replay(graph, leaves)
+        if key is None or key in self._eager:
             return run(args, kwargs)
+        if self._seen.pop(key, None) is None:  # a first call: it runs as it is
+            _remember(self._seen, key, True, SEEN_PER_STEP)
+            return run(args, kwargs)
+        return self._capture_and_replay(key, run, leaves, spec)
+
+    def _replay(self, graph: _Graph, leaves: list) -> Any:
+        for mine, given in zip(graph.inputs, leaves):
+            if mine is not None:
+                mine.copy_(given)
+        graph.replay()
+        self.replays += 1
+        for index in graph.written:  # the step writes into these arguments: the caller sees the writes
+            leaves[index].copy_(graph.inputs[index])
+        return _cloned(graph.outputs)
+
+    def _capture_and_replay(self, key: tuple, run: Callable[[tuple, dict], Any], leaves: list, spec: Any) -> Any:
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         bound = tree_unflatten([mine if mine is not None else leaf for mine, leaf in zip(inputs, leaves)], spec)
         try:
             replay, outputs = self._capture(lambda: run(*bound))
         except Exception as err:  # noqa: BLE001 - said again with what to do
-            self._graphs.pop(key, None)
+            self._eager.add(key)
             raise RuntimeError(
-                f"disttune: capturing {self.name} in a CUDA graph failed ({type(err).__name__}: {err}). A step "
-                "replayed from a CUDA graph must not synchronize with the host (.item(), .tolist(), host-side checks "
-                "of GPU values) nor allocate communicators or workspaces on its second call; fix the step or pass "
-                "cuda_graph=False") from err
-        self._remember(key, _Graph(replay, inputs, outputs))
+                f"disttune: capturing {self.name} in a CUDA graph failed ({type(err).__name__}: {err}); later calls "
+                "with these arguments run as they are. A step replayed from a CUDA graph must not synchronize with the "
+                "host (.item(), .tolist(), host-side checks of GPU values) nor allocate communicators or workspaces on "
+                "its second call; fix the step or pass cuda_graph=False") from err
         self.captures += 1
+        if not all(isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in tree_flatten(outputs)[0]):
+            self._eager.add(key)  # a result a replay could not clone (an object holding tensors): run as it is
+            return run(*tree_unflatten(leaves, spec))
         replay()
         self.replays += 1
+        # an argument the capture run changed is one the step writes into: copied back after every replay
+        written = [i for i, (mine, given) in enumerate(zip(inputs, leaves))
+                   if mine is not None and not torch.equal(mine, given)]
+        for index in written:
+            leaves[index].copy_(inputs[index])
+        _remember(self._graphs, key, _Graph(replay, inputs, outputs, written), self.capacity)
         return _cloned(outputs)
-
-    def _remember(self, key: tuple, entry: Any) -> None:
-        self._graphs[key] = entry
-        self._graphs.move_to_end(key)
-        while len(self._graphs) > self.capacity:
-            self._graphs.popitem(last=False)
 
     def clear(self) -> None:
         """Drop every graph (and its memory): the next call of each signature runs eagerly again."""
         self._graphs.clear()
+        self._seen.clear()
+        self._eager.clear()
+
+
+def _remember(entries: collections.OrderedDict, key: tuple, value: Any, capacity: int) -> None:
+    entries[key] = value
+    entries.move_to_end(key)
+    while len(entries) > capacity:
+        entries.popitem(last=False)
 
 
 def _capturing() -> bool:

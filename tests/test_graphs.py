@@ -54,18 +54,62 @@ def test_first_call_runs_second_captures_later_ones_replay_on_their_own_inputs()
 def test_each_signature_gets_its_own_graph_and_unhashable_arguments_run_eagerly():
     step_graphs = StepGraphs("step", capture=ReplayByRerun(), capacity=2)
     for _ in range(3):
-        for shape in ((4,), (8,), (2, 2)):  # three signatures, room for two: each is dropped before its replay
+        for shape in ((4,), (8,), (2, 2)):  # three signatures, room for two graphs
             step_graphs(eager, (torch.ones(shape),), {})
-    assert step_graphs.replays == 0 and len(step_graphs) <= 2
+    # first round eager, second captured (the third capture drops the first graph), third: (4,) eager again
+    assert (step_graphs.captures, step_graphs.replays, len(step_graphs)) == (3, 3 + 2, 2)
+    for n in range(10, 30):  # signatures met once do not push graphs out
+        step_graphs(eager, (torch.ones(n),), {})
+    step_graphs(eager, (torch.ones(8),), {}), step_graphs(eager, (torch.ones(2, 2),), {})
+    assert (step_graphs.captures, step_graphs.replays) == (3, 7)
+    dtypes = StepGraphs("step", capture=ReplayByRerun())
     for _ in range(3):
-        step_graphs(eager, (torch.ones(4),), {})
-        step_graphs(eager, (torch.ones(4, dtype=torch.float64),), {})
-    assert step_graphs.replays == 2 * 2
+        dtypes(eager, (torch.ones(4),), {})
+        dtypes(eager, (torch.ones(4, dtype=torch.float64),), {})
+    assert dtypes.replays == 2 * 2
     unhashable = StepGraphs("step", capture=ReplayByRerun())
     for _ in range(3):
         out = unhashable(eager, (torch.ones(2),), {"scale": {1, 2}})  # a set: a leaf, not hashable
         assert out["scale"] == {1, 2}
     assert (unhashable.captures, unhashable.replays) == (0, 0)
+
+
+def test_arguments_the_step_writes_into_see_the_writes_and_shared_or_grad_arguments_run_eagerly():
+    def fill(args, kwargs):
+        x, out = args
+        out.copy_(x * 3)
+        return out.sum()
+
+    step_graphs = StepGraphs("step", capture=ReplayByRerun())
+    for i in range(4):
+        x, out = torch.full((4,), float(i)), torch.zeros(4)
+        total = step_graphs(fill, (x, out), {})
+        assert out.tolist() == [3.0 * i] * 4 and total.item() == 12.0 * i
+    assert (step_graphs.captures, step_graphs.replays) == (1, 3)
+    shared = torch.ones(8)
+    for _ in range(3):  # two views of one tensor: a graph's clones would not share it
+        step_graphs(fill, (shared[:4], shared[4:]), {})
+    needs_grad = torch.ones(4, requires_grad=True)
+    for _ in range(3):
+        step_graphs(eager, (needs_grad,), {})
+    assert (step_graphs.captures, step_graphs.replays) == (1, 3)
+
+
+def test_keyword_order_does_not_matter_and_results_holding_objects_run_eagerly():
+    step_graphs = StepGraphs("step", capture=ReplayByRerun())
+    for i in range(3):
+        kwargs = {"scale": 2, "bias": 1} if i % 2 else {"bias": 1, "scale": 2}
+        step_graphs(lambda args, kw: args[0] * kw["scale"] + kw["bias"], (torch.ones(2),), kwargs)
+    assert (step_graphs.captures, step_graphs.replays) == (1, 2)
+
+    class Holder:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    objects = StepGraphs("step", capture=ReplayByRerun())
+    results = [objects(lambda args, kw: Holder(args[0] + 1), (torch.full((2,), float(i)),), {}) for i in range(4)]
+    assert [r.tensor.tolist() for r in results] == [[1.0 + i] * 2 for i in range(4)]
+    assert len({id(r.tensor) for r in results}) == 4 and objects.replays == 0
 
 
 def test_a_capture_that_fails_says_what_a_replayed_step_must_not_do():
@@ -76,6 +120,7 @@ def test_a_capture_that_fails_says_what_a_replayed_step_must_not_do():
     step_graphs(eager, (torch.ones(2),), {})
     with pytest.raises(RuntimeError, match=r"capturing layer_step in a CUDA graph failed .*must not synchronize"):
         step_graphs(eager, (torch.ones(2),), {})
+    assert step_graphs(eager, (torch.ones(2),), {})["doubled"].tolist() == [2.0, 2.0], "then it runs as it is"
     assert len(step_graphs) == 0
 
 
@@ -136,8 +181,9 @@ def test_a_new_shape_after_replays_is_tuned_and_every_graph_is_captured_again(tm
     assert (step.graphs.captures, step.graphs.replays, len(step.graphs)) == (1, 2, 1)
     report = step.report
     small_block = report.results[0].config.kwargs["BLOCK"]
-    with pytest.warns(RuntimeWarning, match="not tuned for"):
+    with pytest.warns(RuntimeWarning, match="not tuned for") as warned:
         first_large = step(large)  # a new signature runs eagerly; its new key makes the next call tune
+    assert warned[0].filename == __file__, "the warning names the caller's line, not disttune's"
     assert step.report is report and step.graphs.replays == 2
     step(large)  # the tuning call for the new key: every graph goes, with the winners it captured
     assert step.report is not report and len(step.graphs) == 0
