@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
@@ -374,7 +375,7 @@ class ContextualAutotuner:
         warnings.warn(
             f"disttune: {self.__qualname__} launched kernels it was not tuned for ("
             + ", ".join(stale) + "); they ran with their first config and the next call tunes again",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning, stacklevel=_frames_to_caller(),
         )
 
     def entry(self, site: Site) -> stores.EntryId:
@@ -424,6 +425,16 @@ class ContextualAutotuner:
         log = RankLog(self.options.log_dir, global_rank(self.communicator()), self.__qualname__)
         log.fallback(ident.kernel, ident.key, ident.occurrence, config_text(config), source)
         log.flush()
+
+
+def _frames_to_caller() -> int:
+    """The ``stacklevel`` that names the first frame outside the disttune package, for a warning raised in the
+    function calling this (the fast path reaches it through one frame or, replaying, through several)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def contextual_autotune(
