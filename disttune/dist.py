@@ -264,14 +264,15 @@ def destroy() -> None:
 
     Waits up to :data:`DRAIN_AT_EXIT_S` for this GPU's queued work (polled); a GPU still busy then
     (stuck behind a collective a peer never entered) has its group aborted instead, which cannot hang.
-    The CUDA graphs of tuned steps (``contextual_autotune(cuda_graph=True)``) are dropped first: NCCL cannot
-    destroy a communicator that a live graph still uses."""
+    The CUDA graphs of tuned steps (``contextual_autotune(cuda_graph=True)``) are dropped before either: NCCL
+    cannot destroy a communicator that a live graph still uses."""
     global _INFO, _STORE
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        if device.drained(DRAIN_AT_EXIT_S):
-            graphs.release_all()
+        drained = device.drained(DRAIN_AT_EXIT_S)
+        graphs.release_all()  # (a graph still running is freed when it finishes)
+        if drained:
             dist.destroy_process_group()
         else:
             abort_process_groups()

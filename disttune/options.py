@@ -174,7 +174,7 @@ class Options:
             raise TypeError(f"disttune: cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.cuda_graph and graphs.why_unavailable():
             raise ValueError(f"disttune: cuda_graph=True, but {graphs.why_unavailable()}; pass "
-                             "cuda_graph=torch.cuda.is_available() to replay only where there is a GPU")
+                             "cuda_graph=not disttune.graphs.why_unavailable() to replay only where it can")
 
     def objective_text(self) -> str:
         """``objective`` as text: what the consensus compares and what keeps winners of one score apart in the store."""
