@@ -79,7 +79,9 @@ class CudaEventTimer:
     start event for 1.25x the host time this site's last timed launch took to issue (200 µs for its
     first, at most 2 ms): the kernel is queued by the time the start event fires. Cost per timed
     launch: that sleep on the GPU (where the stream is busy anyway, it delays what follows by as much)
-    and two ``perf_counter`` calls; the first timing calibrates the sleep once (one device sync).
+    and two ``perf_counter`` calls; the first timing on a device calibrates the sleep (one device sync).
+    A launch that also waits for its peers (a kernel spinning on arrival flags) still counts the time a
+    slower peer's host took to send them: the cover removes this rank's host, not the others'.
     """
 
     COVER_FIRST_S = 200e-6
@@ -91,7 +93,7 @@ class CudaEventTimer:
 
         self._cuda = torch.cuda
         self._cover_s: dict[tuple, float] = {}  # per site: how long the sleep before its next timed launch lasts
-        self._cycles_per_s: Optional[float] = None
+        self._cycles_per_s: dict[int, float] = {}  # per device
 
     def time(self, launch: Callable[[], Any], info: LaunchInfo) -> Reader:
         site = (info.kernel, info.key, info.occurrence)
@@ -112,16 +114,20 @@ class CudaEventTimer:
         return read
 
     def _sleep_rate(self) -> float:
-        """Sleep-kernel cycles per second on this GPU, measured once: a 2M-cycle sleep between two events."""
-        if self._cycles_per_s is None:
+        """Sleep-kernel cycles per second on the current GPU, measured once per device: a 2M-cycle sleep between
+        two events, after one as long that brings the clocks up (clocks that drop later only lengthen the cover)."""
+        device = self._cuda.current_device()
+        rate = self._cycles_per_s.get(device)
+        if rate is None:
             cycles = 2_000_000
             start, end = self._cuda.Event(enable_timing=True), self._cuda.Event(enable_timing=True)
+            self._cuda._sleep(cycles)
             start.record()
             self._cuda._sleep(cycles)
             end.record()
             end.synchronize()
-            self._cycles_per_s = cycles / max(start.elapsed_time(end) * 1e-3, 1e-6)
-        return self._cycles_per_s
+            rate = self._cycles_per_s[device] = cycles / max(start.elapsed_time(end) * 1e-3, 1e-6)
+        return rate
 
 
 class L2FlushingTimer:
