@@ -222,22 +222,24 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
     else:
         x_all = _gather_rows(x, tpr, group)
-    by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
-    routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
-    # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
-    # rank's tokens waits for their arrival flag; grouped by expert, nearly every tile reads several ranks'
-    # tokens, so the stream waits for all of them once and the GEMM runs without flags
-    wait = None
-    if pusher is not None and by_rank:
-        wait = (pusher.arrival_flags, pusher.epoch)
-    elif pusher is not None:
-        for shard in range(world):
-            pusher.wait_shard(shard)
-    if row_offsets[-1]:
-        moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
-                 rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)
-    if pusher is not None:
-        pusher.finish()
+    try:
+        by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
+        routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
+        # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
+        # rank's tokens waits for their arrival flag; grouped by expert, nearly every tile reads several ranks'
+        # tokens, so the stream waits for all of them once and the GEMM runs without flags
+        wait = None
+        if pusher is not None and by_rank:
+            wait = (pusher.arrival_flags, pusher.epoch)
+        elif pusher is not None:
+            for shard in range(world):
+                pusher.wait_shard(shard)
+        if row_offsets[-1]:
+            moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
+                     rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)
+    finally:
+        if pusher is not None:  # also after an error: the flags must pair up with the peers' next call
+            pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
 
 
