@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 import disttune
 from disttune import graphs
 from disttune.graphs import StepGraphs
-from tiny_kernels import DEV, launch_add, make_kernel, tuner
+from tiny_kernels import DEV, counting_step, make_kernel
 
 
 class ReplayByRerun:
@@ -135,18 +135,19 @@ def test_cuda_graph_needs_a_gpu_and_a_bool(monkeypatch):
         disttune.autotune([{}], key_fn=lambda: 0, cuda_graph=True)(lambda: None)
 
 
-def test_the_wrapper_replays_its_winners_after_tuning_and_drops_its_graphs_when_it_tunes_again(tmp_path, monkeypatch):
+@pytest.fixture
+def replayed_step(tmp_path, monkeypatch):
+    """A step wrapped with ``cuda_graph=True`` launching ``add_block`` on its argument, its graphs captured by
+    ``ReplayByRerun``."""
     capture = ReplayByRerun()
     monkeypatch.setattr(graphs, "why_unavailable", lambda: "")
     monkeypatch.setattr(graphs, "CudaGraphCapture", lambda: capture)
-    kernel = make_kernel(blocks=(16, 32))
+    step, _ = counting_step(tmp_path, make_kernel(blocks=(16, 32)), cuda_graph=True)
+    return step
 
-    @tuner(tmp_path, cuda_graph=True)
-    def step(x):
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
 
+def test_the_wrapper_replays_its_winners_after_tuning_and_drops_its_graphs_when_it_tunes_again(replayed_step):
+    step = replayed_step
     values = [torch.full((64,), float(i), device=DEV) for i in range(4)]
     first = step(values[0])  # the tuning call: the signature's first call
     block = step.report.results[0].config.kwargs["BLOCK"]
@@ -163,18 +164,8 @@ def test_the_wrapper_replays_its_winners_after_tuning_and_drops_its_graphs_when_
     assert (step.graphs.captures, step.graphs.replays) == (2, 5)
 
 
-def test_a_new_shape_after_replays_is_tuned_and_every_graph_is_captured_again(tmp_path, monkeypatch):
-    capture = ReplayByRerun()
-    monkeypatch.setattr(graphs, "why_unavailable", lambda: "")
-    monkeypatch.setattr(graphs, "CudaGraphCapture", lambda: capture)
-    kernel = make_kernel(blocks=(16, 32))
-
-    @tuner(tmp_path, cuda_graph=True)
-    def step(x):
-        y = torch.empty_like(x)
-        launch_add(kernel, x, y)
-        return y
-
+def test_a_new_shape_after_replays_is_tuned_and_every_graph_is_captured_again(replayed_step):
+    step = replayed_step
     small, large = torch.zeros(64, device=DEV), torch.zeros(256, device=DEV)
     for x in (small, small, small):  # tuned, captured, replayed
         step(x)
