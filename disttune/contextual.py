@@ -252,7 +252,7 @@ class ContextualAutotuner:
 
     @property
     def graphs(self) -> Optional[StepGraphs]:
-        """The CUDA graphs of this step with ``cuda_graph=True`` (``captures`` and ``replays`` count them), else None."""
+        """This step's CUDA graphs with ``cuda_graph=True`` (``captures`` and ``replays`` count them), else None."""
         return self._graphs
 
     @property
@@ -296,7 +296,10 @@ class ContextualAutotuner:
         if self._tuned:
             plan = self._plan
             graphs = self._graphs
-            result = self._launch_winners(args, kwargs) if graphs is None else graphs(self._launch_winners, args, kwargs)
+            if graphs is None:
+                result = self._launch_winners(args, kwargs)
+            else:
+                result = graphs(self._launch_winners, args, kwargs)
             plan.countdown -= 1  # type: ignore[union-attr]
             if not plan.countdown:  # type: ignore[union-attr]
                 self._agree_on_new_keys()

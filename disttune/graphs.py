@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -73,7 +74,7 @@ def signature(args: tuple, kwargs: dict) -> tuple[Optional[tuple], list, Any]:
     that needs grad while grad is enabled."""
     leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
     grad = torch.is_grad_enabled()
-    parts: list = [grad, torch.is_autocast_enabled("cuda"), torch.cuda.current_device() if torch.cuda.is_available() else -1]
+    parts: list = [grad, torch.is_autocast_enabled("cuda"), torch.cuda.current_device() if _has_cuda() else -1]
     storages = set()
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -207,8 +208,14 @@ def _remember(entries: collections.OrderedDict, key: tuple, value: Any, capacity
         entries.popitem(last=False)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_cuda() -> bool:
+    """Whether this process sees a CUDA GPU (asked once: every call of a replayed step needs the answer)."""
+    return torch.cuda.is_available()
+
+
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _has_cuda() and torch.cuda.is_current_stream_capturing()
 
 
 def _cloned(outputs: Any) -> Any:
