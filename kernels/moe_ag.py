@@ -232,8 +232,7 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         if pusher is not None and by_rank:
             wait = (pusher.arrival_flags, pusher.epoch)
         elif pusher is not None:
-            for shard in range(world):
-                pusher.wait_shard(shard)
+            pusher.wait_all()
         if row_offsets[-1]:
             moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
                      rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)

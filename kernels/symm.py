@@ -50,6 +50,12 @@ def flag_writer_available() -> tuple[bool, str]:
     return True, ""
 
 
+def _raw_current_stream(device_index: int) -> int:
+    """The ``cudaStream_t`` of ``device_index``'s current stream, as an int (one C call)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
 def stream_handle(stream):
     """The ``CUstream`` of a torch stream (a ``CUstream`` is passed through)."""
     driver = _driver()
@@ -351,7 +357,19 @@ class ShardPusher:
         self._plans: dict = {}
         self._plan = None
         self._retired: list = []  # graph-safe: outgrown workspaces that captured graphs may still use
+        self._current_stream: Optional[tuple] = None  # (raw handle, torch stream, CUstream) last seen current
         self.timeline: Optional[Timeline] = None  # marks each push's end on its stream when set
+
+    def _current(self) -> tuple:
+        """The current stream of the pusher's device as (torch stream, ``CUstream``). Torch is asked for the raw
+        handle only (one C call, where ``torch.cuda.current_stream`` builds a Python object through several
+        layers: 5-8 µs on a busy host); the objects are made again when the current stream changes."""
+        raw = _raw_current_stream(self._device_index)
+        cached = self._current_stream
+        if cached is None or cached[0] != raw:
+            stream = torch.cuda.current_stream(self._device_index)
+            cached = self._current_stream = (raw, stream, stream_handle(stream))
+        return cached[1], cached[2]
 
     @property
     def arrival_flags(self) -> torch.Tensor:
@@ -448,7 +466,7 @@ class ShardPusher:
         self._plan = plan
         if not local.is_contiguous():
             local = local.contiguous()
-        current = torch.cuda.current_stream(self._device_index)
+        current, current_handle = self._current()
         self._ready.record(current)  # (a wait uses the event as recorded when it is enqueued)
         for side in self._sides[:plan.joined]:
             side.wait_event(self._ready)
@@ -456,7 +474,7 @@ class ShardPusher:
             local_work()
         source = local.data_ptr()
         for (side, free, pieces), target in zip(plan.pushes, plan.targets):
-            handle = self._handles[side] if side is not None else stream_handle(current)
+            handle = self._handles[side] if side is not None else current_handle
             push_pieces(handle, source, pieces, epoch, free, self.graph_safe)
             if self.timeline is not None:
                 self.timeline.mark(f"pushed to rank {target} (copy stream {side})", self._sides[side] if side is not None
@@ -466,24 +484,31 @@ class ShardPusher:
     def wait_shard(self, shard: int) -> None:
         """Make the current stream wait (on the GPU) until every piece of ``shard`` has arrived (one stream
         wait per piece: pieces travel on several copy streams, so the last one sent need not land last)."""
-        current = torch.cuda.current_stream(self._device_index)
+        _, current = self._current()
         for address in self._plan.shard_flags[shard]:
             wait_flag_at(current, address, self.epoch)
+
+    def wait_all(self) -> None:
+        """:meth:`wait_shard` for every shard of the last gather."""
+        _, current = self._current()
+        for flags in self._plan.shard_flags:
+            for address in flags:
+                wait_flag_at(current, address, self.epoch)
 
     def finish(self) -> None:
         """After the last reader of the workspace: the current stream waits for this rank's pushes
         (``local`` may be reused) and then tells every peer that this half is free (graph-safe: after
         setting this rank's arrival flags back to 0)."""
-        current = torch.cuda.current_stream(self._device_index)
+        current, handle = self._current()
         for side, pushed in zip(self._sides[:self._plan.joined], self._pushed):
             pushed.record(side)
             current.wait_event(pushed)
         if self.graph_safe:
             for address in self._plan.arrivals:  # (a reader may not have waited for every flag it got)
-                wait_flag_at(current, address, 1)
-                write_flag_at(current, address, 0)
+                wait_flag_at(handle, address, 1)
+                write_flag_at(handle, address, 0)
         for address in self._plan.frees:
-            write_flag_at(current, address, self.epoch)
+            write_flag_at(handle, address, self.epoch)
 
 
 def push_order(rank: int, world: int, include_own: bool = False) -> list[int]:
