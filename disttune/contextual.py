@@ -238,7 +238,7 @@ class ContextualAutotuner:
         self._saved_call: Optional[tuple[int, tuple, dict]] = None  # (position, args, kwargs) of a call that met one
         self._votes: Optional[NewKeyVotes] = None  # the agreement points on new keys
         # after tuning, each call signature's second call is captured in a CUDA graph and later ones replay it
-        self._graphs = StepGraphs(self.__qualname__) if self.options.cuda_graph else None
+        self._graphs = StepGraphs(self.__qualname__, agree=self._agree_on_capture) if self.options.cuda_graph else None
         # update_wrapper has made the instance dict a key-sharing one, whose reads CPython 3.11 does not
         # specialize: a plain copy keeps the fast path's three attribute reads at a dict hint's cost.
         self.__dict__ = dict(self.__dict__)
@@ -372,6 +372,10 @@ class ContextualAutotuner:
             log = RankLog(self.options.log_dir, global_rank(self.communicator()), self.__qualname__)
             log.note("new keys", f"tuning the new keys failed, they stay on their fallback: {err}")
             log.flush()
+
+    def _agree_on_capture(self, outcome: str) -> list:
+        """Every rank's outcome of capturing one signature's graph (one control-plane collective per capture)."""
+        return self.communicator().all_gather_objects(outcome, "capturing the step in a CUDA graph")
 
     def _went_stale(self, stale: list[str]) -> None:
         self._tuned = False

@@ -18,18 +18,21 @@ changed is one the step writes into: it is copied back after every replay. Resul
 clones (one copy per output tensor), so a result stays valid after the next call; a result holding
 anything but tensors and plain values (an object with tensors inside) makes its signature run eagerly.
 A capture that fails raises once, saying what a replayed step must not do; that signature then runs
-eagerly.
+eagerly. Given ``agree`` (``contextual_autotune`` passes its ranks' control plane), the ranks compare how
+their captures went, in one collective per captured signature: a capture that fails on one rank raises the
+same error on every rank, naming it, and that signature runs eagerly on every rank, so no rank replays
+collectives its peers no longer join.
 
 What a replayed step must be, as for any CUDA graph: no host synchronization (``.item()``,
 ``.tolist()``, a host-side check), no CPU work whose effect the caller needs each call, and every
 tensor it reads either an argument or one that keeps its address (a closure's weights, updated in
 place). Non-tensor results are those of the capture call. Every rank must change its signatures at the
-same calls, as its collectives must match. One thread and one stream at a time per step. Memory: each
-graph keeps the memory its step allocated (its private pool) until it is dropped; at most
-:data:`GRAPHS_PER_STEP` are kept per step, the least recently used dropped first. Graphs that captured
-NCCL collectives must be dropped before their communicators are destroyed: :func:`release_all` does
-it; ``disttune.dist.destroy`` and the exit handler call it, and a program that destroys its process
-groups itself calls it first.
+same calls, as its collectives must match (every rank then captures at the same call). One thread and one
+stream at a time per step. Memory: each graph keeps the memory its step allocated (its private pool) until
+it is dropped; at most :data:`GRAPHS_PER_STEP` are kept per step, the least recently used dropped first.
+Graphs that captured NCCL collectives must be dropped before their communicators are destroyed:
+:func:`release_all` does it; ``disttune.dist.destroy`` and the exit handler call it, and a program that
+destroys its process groups itself calls it first.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .env import interpreting
 
-__all__ = ["GRAPHS_PER_STEP", "CudaGraphCapture", "StepGraphs", "release_all", "signature", "why_unavailable"]
+__all__ = ["CAPTURED", "GRAPHS_PER_STEP", "HOLDS_OBJECTS", "CudaGraphCapture", "StepGraphs", "release_all",
+           "signature", "why_unavailable"]
 
 #: Graphs kept per step (one per signature), least recently used dropped first.
 GRAPHS_PER_STEP = 8
@@ -53,6 +57,8 @@ GRAPHS_PER_STEP = 8
 SEEN_PER_STEP = 64
 #: What a result may hold besides tensors for its graph to be replayed (a replay clones the tensors).
 _PLAIN = (type(None), bool, int, float, complex, str)
+#: How a rank's capture of a signature went, when it did not fail (a failure is its error's text).
+CAPTURED, HOLDS_OBJECTS = "captured", "captured, but the result holds objects"
 
 _live: "weakref.WeakSet[StepGraphs]" = weakref.WeakSet()
 
@@ -117,14 +123,18 @@ class StepGraphs:
     """A step's CUDA graphs, one per call signature (see the module doc). ``name`` is the step's, for errors.
 
     ``capture`` makes a graph of a step (``CudaGraphCapture``, the real one, by default); tests that must run
-    the cache's logic without a GPU pass their own. ``captures`` and ``replays`` count what the graphs did.
+    the cache's logic without a GPU pass their own. ``agree`` gathers one string per rank, in rank order (a
+    collective off the GPU, e.g. a ``Communicator``'s ``all_gather_objects``): each capture's outcome is
+    compared across the ranks with it (module doc). ``captures`` and ``replays`` count what the graphs did.
     One thread and one stream at a time: a replay's inputs and outputs are the graph's own buffers.
     """
 
-    def __init__(self, name: str, capture: Optional[Callable] = None, capacity: int = GRAPHS_PER_STEP) -> None:
+    def __init__(self, name: str, capture: Optional[Callable] = None, capacity: int = GRAPHS_PER_STEP,
+                 agree: Optional[Callable[[str], list]] = None) -> None:
         self.name = name
         self.capacity = capacity
         self._capture = capture if capture is not None else CudaGraphCapture()
+        self._agree = agree
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # signature -> _Graph
         self._seen: collections.OrderedDict = collections.OrderedDict()  # signatures called once
         self._eager: set = set()  # signatures that run as they are (their capture failed, or their results)
@@ -171,17 +181,20 @@ class StepGraphs:
     def _capture_and_replay(self, key: tuple, run: Callable[[tuple, dict], Any], leaves: list, spec: Any) -> Any:
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         bound = tree_unflatten([mine if mine is not None else leaf for mine, leaf in zip(inputs, leaves)], spec)
+        failure: Optional[Exception] = None
         try:
             replay, outputs = self._capture(lambda: run(*bound))
-        except Exception as err:  # noqa: BLE001 - said again with what to do
+            clonable = all(isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in tree_flatten(outputs)[0])
+            outcome = CAPTURED if clonable else HOLDS_OBJECTS
+        except Exception as err:  # noqa: BLE001 - said again with what to do, on every rank
+            failure, outcome = err, f"{type(err).__name__}: {err}"
+        outcomes = self._agree(outcome) if self._agree is not None else [outcome]
+        failed = {rank: text for rank, text in enumerate(outcomes) if text not in (CAPTURED, HOLDS_OBJECTS)}
+        if failed:
             self._eager.add(key)
-            raise RuntimeError(
-                f"disttune: capturing {self.name} in a CUDA graph failed ({type(err).__name__}: {err}); later calls "
-                "with these arguments run as they are. A step replayed from a CUDA graph must not synchronize with the "
-                "host (.item(), .tolist(), host-side checks of GPU values) nor allocate communicators or workspaces on "
-                "its second call; fix the step or pass cuda_graph=False") from err
+            raise RuntimeError(self._capture_failed(failed, len(outcomes))) from failure
         self.captures += 1
-        if not all(isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in tree_flatten(outputs)[0]):
+        if HOLDS_OBJECTS in outcomes:
             self._eager.add(key)  # a result a replay could not clone (an object holding tensors): run as it is
             return run(*tree_unflatten(leaves, spec))
         replay()
@@ -193,6 +206,18 @@ class StepGraphs:
             leaves[index].copy_(inputs[index])
         _remember(self._graphs, key, _Graph(replay, inputs, outputs, written), self.capacity)
         return _cloned(outputs)
+
+    def _capture_failed(self, failed: dict, world: int) -> str:
+        """The error every rank raises when a capture failed on ``failed`` (rank -> the error's text)."""
+        if world == 1:
+            where, why = "", next(iter(failed.values()))
+        else:
+            where = " on rank" + ("s " if len(failed) > 1 else " ") + ", ".join(map(str, failed))
+            why = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+        return (f"disttune: capturing {self.name} in a CUDA graph failed{where} ({why}); later calls with these "
+                "arguments run as they are" + (" on every rank" if world > 1 else "") + ". A step replayed from a "
+                "CUDA graph must not synchronize with the host (.item(), .tolist(), host-side checks of GPU values) "
+                "nor allocate communicators or workspaces on its second call; fix the step or pass cuda_graph=False")
 
     def clear(self) -> None:
         """Drop every graph (and its memory): the next call of each signature runs eagerly again."""

@@ -261,6 +261,41 @@ def case_second_call(ctx):
             "output_ok": bool(torch.equal(y, x + 64)), "tuned": step.tuned}
 
 
+@cases.case
+def case_capture_fails_on_one_rank(ctx):
+    """With ``cuda_graph=True`` the second call's capture fails on rank 1 only (a stand-in capture, see
+    ``graph_standins``; the step holds a user collective): every rank raises the same error, and later calls
+    run as they are on every rank, their collectives still paired."""
+    from disttune import graphs
+    from graph_standins import ReplayByRerun
+
+    capture = ReplayByRerun(fail=ctx.rank == 1)
+    saved = graphs.why_unavailable, graphs.CudaGraphCapture
+    graphs.why_unavailable, graphs.CudaGraphCapture = (lambda: ""), (lambda: capture)
+    try:
+        kernel = make_kernel()
+        x = torch.randn(128, device=ctx.device)
+        timer = TableTimer(lambda info: {0: 3.0, 1: 2.0, 2: 1.0}[info.config_index])
+
+        @disttune.contextual_autotune(**tuner_options(ctx, "capture_fails_on_one_rank", timer=timer), cuda_graph=True)
+        def step(x_in):
+            y = torch.full_like(x_in, float("nan"))
+            launch_add(kernel, x_in, y)
+            return y, sum_across_ranks(ctx, 1.0)
+
+        step(x)  # the tuning call: the signature's first call
+        try:
+            step(x)  # captured: fails on rank 1
+            error = None
+        except RuntimeError as err:
+            error = str(err)
+        later = [step(x) for _ in range(3)]
+    finally:
+        graphs.why_unavailable, graphs.CudaGraphCapture = saved
+    return {"error": error, "later_ok": all(bool(torch.equal(y, x + 64)) and total == ctx.world for y, total in later),
+            "captures": step.graphs.captures, "replays": step.graphs.replays}
+
+
 @cases.case(default=False)
 def case_subgroup(ctx):
     """Ranks split into pairs; each pair agrees over its own group (world 4)."""

@@ -20,7 +20,7 @@ from helpers import failure, mpi, run_cases
 CASES = Path(__file__).with_name("dist_cases.py")
 LAUNCH_TIMEOUT_S = 240
 COMMON_CASES = ["agree_max", "agree_mean", "agree_min", "fail_one_rank", "mismatch_configs", "keys_differ",
-                "options_differ", "all_fail", "raise_in_run", "second_call", "early_stop"]
+                "options_differ", "all_fail", "raise_in_run", "second_call", "early_stop", "capture_fails_on_one_rank"]
 SPLIT_CASES = ["split", "split_early", "split_compile_fault", "split_store", "compile_split"]
 
 
@@ -134,6 +134,18 @@ def test_all_configs_failing_names_every_config_and_rank(gloo2):
 
 def test_exception_inside_the_function_reaches_every_rank(gloo2):
     check_error(gloo2[0]["raise_in_run"], "TuningError", "rank 1: ValueError: user code failed in run 5", "tuning run 4/")
+
+
+def test_a_capture_that_fails_on_one_rank_is_the_same_error_on_every_rank_then_every_rank_runs_eagerly(gloo2):
+    per_rank = gloo2[0]["capture_fails_on_one_rank"]
+    for result in per_rank:
+        assert result["ok"], failure(result)
+        assert result["error"] is not None, f"rank {result['rank']} did not raise"
+        assert "failed on rank 1 (rank 1: CaptureFailed: operation not permitted" in result["error"], result["error"]
+        assert "run as they are on every rank" in result["error"]
+        assert result["later_ok"], "a later call's result or its user collective went wrong"
+        assert (result["captures"], result["replays"]) == (0, 0), "a rank replayed a signature its peer runs eagerly"
+    assert len({r["error"] for r in per_rank}) == 1, "ranks raised different messages"
 
 
 def test_second_call_does_not_tune(gloo2):

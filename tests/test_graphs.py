@@ -1,40 +1,22 @@
 """CUDA graphs of a tuned step (``disttune.graphs``, ``contextual_autotune(cuda_graph=True)``): which call runs
 eagerly, which captures, which replays, and what a replay returns.
 
-Without a GPU the capture is played by ``ReplayByRerun``: its "replay" runs the captured step again on the
-graph's own inputs and copies the results into the captured outputs, as a graph's replay writes them in place.
-So a test sees stale results if a call's tensors were not copied into the graph's inputs, or if a result
-aliased the graph's outputs. The real capture runs in the GPU tests (``tests/test_moe.py``, the graph case).
+Without a GPU the capture is played by ``graph_standins.ReplayByRerun``, whose replay reruns the step on the
+graph's own inputs (so missing copies and aliased results show as stale values). A capture that fails on one
+rank of several runs in ``tests/dist_cases.py`` (``test_contextual_dist.py``). The real capture runs in the GPU
+tests (``tests/test_moe.py``, the graph case).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._pytree import tree_leaves
 
 import disttune
 from disttune import graphs
 from disttune.graphs import StepGraphs
+from graph_standins import ReplayByRerun
 from tiny_kernels import DEV, counting_step, make_kernel
-
-
-class ReplayByRerun:
-    """Stands in for CUDA graph capture where there is no GPU (see the module doc)."""
-
-    def __init__(self) -> None:
-        self.captured = 0
-
-    def __call__(self, step):
-        self.captured += 1
-        outputs = step()
-
-        def replay() -> None:
-            for mine, fresh in zip(tree_leaves(outputs), tree_leaves(step())):
-                if isinstance(mine, torch.Tensor):
-                    mine.copy_(fresh)
-
-        return replay, outputs
 
 
 def eager(args, kwargs):
