@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=1 bench/moe_host.py             # one GPU: the host path alone (NCCL, 1 rank)
     torchrun --nproc_per_node=2 bench/moe_host.py --profile   # two GPUs, plus cProfiles of ag_moe and moe_gemm
     torchrun --nproc_per_node=2 bench/moe_host.py --out moe_host.jsonl   # also append the rows as JSON lines
+    torchrun --nproc_per_node=2 bench/moe_host.py --phases    # plus ag_moe's host µs per phase, on every rank
 
 A step whose host needs longer per call than its GPU work runs at the host's pace however fast its
 kernels are. Each row calls its function ``--calls`` times back to back and synchronizes once, in
@@ -25,15 +26,24 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
 GPU only (NCCL, symmetric memory). Rank 0 prints one table per shape and, with ``--out FILE``,
 appends one JSON line per row (with device, versions and date) to FILE.
 
+``--phases``: where an eager ``ag_moe`` call's host time goes. ag_moe's helpers (the checks, the routing
+gather, the pusher's gather / wait / finish, the sort, the GEMM launch) are wrapped with timers for
+``--calls`` calls, best of ``--rounds`` rounds, and every rank's µs per call are printed, with what the
+helpers leave ("the rest": ag_moe's own lines); the wrappers add about 0.5 µs per phase.
+
 Cost: per shape, (1 + ``--rounds`` x ``--calls``) calls of each of 9 steps, 3 + 50 back-to-back
-calls of 6 of them, two CUDA-graph captures and one contextual tuning of ag_moe.
+calls of 6 of them, two CUDA-graph captures and one contextual tuning of ag_moe (``--phases``:
+``--rounds`` x ``--calls`` more calls of ag_moe).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
-from typing import Any
+import time
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,6 +55,67 @@ from disttune.benchmark import capture_graph, max_over_ranks
 from disttune.kernels import moe, moe_ag
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
+#: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
+AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_routing", "token_pusher",
+                 "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
+PUSHER_PHASES = ("gather", "wait_shard", "wait_all", "finish")
+
+
+@contextlib.contextmanager
+def timed_phases(seconds: dict) -> Iterator[None]:
+    """While open, ag_moe's helpers add the seconds they take to ``seconds[name]`` (restored on exit)."""
+    def timed(name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
+        return wrapper
+
+    targets = [(moe_ag, name, name) for name in AG_MOE_PHASES if hasattr(moe_ag, name)]
+    targets += [(moe_ag.ShardPusher, name, f"pusher.{name}") for name in PUSHER_PHASES
+                if hasattr(moe_ag.ShardPusher, name)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    try:
+        for owner, name, label in targets:
+            setattr(owner, name, timed(label, getattr(owner, name)))
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def phase_table(ag: Callable[[], Any], rank: int, world: int, calls: int, rounds: int) -> list[dict]:
+    """Every rank's host µs per ag_moe call and per phase (best round by total); rank 0 prints the table."""
+    best: tuple = (float("inf"), {})
+    for _ in range(rounds):
+        seconds: dict = {}
+        benchmark.sync()
+        dist.barrier()
+        with timed_phases(seconds):
+            started = time.perf_counter()
+            for _ in range(calls):
+                ag()
+            total = (time.perf_counter() - started) / calls * 1e6
+        benchmark.sync()
+        if total < best[0]:
+            best = (total, {name: value / calls * 1e6 for name, value in seconds.items()})
+    total, phases = best
+    phases["the rest"] = total - sum(phases.values())
+    phases["ag_moe, timed"] = total
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, phases)
+    names = sorted(gathered[0], key=lambda n: (n.startswith(("the rest", "ag_moe")), -gathered[0][n]))
+    if rank == 0:
+        print(f"\n#### ag_moe's host µs per call by phase ({calls} calls, best of {rounds} rounds), each rank\n")
+        print("| phase | " + " | ".join(f"rank {r}" for r in range(world)) + " |")
+        print("| --- |" + " ---: |" * world)
+        for name in names:
+            print(f"| {name} | " + " | ".join(f"{per_rank.get(name, 0.0):.1f}" for per_rank in gathered) + " |")
+    return [dict(bench="moe_host", step=f"ag_moe phase: {name}", host_us_per_rank=[p.get(name) for p in gathered])
+            for name in names]
 
 
 def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> list[dict]:
@@ -116,7 +187,9 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
             if rank == 0:
                 print(f"\n#### cProfile of {name}, {options.calls} calls, rank 0: {host_ms:.3f} ms host per call "
                       f"(profiled)\n{table}")
-    rows = []
+    rows = phase_table(ag, rank, world, options.calls, options.rounds) if options.phases else []
+    for row in rows:
+        row["shape"] = s
     if rank == 0:
         print(f"\n### world {world}: T={T} E={E} top-{k} H={H} N={N} per rank, bf16, {torch.cuda.get_device_name()}; "
               f"µs per call ({options.calls} calls back to back, best of {options.rounds} rounds, max over ranks)\n")
@@ -136,6 +209,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", default="64,8", help="expert counts of the shapes to run (64 and/or 8)")
     parser.add_argument("--profile", action="store_true", help="print cProfiles of ag_moe and moe_gemm on rank 0")
+    parser.add_argument("--phases", action="store_true", help="print ag_moe's host µs per phase on every rank")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     options = parser.parse_args()
     if not torch.cuda.is_available():

@@ -43,7 +43,7 @@ if want moe; then
     TAIL=60 run moe 240 "${launch[@]}" bench/moe.py --out "$OUT/moe.jsonl"
 fi
 if want moehost; then  # is AG-MoE host-bound? host, wall and GPU time per call, with a cProfile on rank 0
-    TAIL=30 run moe_host 200 "${launch[@]}" bench/moe_host.py --profile --out "$OUT/moe_host.jsonl"
+    TAIL=30 run moe_host 200 "${launch[@]}" bench/moe_host.py --profile --phases --out "$OUT/moe_host.jsonl"
 fi
 if want tuning; then
     run tuning_cost 300 bash bench/tuning_cost.sh "$nproc" --out "$OUT/tuning_cost.jsonl"
