@@ -46,6 +46,13 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "disttune: " in line and "warning" not in line]
 
 
+def one_error_line(proc) -> str:
+    """The one disttune error line of a job's stderr (failing with the job's output where there is not one)."""
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, describe(proc)
+    return lines[0]
+
+
 def test_under_launch_sh_a_disttune_error_is_one_line_then_the_exit_status(script):
     proc = run_launch(["--nproc_per_node=2", str(script)], timeout=240)
     assert proc.returncode == 1, describe(proc)
@@ -72,7 +79,7 @@ def test_under_bare_torchrun_disttunes_part_is_one_line(script):
     proc = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script)], timeout=240)
     assert proc.returncode != 0, describe(proc)
-    (line,) = error_lines(proc.stderr)
+    line = one_error_line(proc)
     assert line.startswith("disttune: ranks 0, 1: TuningError: "), describe(proc)
     assert not any(text.startswith("[rank") for text in proc.stderr.splitlines()), "no rank's traceback"
 
@@ -92,7 +99,7 @@ def test_a_rank_that_times_out_alone_is_the_one_named(script):
     proc = run_launch(["--nproc_per_node=2", str(script)], timeout=240,
                       extra_env={"STALL": "1", "DISTTUNE_TIMEOUT": "3"})
     assert proc.returncode == 1, describe(proc)
-    (line,) = error_lines(proc.stderr)
+    line = one_error_line(proc)
     assert line.startswith("disttune: rank 0: CollectiveTimeout: ") and "rank(s) [1]" in line, describe(proc)
     assert "then torchrun stopped rank 1" in proc.stderr, describe(proc)
 
@@ -105,7 +112,7 @@ def test_a_bad_setting_is_one_line_from_a_plain_script_and_once_per_job_under_th
         "(DISTTUNE_TRACEBACK=1 prints the traceback)"], describe(plain)
     launched = run_launch(["--nproc_per_node=2", str(script)], timeout=240, extra_env={"DISTTUNE_TIMEOUT": "abc"})
     assert launched.returncode == 1, describe(launched)
-    (line,) = error_lines(launched.stderr)
+    line = one_error_line(launched)
     assert line.startswith("disttune: DistEnvError: DISTTUNE_TIMEOUT='abc'"), describe(launched)
 
 
