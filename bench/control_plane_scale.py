@@ -27,7 +27,9 @@ Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms 
                           tuning runs, the timing vector of 4 sites x 12 configs, the final run's status (98 runs)
 
 Store CPU: the rendezvous store's process's CPU time over the collectives, per collective (the node stores run in
-the worker processes, as they run in their ranks' processes in a job). Requests: every request the clients sent
+the worker processes, as they run in their ranks' processes in a job). Clients' CPU: the worker processes' CPU
+time over the collectives, per collective: every simulated rank's own work (its Python, its store clients, the
+threads of the plane and of a call's ending) and the node stores' servers. Requests: every request the clients sent
 the rendezvous store (a ``get`` counts two: the store answers a wait, then the read), per collective.
 With ``--out FILE`` one JSON line per row is appended to FILE.
 """
@@ -199,6 +201,7 @@ def work(conn: Any, port: int, ranks: list[int], world: int, per_node: int) -> N
     conn.send("connected")
     while (message := conn.recv()) is not None:
         order.update(message)
+        cpu = time.process_time()
         if message["what"] == "run":
             for store in stores:
                 store.requests = 0
@@ -207,7 +210,7 @@ def work(conn: Any, port: int, ranks: list[int], world: int, per_node: int) -> N
         gate.wait()
         gate.wait()
         conn.send({"errors": report["errors"], "times": report.pop("times", None),
-                   "requests": sum(store.total() for store in stores)})
+                   "requests": sum(store.total() for store in stores), "cpu": time.process_time() - cpu})
     order["what"] = "stop"
     gate.wait()
 
@@ -269,6 +272,7 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], p
                           "wall_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                           "store_cpu_ms": (cpu_after - cpu) / iters[kind] * 1e3,
                           "requests": sum(answer["requests"] for answer in answers) / iters[kind],
+                          "client_cpu_ms": sum(answer["cpu"] for answer in answers) / iters[kind] * 1e3,
                           "keys_after": keys}
             print(_line(rows[kind]), file=sys.stderr, flush=True)
     finally:
@@ -284,6 +288,7 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], p
 def _line(row: dict) -> str:
     return (f"{row['ranks']:5d} ranks ({row['per_node'] or 'flat'}), {row['kind']:24s}: "
             f"{row['wall_ms_median']:9.2f} / {row['wall_ms_p90']:9.2f} ms, store CPU {row['store_cpu_ms']:8.3f} ms, "
+            f"clients' CPU {row['client_cpu_ms']:9.1f} ms, "
             f"{row['requests']:8.0f} requests, {row['keys_after']} keys")
 
 
@@ -307,20 +312,20 @@ def main() -> None:
     nodes = f"{options.per_node} ranks per node" if options.per_node else "flat: no node stores"
     print(f"\n### control plane at N simulated ranks ({options.workers} worker processes, one TCPStore server, "
           f"{nodes}), per collective\n")
-    print("| N | collective | wall ms (median / p90) | store-host CPU ms | store requests |")
-    print("| ---: | --- | ---: | ---: | ---: |")
+    print("| N | collective | wall ms (median / p90) | store-host CPU ms | clients' CPU ms | store requests |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for row in all_rows:
         if row["kind"] != "tuning call":
             print(f"| {row['ranks']} | {row['kind']} | {row['wall_ms_median']:.2f} / {row['wall_ms_p90']:.2f} | "
-                  f"{row['store_cpu_ms']:.2f} | {row['requests']:.0f} |")
+                  f"{row['store_cpu_ms']:.2f} | {row['client_cpu_ms']:.1f} | {row['requests']:.0f} |")
     calls = [row for row in all_rows if row["kind"] == "tuning call"]
     if calls:
         print(f"\n### the agreement of one tuning call ({RUNS + 2} runs, {SITES} sites of {CONFIGS} configs)\n")
-        print("| N | wall s | store-host CPU s | store requests |")
-        print("| ---: | ---: | ---: | ---: |")
+        print("| N | wall s | store-host CPU s | clients' CPU s | store requests |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
         for row in calls:
             print(f"| {row['ranks']} | {row['wall_ms_median'] / 1e3:.2f} | {row['store_cpu_ms'] / 1e3:.3f} | "
-                  f"{row['requests']:.0f} |")
+                  f"{row['client_cpu_ms'] / 1e3:.2f} | {row['requests']:.0f} |")
     if options.out:
         from disttune import benchmark
 
