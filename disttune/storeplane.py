@@ -52,8 +52,8 @@ from .env import DEFAULT_TIMEOUT_S
 from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
 from .wire import MalformedMessage
 
-__all__ = ["PLANE", "POST_POLL_S", "PlaneStore", "poll", "read_now", "ending_record", "raise_ending", "WaitWatch", "wait_watch",
-           "read_when_set", "delete_keys", "Collective", "StorePosts", "StorePlane"]
+__all__ = ["PLANE", "POST_POLL_S", "PlaneStore", "Connections", "poll", "read_now", "ending_record", "raise_ending",
+           "WaitWatch", "wait_watch", "read_when_set", "delete_keys", "Collective", "StorePosts", "StorePlane"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -234,17 +234,37 @@ class WaitWatch:
             self.cancel(number)
 
 
+class Connections:
+    """Store connections lent to blocking waits, one wait at a time each: :meth:`connection` lends one (None while
+    all are lent: the wait then polls), :meth:`release` takes it back. A list under a lock."""
+
+    def __init__(self, connections: Sequence[Any] = ()) -> None:
+        self._idle, self._lock = list(connections), threading.Lock()
+
+    def connection(self) -> Optional[Any]:
+        """An idle connection for one blocking wait (give it back with :meth:`release`), or None."""
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def release(self, connection: Optional[Any]) -> None:
+        """Take back (or add) ``connection``; None: nothing (a wait that had none, or whose connection died)."""
+        if connection is not None:
+            with self._lock:
+                self._idle.append(connection)
+
+
 class _PlaneState:
     """What every communicator over one store object shares in this process: each channel's count of collectives
-    (a new communicator over the same ranks continues it), the retired keys and the connections that block in a
-    collective's wait (``store.clone()``: the communicator's own connection stays free for posts)."""
+    (a new communicator over the same ranks continues it), the retired keys and the ``spares``, connections that
+    block in a collective's wait or delete keys (``store.clone()``: the communicator's own connection stays free
+    for posts); while both are lent, a wait polls on the communicator's own connection."""
 
     def __init__(self, store: Any) -> None:
         self.store = weakref.ref(store)
         self.lock = threading.Lock()
         self.sequences: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.retired: list[str] = []
-        self.idle: list[Any] = []
+        self.spares = Connections()
         self.opened = False  # whether the spare connections were opened
         self.lost = StoreLost()  # shared by every connection to the store (PlaneStore)
 
@@ -266,28 +286,17 @@ class _PlaneState:
                     connection.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
                 except (ControlPlaneLost, AttributeError, RuntimeError, NotImplementedError):
                     return  # a store that is gone, or cannot be cloned: the waits poll
-                self.idle.append(connection)
-
-    def connection(self) -> Optional[Any]:
-        """A spare connection for one blocking wait (give it back with :meth:`release`), or None while both are
-        in use (or the store cannot be cloned): the wait then polls on the communicator's own connection."""
-        with self.lock:
-            return self.idle.pop() if self.idle else None
-
-    def release(self, connection: Optional[Any]) -> None:
-        if connection is not None:
-            with self.lock:
-                self.idle.append(connection)
+                self.spares.release(connection)
 
     def delete_later(self, keys: list[str]) -> None:
         """Delete ``keys`` on the process's :class:`WaitWatch` thread, on a connection of its own."""
         def delete() -> None:
-            connection = self.connection()
+            connection = self.spares.connection()
             raw = self.store()
             store = connection if connection is not None else PlaneStore(raw, self.lost) if raw is not None else None
             if store is not None:
                 delete_keys(store, keys)
-            self.release(connection)
+            self.spares.release(connection)
 
         wait_watch().later(delete)
 
@@ -626,7 +635,7 @@ class StorePlane(StorePosts):
                               self.post_poll_s)
         connection = None
         try:
-            connection = shared.connection()
+            connection = shared.spares.connection()
             if connection is None:
                 return read_when_set(self.store, collective.result)
             return bytes(connection.get(collective.result))
@@ -635,7 +644,7 @@ class StorePlane(StorePosts):
             raise
         finally:
             watch.cancel(watched)
-            shared.release(connection)
+            shared.spares.release(connection)
 
     def _look(self, collective: Collective, channel: Optional[str]) -> bool:
         """End ``collective`` for every rank if a peer has posted on ``channel`` (one request; three if one has)."""
