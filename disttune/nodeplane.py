@@ -290,17 +290,19 @@ class NodeStorePlane(StorePlane):
                  timeout_s: float = DEFAULT_TIMEOUT_S, node: Optional[str] = None) -> None:
         super().__init__(store, rank, world_size, prefix, timeout_s)
         self.node = node_name(node)
+        self._node_store: tuple[Optional[NodeStore], ...] = () if world_size >= NODE_STEP_MIN_RANKS else (None,)
 
     def node_store(self) -> Optional[NodeStore]:
         """This rank's node store, made at the first call (a collective: every rank calls it); None where the job
-        keeps the flat protocol."""
-        if self.world_size < NODE_STEP_MIN_RANKS:
-            return None
+        keeps the flat protocol. Later calls read what this communicator found."""
+        if self._node_store:
+            return self._node_store[0]
         memberships = self._memberships()
         with memberships.lock:
             if self.prefix not in memberships.by_prefix:
                 memberships.by_prefix[self.prefix] = self._join_node()
             store = memberships.by_prefix[self.prefix]
+        self._node_store = (store,)
         return store
 
     def _memberships(self) -> _Memberships:

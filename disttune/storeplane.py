@@ -95,7 +95,8 @@ class PlaneStore:
     (``lost``, shared with the store's other connections) every later request raises it at once. Requests
     of one connection take turns (as TCPStore's own client does on its one socket), so no second thread tries
     a dead connection after the first has found it dead (each try makes TCPStore log a C++ stack); a
-    connection blocked in a ``get`` when the host dies logs its own. Costs a lock and a ``try`` per request."""
+    connection blocked in a ``get`` when the host dies logs its own. Costs a lock and a ``try`` per request
+    (each operation's wrapper is made at its first request and kept)."""
 
     def __init__(self, store: Any, lost: Optional[StoreLost] = None) -> None:
         self.store = store
@@ -104,7 +105,11 @@ class PlaneStore:
 
     def __getattr__(self, name: str) -> Any:
         operation = getattr(self.store, name)
-        return functools.partial(self._call, operation) if callable(operation) else operation
+        if not callable(operation):
+            return operation
+        wrapped = functools.partial(self._call, operation)
+        setattr(self, name, wrapped)  # the next request skips __getattr__
+        return wrapped
 
     def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
         from torch.distributed import DistNetworkError
