@@ -171,8 +171,9 @@ class WaitWatch:
     ``get``: once a wait has lasted :data:`POST_POLL_S` it calls the wait's ``look`` every :data:`POST_POLL_S` (a
     peer's post ends it), and past its deadline its ``expire``; both end the wait by setting the collective's
     result to an ending. It also runs the work handed to :meth:`later` (a last arriver's deletions), off the
-    collective's path. Idle: blocked on a condition. Registering and cancelling a wait are a dictionary update
-    under a lock: a collective that completes within :data:`POST_POLL_S` costs nothing more.
+    collective's path, and the watchers of tuning calls (:mod:`disttune.ending`: waits with no deadline). Idle:
+    blocked on a condition. Registering and cancelling a wait are a dictionary update under a lock: a collective
+    that completes within :data:`POST_POLL_S` costs nothing more.
     """
 
     def __init__(self) -> None:
@@ -412,7 +413,7 @@ class StorePosts:
         self._own_posts: defaultdict[str, int] = defaultdict(int)
         self._read_posts: dict[str, tuple[float, int]] = {}  # channel -> (when, the count read)
         self._noted: set[str] = set()
-        self._lock = threading.Lock()  # the watcher thread posts too (disttune.ending)
+        self._lock = threading.Lock()  # a call's watcher posts too, on the watch thread (disttune.ending)
 
     def _key(self, channel: str, *parts: Any) -> str:
         return "/".join((self.prefix, channel, *map(str, parts)))
