@@ -313,7 +313,9 @@ _WATCH: list[WaitWatch] = []  # the process's one WaitWatch, once a wait has nee
 
 
 def wait_watch() -> WaitWatch:
-    """This process's :class:`WaitWatch` (started at the first wait)."""
+    """This process's :class:`WaitWatch` (started at the first wait; later calls take no lock)."""
+    if _WATCH:
+        return _WATCH[0]
     with _STATES_LOCK:
         if not _WATCH:
             _WATCH.append(WaitWatch())
