@@ -1,18 +1,21 @@
 """What the control plane costs at N ranks, simulated on one host: wall ms per collective, the store host's CPU
 per collective, store requests per collective, and the agreement of a whole tuning call.
 
-    python bench/control_plane_scale.py [--ranks 8,32,128,512,1024] [--per-node 8] [--workers 2] [--iters 20]
+    python bench/control_plane_scale.py [--ranks 8,32,128,512,1024] [--per-node 8] [--workers 8] [--iters 20]
                                         [--out FILE]
 
 One ``torch.distributed.TCPStore`` server (libuv) in its own process, as a job's rendezvous store; N simulated
-ranks as threads spread over ``--workers`` processes, each rank with its own client (keys prefixed as under
-torchrun) and its own :class:`disttune.nodeplane.NodeStorePlane`, the code :class:`disttune.comm.TorchComm` runs,
+ranks as threads spread over ``--workers`` processes (8, at most one per node), each rank with its own client
+(keys prefixed as under torchrun) and its own :class:`disttune.nodeplane.NodeStorePlane`, the code :class:`disttune.comm.TorchComm` runs,
 told its node: ``--per-node`` consecutive ranks share one (8 by default; a node's ranks run in one worker process,
 and its lowest rank's process holds the node store). ``--per-node 0`` runs the flat protocol
 (:class:`disttune.storeplane.StorePlane`: every rank talks to the rendezvous store only), as every job did before
 the node-level step, and as jobs below :data:`disttune.nodeplane.NODE_STEP_MIN_RANKS` ranks still do.
 The store host's CPU is the serial part a real job cannot spread; the simulated clients share this host's
-cores, so at large N the wall times are bound by them, not by the store.
+cores, so at large N the wall times are bound by them, not by the store. A job runs one rank per process; here
+N / workers rank threads share each process's GIL, and every store request a rank makes hands that GIL over
+twice (2 workers: 512 threads a process at 1024 ranks, whose handovers cost the clients about 40 % more CPU per
+collective than 8 workers' 128).
 
 Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms at rank 0, median / p90):
 
@@ -63,24 +66,24 @@ def serve(conn: Any) -> None:
 
 
 class CountingStore:
-    """A store client that counts the requests it sends (``clone()`` counts on its own)."""
+    """A store client that counts the requests it sends (``clone()`` counts on its own), with no lock of its own: a
+    list append (atomic under the GIL) per request, which a job's client does not pay for."""
 
     TWO = {"get", "multi_get"}  # the client waits for the key, then reads it
     LOCAL = {"set_timeout", "clone"}  # the client's own settings: no request
 
     def __init__(self, store: Any) -> None:
-        self.store, self.requests, self.lock = store, 0, threading.Lock()
+        self.store, self.sent = store, []  # each request's count
         self.clones: list[CountingStore] = []
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self.store, name)
         if name in self.LOCAL:
             return method
-        cost = 2 if name in self.TWO else 1
+        cost, sent = 2 if name in self.TWO else 1, self.sent
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            with self.lock:
-                self.requests += cost
+            sent.append(cost)
             return method(*args, **kwargs)
 
         setattr(self, name, counted)  # the next call skips __getattr__
@@ -90,8 +93,12 @@ class CountingStore:
         self.clones.append(CountingStore(self.store.clone()))
         return self.clones[-1]
 
+    def reset(self) -> None:
+        for store in [self, *self.clones]:
+            store.sent.clear()
+
     def total(self) -> int:
-        return self.requests + sum(clone.total() for clone in self.clones)
+        return sum(self.sent) + sum(clone.total() for clone in self.clones)
 
 
 def tuning_sites() -> list:
@@ -204,9 +211,7 @@ def work(conn: Any, port: int, ranks: list[int], world: int, per_node: int) -> N
         cpu = time.process_time()
         if message["what"] == "run":
             for store in stores:
-                store.requests = 0
-                for clone in store.clones:
-                    clone.requests = 0
+                store.reset()
         gate.wait()
         gate.wait()
         conn.send({"errors": report["errors"], "times": report.pop("times", None),
@@ -267,7 +272,7 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], p
             answers = everyone({"what": "run", "iters": iters[kind]})
             cpu_after, keys = store_state()
             (times,) = [answer["times"] for answer in answers if answer["times"] is not None]
-            rows[kind] = {"ranks": world, "kind": kind, "iters": iters[kind], "per_node": per_node,
+            rows[kind] = {"ranks": world, "kind": kind, "iters": iters[kind], "per_node": per_node, "workers": workers,
                           "wall_ms_median": statistics.median(times) * 1e3,
                           "wall_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                           "store_cpu_ms": (cpu_after - cpu) / iters[kind] * 1e3,
@@ -295,7 +300,7 @@ def _line(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="8,32,128,512,1024")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=8, help="worker processes (at most one per node)")
     parser.add_argument("--per-node", type=int, default=8, help="simulated ranks per node; 0: the flat protocol")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--calls", type=int, default=1, help="tuning calls per N")
@@ -308,9 +313,10 @@ def main() -> None:
     for world in map(int, options.ranks.split(",")):
         kinds = [k for k in wanted if k != "1000 floats gathered" or world <= options.gather_max]
         iters = {kind: options.calls if kind == "tuning call" else options.iters for kind in kinds}
-        all_rows.extend(measure(world, options.workers, kinds, iters, options.per_node).values())
+        workers = max(1, min(options.workers, -(-world // options.per_node) if options.per_node else world))
+        all_rows.extend(measure(world, workers, kinds, iters, options.per_node).values())
     nodes = f"{options.per_node} ranks per node" if options.per_node else "flat: no node stores"
-    print(f"\n### control plane at N simulated ranks ({options.workers} worker processes, one TCPStore server, "
+    print(f"\n### control plane at N simulated ranks ({options.workers} worker processes at most, one TCPStore server, "
           f"{nodes}), per collective\n")
     print("| N | collective | wall ms (median / p90) | store-host CPU ms | clients' CPU ms | store requests |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
