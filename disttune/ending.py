@@ -158,6 +158,7 @@ class Ending:
         self._state: Optional[str] = None  # "settling" (the main thread), or "blocked" (the watcher answered)
         self._verdict: Optional[BaseException] = None
         self._stopped = False  # the call has left: the watcher no longer answers for this rank
+        self._looking = threading.Lock()  # held by a look of the watcher; the call's exit waits for it
         self._watched: Optional[int] = None  # the watcher's number on the process's watch thread
         self._first_post: Optional[float] = None  # when the watcher first saw a peer's post
         self.step: Optional[str] = None  # the last step this rank's main thread entered (it names a lost store)
@@ -173,8 +174,8 @@ class Ending:
     def __exit__(self, kind: Any, err: Optional[BaseException], traceback: Any) -> None:
         """Stop the watcher; an exception leaving the call becomes the verdict (:meth:`conclude`)."""
         ended = self.conclude(err) if err is not None else None
-        with self._lock:
-            self._stopped = True  # a look under way now leaves this rank alone
+        with self._looking:  # a look under way (its post and abort) finishes first; later ones do nothing
+            self._stopped = True
         if self._watched is not None:
             wait_watch().cancel(self._watched)
         if self.plane is not None:
@@ -298,6 +299,11 @@ class Ending:
         """The watcher's look at the channel's posts, every ``post_poll_s`` on the process's watch thread while the
         call runs: once a peer's post has stood for :data:`GRACE_S` and this rank's main thread has not started to
         settle, answer ``blocked`` for it and abort the process groups. True: the watcher is done."""
+        with self._looking:
+            return self._stopped or self._answer_if_held_up()
+
+    def _answer_if_held_up(self) -> bool:
+        """The look itself (the call has not left): one read of the post counter, and the answer when it is due."""
         plane = self.plane
         assert plane is not None
         try:
@@ -309,8 +315,8 @@ class Ending:
         if time.monotonic() - self._first_post < GRACE_S:
             return False
         with self._lock:
-            if self._state is not None or self._stopped:
-                return True  # the main thread is settling, or the call has left
+            if self._state is not None:
+                return True  # the main thread is settling
             self._state = "blocked"
         try:
             plane.post(self.channel, "settle", "blocked")
