@@ -14,8 +14,8 @@ the node-level step, and as jobs below :data:`disttune.nodeplane.NODE_STEP_MIN_R
 The store host's CPU is the serial part a real job cannot spread; the simulated clients share this host's
 cores, so at large N the wall times are bound by them, not by the store. A job runs one rank per process; here
 N / workers rank threads share each process's GIL, and every store request a rank makes hands that GIL over
-twice (2 workers: 512 threads a process at 1024 ranks, whose handovers cost the clients about 40 % more CPU per
-collective than 8 workers' 128).
+twice (2 workers: 512 threads a process at 1024 ranks, whose handovers cost the clients 1.7x the CPU per
+collective of 8 workers' 128).
 
 Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms at rank 0, median / p90):
 
