@@ -1,18 +1,21 @@
 """What the control plane costs at N ranks, simulated on one host: wall ms per collective, the store host's CPU
 per collective, store requests per collective, and the agreement of a whole tuning call.
 
-    python bench/control_plane_scale.py [--ranks 8,32,128,512,1024] [--per-node 8] [--workers 2] [--iters 20]
+    python bench/control_plane_scale.py [--ranks 8,32,128,512,1024] [--per-node 8] [--workers 8] [--iters 20]
                                         [--out FILE]
 
 One ``torch.distributed.TCPStore`` server (libuv) in its own process, as a job's rendezvous store; N simulated
-ranks as threads spread over ``--workers`` processes, each rank with its own client (keys prefixed as under
-torchrun) and its own :class:`disttune.nodeplane.NodeStorePlane`, the code :class:`disttune.comm.TorchComm` runs,
+ranks as threads spread over ``--workers`` processes (8, at most one per node), each rank with its own client
+(keys prefixed as under torchrun) and its own :class:`disttune.nodeplane.NodeStorePlane`, the code :class:`disttune.comm.TorchComm` runs,
 told its node: ``--per-node`` consecutive ranks share one (8 by default; a node's ranks run in one worker process,
 and its lowest rank's process holds the node store). ``--per-node 0`` runs the flat protocol
 (:class:`disttune.storeplane.StorePlane`: every rank talks to the rendezvous store only), as every job did before
 the node-level step, and as jobs below :data:`disttune.nodeplane.NODE_STEP_MIN_RANKS` ranks still do.
 The store host's CPU is the serial part a real job cannot spread; the simulated clients share this host's
-cores, so at large N the wall times are bound by them, not by the store.
+cores, so at large N the wall times are bound by them, not by the store. A job runs one rank per process; here
+N / workers rank threads share each process's GIL, and every store request a rank makes hands that GIL over
+twice (2 workers: 512 threads a process at 1024 ranks, whose handovers cost the clients 1.7x the CPU per
+collective of 8 workers' 128).
 
 Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms at rank 0, median / p90):
 
@@ -27,7 +30,9 @@ Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms 
                           tuning runs, the timing vector of 4 sites x 12 configs, the final run's status (98 runs)
 
 Store CPU: the rendezvous store's process's CPU time over the collectives, per collective (the node stores run in
-the worker processes, as they run in their ranks' processes in a job). Requests: every request the clients sent
+the worker processes, as they run in their ranks' processes in a job). Clients' CPU: the worker processes' CPU
+time over the collectives, per collective: every simulated rank's own work (its Python, its store clients, the
+threads of the plane and of a call's ending) and the node stores' servers. Requests: every request the clients sent
 the rendezvous store (a ``get`` counts two: the store answers a wait, then the read), per collective.
 With ``--out FILE`` one JSON line per row is appended to FILE.
 """
@@ -61,24 +66,24 @@ def serve(conn: Any) -> None:
 
 
 class CountingStore:
-    """A store client that counts the requests it sends (``clone()`` counts on its own)."""
+    """A store client that counts the requests it sends (``clone()`` counts on its own), with no lock of its own: a
+    list append (atomic under the GIL) per request, which a job's client does not pay for."""
 
     TWO = {"get", "multi_get"}  # the client waits for the key, then reads it
     LOCAL = {"set_timeout", "clone"}  # the client's own settings: no request
 
     def __init__(self, store: Any) -> None:
-        self.store, self.requests, self.lock = store, 0, threading.Lock()
+        self.store, self.sent = store, []  # each request's count
         self.clones: list[CountingStore] = []
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self.store, name)
         if name in self.LOCAL:
             return method
-        cost = 2 if name in self.TWO else 1
+        cost, sent = 2 if name in self.TWO else 1, self.sent
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            with self.lock:
-                self.requests += cost
+            sent.append(cost)
             return method(*args, **kwargs)
 
         setattr(self, name, counted)  # the next call skips __getattr__
@@ -88,8 +93,12 @@ class CountingStore:
         self.clones.append(CountingStore(self.store.clone()))
         return self.clones[-1]
 
+    def reset(self) -> None:
+        for store in [self, *self.clones]:
+            store.sent.clear()
+
     def total(self) -> int:
-        return self.requests + sum(clone.total() for clone in self.clones)
+        return sum(self.sent) + sum(clone.total() for clone in self.clones)
 
 
 def tuning_sites() -> list:
@@ -199,15 +208,14 @@ def work(conn: Any, port: int, ranks: list[int], world: int, per_node: int) -> N
     conn.send("connected")
     while (message := conn.recv()) is not None:
         order.update(message)
+        cpu = time.process_time()
         if message["what"] == "run":
             for store in stores:
-                store.requests = 0
-                for clone in store.clones:
-                    clone.requests = 0
+                store.reset()
         gate.wait()
         gate.wait()
         conn.send({"errors": report["errors"], "times": report.pop("times", None),
-                   "requests": sum(store.total() for store in stores)})
+                   "requests": sum(store.total() for store in stores), "cpu": time.process_time() - cpu})
     order["what"] = "stop"
     gate.wait()
 
@@ -264,11 +272,12 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], p
             answers = everyone({"what": "run", "iters": iters[kind]})
             cpu_after, keys = store_state()
             (times,) = [answer["times"] for answer in answers if answer["times"] is not None]
-            rows[kind] = {"ranks": world, "kind": kind, "iters": iters[kind], "per_node": per_node,
+            rows[kind] = {"ranks": world, "kind": kind, "iters": iters[kind], "per_node": per_node, "workers": workers,
                           "wall_ms_median": statistics.median(times) * 1e3,
                           "wall_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
                           "store_cpu_ms": (cpu_after - cpu) / iters[kind] * 1e3,
                           "requests": sum(answer["requests"] for answer in answers) / iters[kind],
+                          "client_cpu_ms": sum(answer["cpu"] for answer in answers) / iters[kind] * 1e3,
                           "keys_after": keys}
             print(_line(rows[kind]), file=sys.stderr, flush=True)
     finally:
@@ -284,13 +293,14 @@ def measure(world: int, workers: int, kinds: list[str], iters: dict[str, int], p
 def _line(row: dict) -> str:
     return (f"{row['ranks']:5d} ranks ({row['per_node'] or 'flat'}), {row['kind']:24s}: "
             f"{row['wall_ms_median']:9.2f} / {row['wall_ms_p90']:9.2f} ms, store CPU {row['store_cpu_ms']:8.3f} ms, "
+            f"clients' CPU {row['client_cpu_ms']:9.1f} ms, "
             f"{row['requests']:8.0f} requests, {row['keys_after']} keys")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="8,32,128,512,1024")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=8, help="worker processes (at most one per node)")
     parser.add_argument("--per-node", type=int, default=8, help="simulated ranks per node; 0: the flat protocol")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--calls", type=int, default=1, help="tuning calls per N")
@@ -303,24 +313,25 @@ def main() -> None:
     for world in map(int, options.ranks.split(",")):
         kinds = [k for k in wanted if k != "1000 floats gathered" or world <= options.gather_max]
         iters = {kind: options.calls if kind == "tuning call" else options.iters for kind in kinds}
-        all_rows.extend(measure(world, options.workers, kinds, iters, options.per_node).values())
+        workers = max(1, min(options.workers, -(-world // options.per_node) if options.per_node else world))
+        all_rows.extend(measure(world, workers, kinds, iters, options.per_node).values())
     nodes = f"{options.per_node} ranks per node" if options.per_node else "flat: no node stores"
-    print(f"\n### control plane at N simulated ranks ({options.workers} worker processes, one TCPStore server, "
+    print(f"\n### control plane at N simulated ranks ({options.workers} worker processes at most, one TCPStore server, "
           f"{nodes}), per collective\n")
-    print("| N | collective | wall ms (median / p90) | store-host CPU ms | store requests |")
-    print("| ---: | --- | ---: | ---: | ---: |")
+    print("| N | collective | wall ms (median / p90) | store-host CPU ms | clients' CPU ms | store requests |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for row in all_rows:
         if row["kind"] != "tuning call":
             print(f"| {row['ranks']} | {row['kind']} | {row['wall_ms_median']:.2f} / {row['wall_ms_p90']:.2f} | "
-                  f"{row['store_cpu_ms']:.2f} | {row['requests']:.0f} |")
+                  f"{row['store_cpu_ms']:.2f} | {row['client_cpu_ms']:.1f} | {row['requests']:.0f} |")
     calls = [row for row in all_rows if row["kind"] == "tuning call"]
     if calls:
         print(f"\n### the agreement of one tuning call ({RUNS + 2} runs, {SITES} sites of {CONFIGS} configs)\n")
-        print("| N | wall s | store-host CPU s | store requests |")
-        print("| ---: | ---: | ---: | ---: |")
+        print("| N | wall s | store-host CPU s | clients' CPU s | store requests |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
         for row in calls:
             print(f"| {row['ranks']} | {row['wall_ms_median'] / 1e3:.2f} | {row['store_cpu_ms'] / 1e3:.3f} | "
-                  f"{row['requests']:.0f} |")
+                  f"{row['client_cpu_ms'] / 1e3:.2f} | {row['requests']:.0f} |")
     if options.out:
         from disttune import benchmark
 

@@ -9,9 +9,9 @@ GPU, or in a collective of the tuner. Every rank then ends with the same excepti
 2. **Settling.** Each rank then says whether its GPU has finished its work (``drained``: it does
    within :data:`DRAIN_S`) or not (``stuck``: queued behind a collective some peer never entered),
    and waits up to :data:`SETTLE_S` for every rank to say so. A rank whose main thread is held up
-   elsewhere (blocked in the user's code, say) cannot answer; its *watcher* thread, which reads the
-   channel's posts while a tuning call runs, answers ``blocked`` for it once a peer's post has stood
-   for :data:`GRACE_S`.
+   elsewhere (blocked in the user's code, say) cannot answer; its *watcher*, which reads the channel's
+   posts from the process's watch thread while a tuning call runs, answers ``blocked`` for it once a
+   peer's post has stood for :data:`GRACE_S`.
 3. **The verdict.** Any rank that is not ``drained``, or did not answer, means the job's process
    groups can never complete their next collective: they are aborted on every rank
    (``torch.distributed``'s ``_abort_process_group``; NCCL's own watchdog would abort them minutes
@@ -34,13 +34,16 @@ settled first and whichever tuner raised it.
 When the rendezvous store itself is gone (:class:`~disttune.comm.ControlPlaneLost`) nothing can be posted or
 decided: each surviving rank raises that error at once, naming the step it was in, and aborts its groups.
 
-Cost: nothing while nothing fails, but a watcher thread per tuning call that reads one store counter
-every 0.1 s. On failure: up to :data:`DRAIN_S` for the GPU, up to :data:`SETTLE_S` for the peers.
+Cost: nothing while nothing fails, but a watcher per tuning call that reads one store counter every 0.1 s
+(every :attr:`~disttune.storeplane.StorePosts.post_poll_s` in a large job), run by the process's one
+:class:`~disttune.storeplane.WaitWatch` thread: no thread is started per call. On failure: up to :data:`DRAIN_S`
+for the GPU, up to :data:`SETTLE_S` for the peers.
 MPI and a world of one have no rendezvous store: their errors are left as the collectives give them.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Optional
@@ -49,6 +52,7 @@ from . import device
 from .comm import CollectiveTimeout, Communicator, ControlPlane, ControlPlaneLost, MalformedMessage, PeerFailed
 from .errors import CALL_FAILED, TuningError, failed_on_ranks
 from .sites import AllConfigsFailed
+from .storeplane import wait_watch
 
 #: How long a peer's post stands before the watcher answers for a main thread held up elsewhere.
 GRACE_S = 1.0
@@ -153,24 +157,27 @@ class Ending:
         self._lock = threading.Lock()
         self._state: Optional[str] = None  # "settling" (the main thread), or "blocked" (the watcher answered)
         self._verdict: Optional[BaseException] = None
-        self._stop = threading.Event()
-        self._watcher: Optional[threading.Thread] = None
+        self._stopped = False  # the call has left: the watcher no longer answers for this rank
+        self._looking = threading.Lock()  # held by a look of the watcher; the call's exit waits for it
+        self._watched: Optional[int] = None  # the watcher's number on the process's watch thread
+        self._first_post: Optional[float] = None  # when the watcher first saw a peer's post
         self.step: Optional[str] = None  # the last step this rank's main thread entered (it names a lost store)
         self._resumed_at = time.monotonic()  # when the main thread last went back to the wrapped function
 
     def __enter__(self) -> "Ending":
         if self.plane is not None:
             self.plane.watch(self.channel)
-            self._watcher = threading.Thread(target=self._watch, name="disttune-watcher", daemon=True)
-            self._watcher.start()
+            self._watched = wait_watch().watch(math.inf, self._look, lambda: None,
+                                               getattr(self.plane, "post_poll_s", 0.1))  # longer on a large job
         return self
 
     def __exit__(self, kind: Any, err: Optional[BaseException], traceback: Any) -> None:
         """Stop the watcher; an exception leaving the call becomes the verdict (:meth:`conclude`)."""
         ended = self.conclude(err) if err is not None else None
-        self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join()
+        with self._looking:  # a look under way (its post and abort) finishes first; later ones do nothing
+            self._stopped = True
+        if self._watched is not None:
+            wait_watch().cancel(self._watched)
         if self.plane is not None:
             self.plane.watch(None)
         if isinstance(ended, ControlPlaneLost):
@@ -288,27 +295,33 @@ class Ending:
 
     # -- the watcher ------------------------------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        plane, first_seen = self.plane, None
+    def _look(self) -> bool:
+        """The watcher's look at the channel's posts, every ``post_poll_s`` on the process's watch thread while the
+        call runs: once a peer's post has stood for :data:`GRACE_S` and this rank's main thread has not started to
+        settle, answer ``blocked`` for it and abort the process groups. True: the watcher is done."""
+        with self._looking:
+            return self._stopped or self._answer_if_held_up()
+
+    def _answer_if_held_up(self) -> bool:
+        """The look itself (the call has not left): one read of the post counter, and the answer when it is due."""
+        plane = self.plane
         assert plane is not None
-        while not self._stop.wait(getattr(plane, "post_poll_s", 0.1)):  # longer on a large job
-            try:
-                posted = plane.peers_posted(self.channel)
-            except Exception:  # noqa: BLE001 - the store is gone: the main thread's waits time out
-                return
-            if not posted:
-                continue
-            first_seen = first_seen or time.monotonic()
-            if time.monotonic() - first_seen < GRACE_S:
-                continue
-            with self._lock:
-                if self._state is not None:
-                    return  # the main thread is settling
-                self._state = "blocked"
-            try:
-                plane.post(self.channel, "settle", "blocked")
-            except ControlPlaneLost:
-                pass  # the main thread's next wait says so
-            finally:
-                abort_process_groups()  # frees this rank's host if it is stuck in a CUDA call behind the GPU
-            return
+        try:
+            if not plane.peers_posted(self.channel):
+                return False
+        except Exception:  # noqa: BLE001 - the store is gone: the main thread's waits time out
+            return True
+        self._first_post = self._first_post or time.monotonic()
+        if time.monotonic() - self._first_post < GRACE_S:
+            return False
+        with self._lock:
+            if self._state is not None:
+                return True  # the main thread is settling
+            self._state = "blocked"
+        try:
+            plane.post(self.channel, "settle", "blocked")
+        except ControlPlaneLost:
+            pass  # the main thread's next wait says so
+        finally:
+            abort_process_groups()  # frees this rank's host if it is stuck in a CUDA call behind the GPU
+        return True

@@ -47,8 +47,8 @@ from typing import Any, Callable, Optional, Sequence
 from . import wire
 from .env import DEFAULT_TIMEOUT_S, node_name
 from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
-from .storeplane import (Collective, PlaneStore, StoreLost, StorePlane, delete_keys, ending_record, read_now,
-                         read_when_set, wait_watch)
+from .storeplane import (Collective, Connections, PlaneStore, StoreLost, StorePlane, delete_keys, ending_record,
+                         read_now, read_when_set, wait_watch)
 
 __all__ = ["NODE_STEP_MIN_RANKS", "NODE_EXIT_WAIT_S", "ARRIVAL_REPORT_S", "MEMBERSHIP", "Nodes", "NodeStore",
            "NodeCollective", "NodeStorePlane", "loopback_store"]
@@ -84,7 +84,7 @@ class Nodes:
 class NodeStore:
     """One rank's connections to its node's store, and in the process of the node's lowest rank the store itself
     (``server``, from :func:`loopback_store`); ``ranks``: the node's, ``node_count``: the job's nodes. ``main``
-    carries the collectives' requests; a blocking wait takes a connection of its own (:meth:`connection`). Once
+    carries the collectives' requests; a blocking wait takes a connection of its own (``waiters``). Once
     the store is found gone, every request raises :class:`ControlPlaneLost` at once. Costs two connections."""
 
     def __init__(self, name: str, ranks: Sequence[int], node_count: int, port: int, timeout_s: float,
@@ -96,7 +96,8 @@ class NodeStore:
         self.main = PlaneStore(_connect(port, timeout_s), self.lost)
         waiter = PlaneStore(_connect(port, timeout_s), self.lost)
         waiter.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
-        self._idle, self._lock = [waiter], threading.Lock()
+        self.waiters = Connections([waiter])
+        self._lock = threading.Lock()
         self._retired: list[str] = []  # the node's keys of retired channels: its next leader deletes them
 
     @classmethod
@@ -126,16 +127,6 @@ class NodeStore:
         if text.startswith("!"):
             raise RuntimeError(text[1:])
         return cls(name, ranks, node_count, int(text), timeout_s, server)
-
-    def connection(self) -> Optional[PlaneStore]:
-        """A connection for one blocking wait (give it back with :meth:`release`), or None while it is in use."""
-        with self._lock:
-            return self._idle.pop() if self._idle else None
-
-    def release(self, connection: Optional[PlaneStore]) -> None:
-        if connection is not None:
-            with self._lock:
-                self._idle.append(connection)
 
     def retire(self, keys: list[str]) -> None:
         """Have the node's leader of this process's next collective delete ``keys``."""
@@ -299,17 +290,19 @@ class NodeStorePlane(StorePlane):
                  timeout_s: float = DEFAULT_TIMEOUT_S, node: Optional[str] = None) -> None:
         super().__init__(store, rank, world_size, prefix, timeout_s)
         self.node = node_name(node)
+        self._node_store: tuple[Optional[NodeStore], ...] = () if world_size >= NODE_STEP_MIN_RANKS else (None,)
 
     def node_store(self) -> Optional[NodeStore]:
         """This rank's node store, made at the first call (a collective: every rank calls it); None where the job
-        keeps the flat protocol."""
-        if self.world_size < NODE_STEP_MIN_RANKS:
-            return None
+        keeps the flat protocol. Later calls read what this communicator found."""
+        if self._node_store:
+            return self._node_store[0]
         memberships = self._memberships()
         with memberships.lock:
             if self.prefix not in memberships.by_prefix:
                 memberships.by_prefix[self.prefix] = self._join_node()
             store = memberships.by_prefix[self.prefix]
+        self._node_store = (store,)
         return store
 
     def _memberships(self) -> _Memberships:
@@ -379,7 +372,7 @@ class NodeStorePlane(StorePlane):
     def _wait_at(self, here: NodeCollective, step: str, leader: bool) -> bytes:
         """Block in the ``get`` of the collective's result (the rendezvous store's for a leader, else the node
         store's) on a connection of its own, while the process's watch ends the wait for a post or the deadline."""
-        pool: Any = self._shared if leader else here.node_store
+        pool = self._shared.spares if leader else here.node_store.waiters
         collective = here.everyone if leader else here.node
         channel, deadline, watch = self._channel, time.monotonic() + self.timeout_s, wait_watch()
         report_at = None if leader else time.monotonic() + min(ARRIVAL_REPORT_S, self.timeout_s / 4)

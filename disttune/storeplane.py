@@ -52,8 +52,8 @@ from .env import DEFAULT_TIMEOUT_S
 from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
 from .wire import MalformedMessage
 
-__all__ = ["PLANE", "POST_POLL_S", "PlaneStore", "poll", "read_now", "ending_record", "raise_ending", "WaitWatch", "wait_watch",
-           "read_when_set", "delete_keys", "Collective", "StorePosts", "StorePlane"]
+__all__ = ["PLANE", "POST_POLL_S", "PlaneStore", "Connections", "poll", "read_now", "ending_record", "raise_ending",
+           "WaitWatch", "wait_watch", "read_when_set", "delete_keys", "Collective", "StorePosts", "StorePlane"]
 
 #: The channel of collectives made outside a tuning call (the agreement on new keys, a sweep's barrier).
 PLANE = "plane"
@@ -95,7 +95,8 @@ class PlaneStore:
     (``lost``, shared with the store's other connections) every later request raises it at once. Requests
     of one connection take turns (as TCPStore's own client does on its one socket), so no second thread tries
     a dead connection after the first has found it dead (each try makes TCPStore log a C++ stack); a
-    connection blocked in a ``get`` when the host dies logs its own. Costs a lock and a ``try`` per request."""
+    connection blocked in a ``get`` when the host dies logs its own. Costs a lock and a ``try`` per request
+    (each operation's wrapper is made at its first request and kept)."""
 
     def __init__(self, store: Any, lost: Optional[StoreLost] = None) -> None:
         self.store = store
@@ -104,7 +105,11 @@ class PlaneStore:
 
     def __getattr__(self, name: str) -> Any:
         operation = getattr(self.store, name)
-        return functools.partial(self._call, operation) if callable(operation) else operation
+        if not callable(operation):
+            return operation
+        wrapped = functools.partial(self._call, operation)
+        setattr(self, name, wrapped)  # the next request skips __getattr__
+        return wrapped
 
     def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
         from torch.distributed import DistNetworkError
@@ -166,8 +171,9 @@ class WaitWatch:
     ``get``: once a wait has lasted :data:`POST_POLL_S` it calls the wait's ``look`` every :data:`POST_POLL_S` (a
     peer's post ends it), and past its deadline its ``expire``; both end the wait by setting the collective's
     result to an ending. It also runs the work handed to :meth:`later` (a last arriver's deletions), off the
-    collective's path. Idle: blocked on a condition. Registering and cancelling a wait are a dictionary update
-    under a lock: a collective that completes within :data:`POST_POLL_S` costs nothing more.
+    collective's path, and the watchers of tuning calls (:mod:`disttune.ending`: waits with no deadline). Idle:
+    blocked on a condition. Registering and cancelling a wait are a dictionary update under a lock: a collective
+    that completes within :data:`POST_POLL_S` costs nothing more.
     """
 
     def __init__(self) -> None:
@@ -234,17 +240,37 @@ class WaitWatch:
             self.cancel(number)
 
 
+class Connections:
+    """Store connections lent to blocking waits, one wait at a time each: :meth:`connection` lends one (None while
+    all are lent: the wait then polls), :meth:`release` takes it back. A list under a lock."""
+
+    def __init__(self, connections: Sequence[Any] = ()) -> None:
+        self._idle, self._lock = list(connections), threading.Lock()
+
+    def connection(self) -> Optional[Any]:
+        """An idle connection for one blocking wait (give it back with :meth:`release`), or None."""
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def release(self, connection: Optional[Any]) -> None:
+        """Take back (or add) ``connection``; None: nothing (a wait that had none, or whose connection died)."""
+        if connection is not None:
+            with self._lock:
+                self._idle.append(connection)
+
+
 class _PlaneState:
     """What every communicator over one store object shares in this process: each channel's count of collectives
-    (a new communicator over the same ranks continues it), the retired keys and the connections that block in a
-    collective's wait (``store.clone()``: the communicator's own connection stays free for posts)."""
+    (a new communicator over the same ranks continues it), the retired keys and the ``spares``, connections that
+    block in a collective's wait or delete keys (``store.clone()``: the communicator's own connection stays free
+    for posts); while both are lent, a wait polls on the communicator's own connection."""
 
     def __init__(self, store: Any) -> None:
         self.store = weakref.ref(store)
         self.lock = threading.Lock()
         self.sequences: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.retired: list[str] = []
-        self.idle: list[Any] = []
+        self.spares = Connections()
         self.opened = False  # whether the spare connections were opened
         self.lost = StoreLost()  # shared by every connection to the store (PlaneStore)
 
@@ -266,28 +292,17 @@ class _PlaneState:
                     connection.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
                 except (ControlPlaneLost, AttributeError, RuntimeError, NotImplementedError):
                     return  # a store that is gone, or cannot be cloned: the waits poll
-                self.idle.append(connection)
-
-    def connection(self) -> Optional[Any]:
-        """A spare connection for one blocking wait (give it back with :meth:`release`), or None while both are
-        in use (or the store cannot be cloned): the wait then polls on the communicator's own connection."""
-        with self.lock:
-            return self.idle.pop() if self.idle else None
-
-    def release(self, connection: Optional[Any]) -> None:
-        if connection is not None:
-            with self.lock:
-                self.idle.append(connection)
+                self.spares.release(connection)
 
     def delete_later(self, keys: list[str]) -> None:
         """Delete ``keys`` on the process's :class:`WaitWatch` thread, on a connection of its own."""
         def delete() -> None:
-            connection = self.connection()
+            connection = self.spares.connection()
             raw = self.store()
             store = connection if connection is not None else PlaneStore(raw, self.lost) if raw is not None else None
             if store is not None:
                 delete_keys(store, keys)
-            self.release(connection)
+            self.spares.release(connection)
 
         wait_watch().later(delete)
 
@@ -298,7 +313,9 @@ _WATCH: list[WaitWatch] = []  # the process's one WaitWatch, once a wait has nee
 
 
 def wait_watch() -> WaitWatch:
-    """This process's :class:`WaitWatch` (started at the first wait)."""
+    """This process's :class:`WaitWatch` (started at the first wait; later calls take no lock)."""
+    if _WATCH:
+        return _WATCH[0]
     with _STATES_LOCK:
         if not _WATCH:
             _WATCH.append(WaitWatch())
@@ -398,7 +415,7 @@ class StorePosts:
         self._own_posts: defaultdict[str, int] = defaultdict(int)
         self._read_posts: dict[str, tuple[float, int]] = {}  # channel -> (when, the count read)
         self._noted: set[str] = set()
-        self._lock = threading.Lock()  # the watcher thread posts too (disttune.ending)
+        self._lock = threading.Lock()  # a call's watcher posts too, on the watch thread (disttune.ending)
 
     def _key(self, channel: str, *parts: Any) -> str:
         return "/".join((self.prefix, channel, *map(str, parts)))
@@ -626,7 +643,7 @@ class StorePlane(StorePosts):
                               self.post_poll_s)
         connection = None
         try:
-            connection = shared.connection()
+            connection = shared.spares.connection()
             if connection is None:
                 return read_when_set(self.store, collective.result)
             return bytes(connection.get(collective.result))
@@ -635,7 +652,7 @@ class StorePlane(StorePosts):
             raise
         finally:
             watch.cancel(watched)
-            shared.release(connection)
+            shared.spares.release(connection)
 
     def _look(self, collective: Collective, channel: Optional[str]) -> bool:
         """End ``collective`` for every rank if a peer has posted on ``channel`` (one request; three if one has)."""

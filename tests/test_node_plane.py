@@ -17,8 +17,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+import plane_cases
 import simulated_ranks
-from disttune.errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
+from disttune.errors import CollectiveTimeout, ControlPlaneLost
 from disttune.nodeplane import NODE_STEP_MIN_RANKS, NodeStorePlane
 
 WORLD, PER_NODE = 64, 8
@@ -95,22 +96,8 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster, absent):
 
 
 def test_a_post_ends_every_waiting_rank(cluster):
-    poster, channel = 40, "step#0"
-
-    def job(r: int, plane: NodeStorePlane):
-        plane.all_gather_floats([r], "before")
-        plane.watch(channel)
-        if r == poster:  # fails before the barrier: posts instead of arriving
-            plane.post(channel, "note", {"step": "tuning run 1/9", "lines": [f"rank {r}: ValueError: boom"]})
-            return "posted"
-        plane.barrier("tuning run 1/9")
-        return "returned"
-
-    results = on_every_rank(cluster, job, "posts", timeout_s=600.0)  # only the post can end these waits in time
-    assert results[poster] == "posted"
-    errors = [result for r, result in enumerate(results) if r != poster]
-    assert all(isinstance(err, PeerFailed) and err.ranks == (poster,) for err in errors), errors
-    assert {str(err) for err in errors} == {"disttune: step 'tuning run 1/9': rank(s) [40] posted an error or left"}
+    plane_cases.a_post_ends_every_waiting_rank(lambda job, prefix, **options: on_every_rank(cluster, job, prefix,
+                                                                                            **options))
 
 
 def test_a_node_store_that_goes_away_ends_every_wait_with_one_clear_error(cluster):

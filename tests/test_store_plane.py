@@ -14,8 +14,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+import plane_cases
 import simulated_ranks
-from disttune.errors import CollectiveTimeout, PeerFailed
+from disttune.errors import CollectiveTimeout
 from disttune.storeplane import StorePlane
 
 WORLD = 64
@@ -123,21 +124,8 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster):
 
 
 def test_a_post_ends_every_waiting_rank(cluster):
-    poster, channel = 40, "step#0"
-
-    def job(r: int, plane: StorePlane):
-        plane.watch(channel)
-        if r == poster:  # fails before the barrier: posts instead of arriving
-            plane.post(channel, "note", {"step": "tuning run 1/9", "lines": [f"rank {r}: ValueError: boom"]})
-            return "posted"
-        plane.barrier("tuning run 1/9")
-        return "returned"
-
-    results = on_every_rank(cluster, job, "posts", timeout_s=600.0)  # only the post can end these waits in time
-    assert results[poster] == "posted"
-    errors = [result for r, result in enumerate(results) if r != poster]
-    assert all(isinstance(err, PeerFailed) and err.ranks == (poster,) for err in errors), errors
-    assert {str(err) for err in errors} == {"disttune: step 'tuning run 1/9': rank(s) [40] posted an error or left"}
+    plane_cases.a_post_ends_every_waiting_rank(lambda job, prefix, **options: on_every_rank(cluster, job, prefix,
+                                                                                            **options))
 
 
 def test_the_store_keeps_a_bounded_number_of_keys(cluster):
