@@ -50,10 +50,14 @@ def flag_writer_available() -> tuple[bool, str]:
     return True, ""
 
 
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds of torch
+
+
 def _raw_current_stream(device_index: int) -> int:
     """The ``cudaStream_t`` of ``device_index``'s current stream, as an int (one C call)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+    if _CURRENT_RAW_STREAM is not None:
+        return _CURRENT_RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def stream_handle(stream):
@@ -484,14 +488,16 @@ class ShardPusher:
     def wait_shard(self, shard: int) -> None:
         """Make the current stream wait (on the GPU) until every piece of ``shard`` has arrived (one stream
         wait per piece: pieces travel on several copy streams, so the last one sent need not land last)."""
-        _, current = self._current()
-        for address in self._plan.shard_flags[shard]:
-            wait_flag_at(current, address, self.epoch)
+        self._wait_for(self._plan.shard_flags[shard:shard + 1])
 
     def wait_all(self) -> None:
         """:meth:`wait_shard` for every shard of the last gather."""
+        self._wait_for(self._plan.shard_flags)
+
+    def _wait_for(self, shards: Sequence[Sequence[Any]]) -> None:
+        """The current stream waits for every piece of ``shards`` (each a list of arrival flag addresses)."""
         _, current = self._current()
-        for flags in self._plan.shard_flags:
+        for flags in shards:
             for address in flags:
                 wait_flag_at(current, address, self.epoch)
 
