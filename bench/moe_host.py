@@ -58,7 +58,7 @@ SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096
 #: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
 AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_routing", "token_pusher",
                  "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
-PUSHER_PHASES = ("gather", "wait_shard", "wait_all", "finish")
+PUSHER_PHASES = ("gather", "wait_all", "finish")
 
 
 @contextlib.contextmanager
@@ -74,9 +74,8 @@ def timed_phases(seconds: dict) -> Iterator[None]:
                 seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
         return wrapper
 
-    targets = [(moe_ag, name, name) for name in AG_MOE_PHASES if hasattr(moe_ag, name)]
-    targets += [(moe_ag.ShardPusher, name, f"pusher.{name}") for name in PUSHER_PHASES
-                if hasattr(moe_ag.ShardPusher, name)]
+    targets = [(moe_ag, name, name) for name in AG_MOE_PHASES]
+    targets += [(moe_ag.ShardPusher, name, f"pusher.{name}") for name in PUSHER_PHASES]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:
         for owner, name, label in targets:

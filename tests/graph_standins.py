@@ -18,17 +18,15 @@ class CaptureFailed(RuntimeError):
 
 
 class ReplayByRerun:
-    """Stands in for CUDA graph capture (see the module doc); ``captured`` counts the captures made."""
+    """Stands in for CUDA graph capture (see the module doc)."""
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
-        self.captured = 0
 
     def __call__(self, step):
         outputs = step()
         if self.fail:
             raise CaptureFailed("operation not permitted when stream is capturing (injected)")
-        self.captured += 1
 
         def replay() -> None:
             for mine, fresh in zip(tree_leaves(outputs), tree_leaves(step())):

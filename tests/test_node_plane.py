@@ -11,6 +11,7 @@ hang fails it.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -96,8 +97,7 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster, absent):
 
 
 def test_a_post_ends_every_waiting_rank(cluster):
-    plane_cases.a_post_ends_every_waiting_rank(lambda job, prefix, **options: on_every_rank(cluster, job, prefix,
-                                                                                            **options))
+    plane_cases.a_post_ends_every_waiting_rank(functools.partial(on_every_rank, cluster))
 
 
 def test_a_node_store_that_goes_away_ends_every_wait_with_one_clear_error(cluster):

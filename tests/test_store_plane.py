@@ -8,6 +8,7 @@ Every test joins its rank threads within :data:`simulated_ranks.WALL_S`: a hang 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -124,8 +125,7 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster):
 
 
 def test_a_post_ends_every_waiting_rank(cluster):
-    plane_cases.a_post_ends_every_waiting_rank(lambda job, prefix, **options: on_every_rank(cluster, job, prefix,
-                                                                                            **options))
+    plane_cases.a_post_ends_every_waiting_rank(functools.partial(on_every_rank, cluster))
 
 
 def test_the_store_keeps_a_bounded_number_of_keys(cluster):
