@@ -241,8 +241,8 @@ class WaitWatch:
 
 
 class Connections:
-    """Store connections lent to blocking waits, one wait at a time each: :meth:`connection` lends one (None while
-    all are lent: the wait then polls), :meth:`release` takes it back. A list under a lock."""
+    """Store connections for blocking waits, one wait at a time each: :meth:`connection` hands one out (None while
+    all are in use: the wait then polls), :meth:`release` takes it back. A list under a lock."""
 
     def __init__(self, connections: Sequence[Any] = ()) -> None:
         self._idle, self._lock = list(connections), threading.Lock()
@@ -263,7 +263,7 @@ class _PlaneState:
     """What every communicator over one store object shares in this process: each channel's count of collectives
     (a new communicator over the same ranks continues it), the retired keys and the ``spares``, connections that
     block in a collective's wait or delete keys (``store.clone()``: the communicator's own connection stays free
-    for posts); while both are lent, a wait polls on the communicator's own connection."""
+    for posts); while both are in use, a wait polls on the communicator's own connection."""
 
     def __init__(self, store: Any) -> None:
         self.store = weakref.ref(store)
