@@ -142,14 +142,18 @@ def group_sort(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Optional[S
                          "and moe.moe_align_stacked fall back to it by themselves)")
     device = topk_ids.device
     R = T * k
-    sorted_ids = torch.empty(R, dtype=torch.int32, device=device)
-    offs = torch.empty(groups + 1, dtype=torch.int32, device=device)
     if R == 0:
-        return sorted_ids, offs.zero_()
+        return torch.empty(0, dtype=torch.int32, device=device), torch.zeros(groups + 1, dtype=torch.int32,
+                                                                             device=device)
     block = group_sort_block(R)
     programs = cdiv(R, block)
     bins = triton.next_power_of_2(groups + 1)
-    scratch = torch.empty(programs * bins, dtype=torch.int32, device=device)
+    # one allocation for the results and the per-program counts (a host operation saved per call), each
+    # part 16-byte aligned as a buffer of its own would be (the kernels specialize on pointer alignment)
+    at_offs = -(-R // 4) * 4
+    at_scratch = -(-(at_offs + groups + 1) // 4) * 4
+    memory = torch.empty(at_scratch + programs * bins, dtype=torch.int32, device=device)
+    sorted_ids, offs, scratch = memory[:R], memory[at_offs:at_offs + groups + 1], memory[at_scratch:]
     starts = token_starts(tuple(rank_tokens), device) if rank_tokens else offs
     _group_sort_kernel[(programs,)](topk_ids, starts, sorted_ids, offs, scratch, R, topk_ids.stride(0),
                                     topk_ids.stride(1), num_experts, groups, TOP_K=k, WORLD=world, BINS=bins,
