@@ -18,7 +18,8 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
   ag_moe, CUDA graph     ``ag_moe(graph_safe=True)`` captured once in a CUDA graph, the graph replayed
   sequential             all_gather of tokens and ids, routing, permutation, ``torch._grouped_mm``
   sequential, CUDA graph the same captured and replayed
-  gather_routing         the routing's all-gather and its unpacking
+  gather_packed          tokens and routing packed, one all-gather, unpacked (what an eager ag_moe gathers with)
+  gather_routing         the routing's all-gather and its unpacking (before the pushes of a graph-safe call)
   moe_align_stacked      the rank-stacked sort
   moe_gemm               the grouped GEMM launch, arrival flags already set
   pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
@@ -26,12 +27,13 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
 GPU only (NCCL, symmetric memory). Rank 0 prints one table per shape and, with ``--out FILE``,
 appends one JSON line per row (with device, versions and date) to FILE.
 
-``--phases``: where an eager ``ag_moe`` call's host time goes. ag_moe's helpers (the checks, the routing
-gather, the pusher's gather / wait / finish, the sort, the GEMM launch) are wrapped with timers for
+``--phases``: where an eager ``ag_moe`` call's host time goes. ag_moe's helpers (the checks, the packed
+gather, the sort, the GEMM launch; the routing gather and the pusher's gather / wait / finish where a call
+pushes) are wrapped with timers for
 ``--calls`` calls, best of ``--rounds`` rounds, and every rank's µs per call are printed, with what the
 helpers leave ("the rest": ag_moe's own lines); the wrappers add about 0.5 µs per phase.
 
-Cost: per shape, (1 + ``--rounds`` x ``--calls``) calls of each of 9 steps, 3 + 50 back-to-back
+Cost: per shape, (1 + ``--rounds`` x ``--calls``) calls of each of 10 steps, 3 + 50 back-to-back
 calls of 6 of them, two CUDA-graph captures and one contextual tuning of ag_moe (``--phases``:
 ``--rounds`` x ``--calls`` more calls of ag_moe).
 """
@@ -56,8 +58,8 @@ from disttune.kernels import moe, moe_ag
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
 #: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
-AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_routing", "token_pusher",
-                 "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
+AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_packed", "gather_routing",
+                 "token_pusher", "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
 PUSHER_PHASES = ("gather", "wait_all", "finish")
 
 
@@ -165,6 +167,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "ag_moe, CUDA graph": ag_graph.replay,
         "sequential": sequential,
         "sequential, CUDA graph": seq_graph.replay,
+        "gather_packed": lambda: moe_ag.gather_packed(x, ids, weights, tuple(tpr), None),
         "gather_routing": lambda: moe_ag.gather_routing(ids, weights, tuple(tpr), None),
         "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,

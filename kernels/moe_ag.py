@@ -3,11 +3,14 @@
 :func:`ag_moe` is the first half of the tensor-parallel MoE layer (each rank holds a slice of every
 expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
 by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
-launching rank's own tokens first. On NCCL GPUs the routing is gathered first, then the tokens travel
-by copy-engine pushes into the peers' symmetric memory while the routing is sorted, and tiles of another
-rank's tokens wait for its arrival flag (grouped per expert: the GEMM waits for every rank's tokens once,
-on the stream); elsewhere (gloo) the tokens are all-gathered. Cost: the
-token gather, one small routing all-gather, one sort and one GEMM launch, plus one host sync for
+launching rank's own tokens first. An eager call (and any call on gloo) gathers tokens and routing
+packed in one all-gather: an eager call is host-bound at these sizes, and this is its cheapest gather.
+A call captured in a CUDA graph (``graph_safe=True``, on NCCL GPUs), whose host operations cost nothing
+on replay, gathers the routing first, then pushes the tokens on the copy engines into the peers'
+symmetric memory while the routing is sorted, and tiles of another rank's tokens wait for its arrival
+flag (grouped per expert: the GEMM waits for every rank's tokens once, on the stream). Cost: one
+all-gather (eager) or one small routing all-gather and the pushes (graph-safe), one sort and one GEMM
+launch, plus one host sync for
 the token counts and one for the id range check unless ``tokens_per_rank`` / ``check_ids=False``
 are given. ``graph_safe=True`` makes it capturable in a CUDA graph (fixed-value flags, no host sync).
 """
@@ -30,8 +33,8 @@ from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, mo
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
 
-__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_routing", "layout_for",
-           "token_pusher"]
+__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_packed", "gather_routing",
+           "layout_for", "token_pusher"]
 
 #: How ag_moe groups the gathered rows: per (source rank, expert), per expert over every rank, or
 #: whichever :func:`layout_for` picks for the token counts.
@@ -131,13 +134,15 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
     expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
-    tiles from the launching rank's own tokens on. On NCCL GPUs the routing is all-gathered first
-    (one small collective: ids bit-cast into a float32 row next to the weights), then the tokens travel
-    by copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
-    taken from the GEMM, no barrier) while the routing is sorted; tiles of another rank's
-    tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest
-    arrive. Elsewhere (gloo) the tokens are all-gathered first and the same kernel runs without
-    waiting. The tuning key holds the bucket of the *global* row count, the same on every rank.
+    tiles from the launching rank's own tokens on. An eager call gathers every rank's tokens and routing in
+    one all-gather, packed in one row per token (:func:`gather_packed`), then sorts and multiplies: at these
+    sizes an eager call is host-bound, and the pushes below cost its host three times the operations
+    (docs/moe.md, "Where an eager call's host time goes"). A graph-safe call on NCCL GPUs all-gathers the
+    routing first (one small collective: ids bit-cast into a float32 row next to the weights), then the
+    tokens travel by copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
+    taken from the GEMM, no barrier) while the routing is sorted; grouped by rank, tiles of another rank's
+    tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest arrive.
+    The tuning key holds the bucket of the *global* row count, the same on every rank.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the id range check on every
     rank's ids (unless ``check_ids=False``).
 
@@ -212,18 +217,20 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     if out is None:
         out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
 
-    # 1. every rank's routing first (one small collective: the sort waits for it, not for the tokens)
-    ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
-    if check_ids:
-        _check_gathered_ids(where, ids_all, E, tpr)
-    # 2. the tokens: pushed on the copy engines (GPUs) while the routing travels and is sorted, or all-gathered
-    pusher = token_pusher(group, graph_safe) if x.is_cuda and uses_nccl(group) else None
-    if pusher is not None:
+    by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
+    pusher = None
+    if _pushes_tokens(x, group, graph_safe):
+        # 1. every rank's routing first (one small collective: the sort waits for it, not for the tokens);
+        # no id check (a graph-safe call must not sync with the host)
+        ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
+        # 2. the tokens, pushed on the copy engines while the routing travels and is sorted
+        pusher = token_pusher(group, graph_safe)
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
-    else:
-        x_all = _gather_rows(x, tpr, group)
+    else:  # tokens and routing in one all-gather: the fewest host operations (see gather_packed)
+        x_all, ids_all, weights_all = gather_packed(x, topk_ids, topk_weights, tpr, group)
+        if check_ids:
+            _check_gathered_ids(where, ids_all, E, tpr)
     try:
-        by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
         routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
         # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
         # rank's tokens waits for their arrival flag; grouped by expert, nearly every tile reads several ranks'
@@ -231,7 +238,7 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         wait = None
         if pusher is not None and by_rank:
             wait = (pusher.arrival_flags, pusher.epoch)
-        elif pusher is not None:
+        elif pusher is not None:  # graph-safe, grouped by expert
             pusher.wait_all()
         if row_offsets[-1]:
             moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
@@ -240,6 +247,15 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         if pusher is not None:  # also after an error: the flags must pair up with the peers' next call
             pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
+
+
+def _pushes_tokens(x: torch.Tensor, group, graph_safe: bool) -> bool:
+    """Whether the tokens travel by copy-engine pushes (else packed with the routing in one all-gather): for a
+    call captured in a CUDA graph on NCCL GPUs. Replayed, host operations cost nothing and the pushes overlap
+    the sort (and, grouped by rank, the GEMM); eager, the pushes' host operations cost more than they hide
+    (on 2 x H200, ``bench/moe.py`` part b: 0.57x against 0.69x of the sequential form at 64 experts,
+    0.79x against 0.88x at 8)."""
+    return graph_safe and x.is_cuda and uses_nccl(group)
 
 
 #: Layouts of calls whose local checks passed, each with its cross-rank signature.
@@ -316,6 +332,41 @@ def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple) -
                      "check the router's output and num_experts (every rank raises this)")
 
 
+def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], tpr: tuple,
+                  group) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Every rank's tokens, ``topk_ids`` (int32) and ``topk_weights`` in rank order, in one all-gather: each
+    token's row of bytes holds its hidden state, then its ids and its weights (float32), then padding.
+    Returns strided views into the gathered rows (``x`` in its dtype, the row stride a multiple of 16
+    elements, as Triton needs to vectorize the GEMM's loads). One pack (a copy of ``x``), one
+    collective (padded to the largest rank) and views: the host's cheapest gather. Where the tokens' bytes
+    do not end on a 4-byte boundary (an odd H in 16-bit floats), two collectives instead."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    x_bytes = H * x.element_size()
+    if x_bytes % 4:
+        ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
+        return _gather_rows(x, tpr, group), ids_all, weights_all
+    parts = [x.contiguous().view(torch.uint8), topk_ids.to(torch.int32).contiguous().view(torch.uint8)]
+    if topk_weights is not None:
+        parts.append(topk_weights.to(torch.float32).contiguous().view(torch.uint8))
+    used = x_bytes + 4 * k * (len(parts) - 1)
+    max_t, world = max(tpr), len(tpr)
+    # a row a multiple of 16 elements of x: the GEMM's loads are vectorized only for such a row stride
+    row_bytes = -(-used // (16 * x.element_size())) * 16 * x.element_size()
+    packed = torch.empty(max_t, row_bytes, dtype=torch.uint8, device=x.device)  # the pad is never read
+    torch.cat(parts, dim=1, out=packed[:T, :used])
+    rows = torch.empty(world * max_t, packed.shape[1], dtype=torch.uint8, device=x.device)
+    _all_gather(rows, packed, group)
+    if any(t != max_t for t in tpr):
+        rows = torch.cat([rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+    x_all = rows[:, :x_bytes].view(x.dtype)
+    ids_all = rows[:, x_bytes:x_bytes + 4 * k].view(torch.int32)
+    weights_all = None
+    if topk_weights is not None:
+        weights_all = rows[:, x_bytes + 4 * k:used].view(torch.float32).to(topk_weights.dtype)
+    return x_all, ids_all, weights_all
+
+
 def _gather_rows(x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
     """Every rank's rows of ``x``, concatenated in rank order (a collective; padded to the largest rank)."""
     max_t = max(tpr)
@@ -351,8 +402,8 @@ def gather_routing(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
 def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:
     """A call being captured in a CUDA graph must be graph-safe and must not synchronize with the host."""
     if not graph_safe:
-        refuse_capture(where, "pass graph_safe=True, tokens_per_rank and check_ids=False (without graph_safe its "
-                              "arrival flags carry a per-call epoch that every replay would repeat)")
+        refuse_capture(where, "pass graph_safe=True, tokens_per_rank and check_ids=False (a graph-safe call pushes "
+                              "its tokens with flags a replay can repeat, and overlaps the pushes with the sort)")
         return
     if tokens_per_rank is None or check_ids:
         raise ValueError(f"{where}(graph_safe=True) must not synchronize with the host: pass tokens_per_rank "

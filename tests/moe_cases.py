@@ -118,6 +118,30 @@ def case_layer(ctx: Ranks) -> dict:
     return {"checks": checks}
 
 
+@cases.case
+def case_packed_gather(ctx: Ranks) -> dict:
+    """gather_packed alone: every rank's tokens, ids and weights back bit for bit, in rank order, for uneven
+    counts with one rank holding none, with and without weights, in float32 (one packed collective) and in
+    float16 with an odd hidden size (its bytes end off a 4-byte boundary: two collectives)."""
+    tokens = [0 if r == 1 else 3 + 2 * r for r in range(ctx.world)]
+    mine = slice(sum(tokens[:ctx.rank]), sum(tokens[:ctx.rank + 1]))
+    checks = []
+    for dtype, H, weighted in [(torch.float32, 12, True), (torch.float32, 12, False), (torch.float16, 7, True)]:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(sum(tokens), H, generator=g).to(dtype)
+        ids = torch.randint(0, 64, (sum(tokens), 3), generator=g, dtype=torch.int32)
+        wts = torch.rand(sum(tokens), 3, generator=g)
+        x_all, ids_all, wts_all = moe_ag.gather_packed(x[mine].to(ctx.device), ids[mine].to(ctx.device),
+                                                       wts[mine].to(ctx.device) if weighted else None,
+                                                       tuple(tokens), None)
+        checks.append({"dtype": str(dtype), "H": H, "weighted": weighted,
+                       "x": torch.equal(x_all.cpu(), x), "ids": torch.equal(ids_all.cpu(), ids),
+                       "weights": torch.equal(wts_all.cpu(), wts) if weighted else wts_all is None,
+                       "x_dtype": str(x_all.dtype), "one_row": x_all.stride(0) != H,
+                       "stride16": x_all.stride(0) % 16 == 0})
+    return {"checks": checks}
+
+
 def site_winners(tuner) -> list:
     return [[r.site.kernel, repr(r.site.key), r.site.occurrence, disttune.describe_config(r.config), r.source]
             for r in tuner.report.results]
@@ -296,7 +320,7 @@ def case_keys_differ(ctx: Ranks) -> dict:
 def case_graph(ctx: Ranks) -> dict:
     """``graph_safe=True``: the host-sync arguments are refused; eagerly it gives the default path's
     result; on NCCL GPUs ag_moe and the whole TP layer (tuned in context first) are captured in CUDA
-    graphs and replayed on fresh inputs copied into the captured ones, with default-path (epoch) calls
+    graphs and replayed on fresh inputs copied into the captured ones, with default-path (eager, packed) calls
     in between, each replay checked against the per-expert reference."""
     tokens = [12 + 4 * r for r in range(ctx.world)]
     E, k, H, I = 8, 2, 32, 16 * ctx.world
@@ -345,7 +369,7 @@ def case_graph(ctx: Ranks) -> dict:
     with torch.cuda.graph(ag_graph):
         ag_out = ag(True)
     errors = []
-    for replay in range(6):  # fresh routing and tokens each replay, an eager (epoch) call in between
+    for replay in range(6):  # fresh routing and tokens each replay, an eager (packed) call in between
         q = full_problem(ctx, tokens, E, k, H, I, seed=1300 + 10 * replay)
         x.copy_(q["x"][q["mine"]]), ids.copy_(q["ids"][q["mine"]]), wts.copy_(q["weights"][q["mine"]])
         layer_graph.replay()
@@ -523,8 +547,7 @@ def case_cached_checks(ctx: Ranks) -> dict:
 @cases.case
 def case_recover(ctx: Ranks) -> dict:
     """An error raised on every rank in the middle of ``ag_moe`` (expert ids out of range, found after the
-    tokens were pushed or gathered) leaves the next calls working and right: on NCCL GPUs the pusher's
-    handshake for those tokens is released before the error."""
+    tokens were gathered) leaves the next calls working and right."""
     tokens = [10 + 2 * r for r in range(ctx.world)]
     E, k, H, I = 8, 2, 32, 16 * ctx.world
     kernel = moe.make_moe_kernel(moe.CPU_MOE_CONFIGS[1:2] if not GPU else None)
