@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .tp_common import row_starts
+from .tp_common import group_info, row_starts
 
 __all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at",
            "write_flag_at", "chunk_rows", "CHUNK_ALIGN", "DEFAULT_STREAMS", "push_order", "arrival_order", "uses_nccl", "overlap_support", "flag_writer_available",
@@ -126,8 +126,9 @@ def refuse_epoch_capture(who: str, t: torch.Tensor) -> None:
 
 
 def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
-    """Whether ``group`` runs its CUDA collectives on NCCL (also for "cpu:gloo,cuda:nccl" groups)."""
-    return "nccl" in str(dist.get_backend(group))
+    """Whether ``group`` runs its CUDA collectives on NCCL (also for "cpu:gloo,cuda:nccl" groups); asked once
+    per group (:func:`~.tp_common.group_info`)."""
+    return "nccl" in group_info(group).backend
 
 
 def overlap_support(group: Optional[dist.ProcessGroup] = None) -> tuple[bool, str]:

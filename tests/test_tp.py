@@ -8,13 +8,15 @@ ragged shards, references from torch collectives).
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import checks_per_rank, describe, failure, run_cases, run_launch
+from helpers import checks_per_rank, describe, failure, run_cases, run_launch, run_python, write_script
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 CASES = Path(__file__).with_name("tp_cases.py")
@@ -62,6 +64,42 @@ def test_local_input_errors_name_the_problem():
 
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         AllGatherGEMM()
+
+
+def test_group_facts_asked_once_follow_a_new_default_group(tmp_path):
+    """group_info keeps each group's facts, and a process group made again (destroyed, re-initialized under
+    another backend name) gets its own, as does a subgroup; the facts kept do not keep a destroyed group alive
+    (a group freed at exit instead aborts the process); after destroy it raises again."""
+    script = write_script(tmp_path, """
+        import gc, json, os, sys, weakref
+        import torch.distributed as dist
+        from disttune.kernels.symm import uses_nccl
+        from disttune.kernels.tp_common import group_info
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+        seen = []
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        seen.append([group_info(None).world_size, group_info(None).group is None, uses_nccl()])
+        sub = dist.new_group([0])
+        seen.append([group_info(sub).world_size, group_info(sub).group is sub])
+        world = weakref.ref(dist.GroupMember.WORLD)
+        del sub
+        dist.destroy_process_group()
+        gc.collect()
+        seen.append(world() is None)  # the facts kept do not keep the group alive
+        try:
+            group_info(None)
+            seen.append("no error")
+        except RuntimeError as err:
+            seen.append(str(err)[:37])
+        dist.init_process_group("cpu:gloo", rank=0, world_size=1)  # a new default group, another backend name
+        seen.append([group_info(None).backend, uses_nccl()])
+        dist.destroy_process_group()
+        print(json.dumps(seen))
+    """)
+    proc = run_python([str(script), str(29500 + os.getpid() % 400)], timeout=60)
+    assert proc.returncode == 0, describe(proc)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == [[1, True, False], [1, True], True, "torch.distributed is not initialized:", ["cpu:gloo", False]], seen
 
 
 @pytest.mark.gpu
