@@ -260,11 +260,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True
     """
     check_topk_ids(topk_ids, num_experts, "moe_align", check_range)
     T, k = topk_ids.shape
+    return MoeRouting(*_sorted_by_expert(topk_ids, num_experts, routing_kernel), int(T), int(k), int(num_experts))
+
+
+def _sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, routing_kernel: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_align`'s sort, without its checks: (sorted flat indices, each expert's first row and the end)."""
     if routing_kernel and _routing_kernel_fits(topk_ids, num_experts):
-        sorted_ids, offs = group_sort(topk_ids, num_experts)
-    else:
-        sorted_ids, offs = _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
-    return MoeRouting(sorted_ids, offs, int(T), int(k), int(num_experts))
+        return group_sort(topk_ids, num_experts)
+    return _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
 
 
 def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int], *,
@@ -297,13 +301,14 @@ def moe_align_gathered(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Se
     expert, recording ``rank_tokens``: fewer, fuller M-tiles than :func:`moe_align_stacked`'s group per
     (rank, expert) when a rank sends an expert few rows, at the price of tiles that read several ranks'
     tokens. Expert ids are not range-checked. Cost: as :func:`moe_align`."""
+    check_topk_ids(topk_ids, num_experts, "moe_align_gathered", check_range=False)
     rank_tokens = tuple(int(t) for t in rank_tokens)
     if sum(rank_tokens) != topk_ids.shape[0]:
         raise ValueError(f"moe_align_gathered: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
                          f"{sum(rank_tokens)}")
-    plain = moe_align(topk_ids, num_experts, check_range=False)
-    return MoeRouting(plain.sorted_ids, plain.expert_offs, plain.num_tokens, plain.top_k, plain.num_experts,
-                      rank_tokens, by_rank=False)
+    T, k = topk_ids.shape
+    return MoeRouting(*_sorted_by_expert(topk_ids, num_experts), int(T), int(k), int(num_experts), rank_tokens,
+                      by_rank=False)
 
 
 _aranges: dict = {}
