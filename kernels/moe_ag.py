@@ -346,16 +346,19 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
     if x_bytes % 4:
         ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
         return _gather_rows(x, tpr, group), ids_all, weights_all
-    parts = [x.contiguous().view(torch.uint8), topk_ids.to(torch.int32).contiguous().view(torch.uint8)]
+    parts = [x.contiguous().view(torch.uint8), _bytes_of(topk_ids, torch.int32)]
     if topk_weights is not None:
-        parts.append(topk_weights.to(torch.float32).contiguous().view(torch.uint8))
+        parts.append(_bytes_of(topk_weights, torch.float32))
     used = x_bytes + 4 * k * (len(parts) - 1)
     max_t, world = max(tpr), len(tpr)
     # a row a multiple of 16 elements of x: the GEMM's loads are vectorized only for such a row stride
     row_bytes = -(-used // (16 * x.element_size())) * 16 * x.element_size()
-    packed = torch.empty(max_t, row_bytes, dtype=torch.uint8, device=x.device)  # the pad is never read
-    torch.cat(parts, dim=1, out=packed[:T, :used])
-    rows = torch.empty(world * max_t, packed.shape[1], dtype=torch.uint8, device=x.device)
+    if row_bytes > used:
+        parts.append(_filler(T, row_bytes - used, x.device))
+    packed = torch.cat(parts, dim=1)
+    if T != max_t:
+        packed = torch.cat([packed, _filler(max_t - T, row_bytes, x.device)])
+    rows = torch.empty(world * max_t, row_bytes, dtype=torch.uint8, device=x.device)
     _all_gather(rows, packed, group)
     if any(t != max_t for t in tpr):
         rows = torch.cat([rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
@@ -363,8 +366,30 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
     ids_all = rows[:, x_bytes:x_bytes + 4 * k].view(torch.int32)
     weights_all = None
     if topk_weights is not None:
-        weights_all = rows[:, x_bytes + 4 * k:used].view(torch.float32).to(topk_weights.dtype)
+        weights_all = rows[:, x_bytes + 4 * k:used].view(torch.float32)
+        if topk_weights.dtype != torch.float32:
+            weights_all = weights_all.to(topk_weights.dtype)
     return x_all, ids_all, weights_all
+
+
+def _bytes_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, contiguous, seen as bytes (no copy where it already is)."""
+    return (t if t.dtype == dtype else t.to(dtype)).contiguous().view(torch.uint8)
+
+
+#: Byte blocks that fill a packed row or pad a rank's rows, by (rows, bytes, device): never read, so one
+#: uninitialized block serves every call of a shape (a few shapes kept).
+_fillers: dict = {}
+
+
+def _filler(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    key = (rows, width, device)
+    block = _fillers.get(key)
+    if block is None:
+        if len(_fillers) >= 16:
+            _fillers.clear()
+        block = _fillers[key] = torch.empty(rows, width, dtype=torch.uint8, device=device)
+    return block
 
 
 def _gather_rows(x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
