@@ -3,10 +3,10 @@
 :func:`ag_moe` is the first half of the tensor-parallel MoE layer (each rank holds a slice of every
 expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
 by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
-launching rank's own tokens first. An eager call (and any call on gloo) gathers tokens and routing
-packed in one all-gather: an eager call is host-bound at these sizes, and this is its cheapest gather.
-A call captured in a CUDA graph (``graph_safe=True``, on NCCL GPUs), whose host operations cost nothing
-on replay, gathers the routing first, then pushes the tokens on the copy engines into the peers'
+launching rank's own tokens first. A call without ``graph_safe`` (and any call on gloo) gathers tokens
+and routing packed in one all-gather: an eager call is host-bound at these sizes, and this is its cheapest
+gather. A ``graph_safe=True`` call on NCCL GPUs (made to be captured in a CUDA graph, whose host operations
+cost nothing on replay) gathers the routing first, then pushes the tokens on the copy engines into the peers'
 symmetric memory while the routing is sorted, and tiles of another rank's tokens wait for its arrival
 flag (grouped per expert: the GEMM waits for every rank's tokens once, on the stream). Cost: one
 all-gather (eager) or one small routing all-gather and the pushes (graph-safe), one sort and one GEMM
@@ -134,14 +134,15 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
     expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
-    tiles from the launching rank's own tokens on. An eager call gathers every rank's tokens and routing in
-    one all-gather, packed in one row per token (:func:`gather_packed`), then sorts and multiplies: at these
-    sizes an eager call is host-bound, and the pushes below cost its host three times the operations
-    (docs/moe.md, "Where an eager call's host time goes"). A graph-safe call on NCCL GPUs all-gathers the
-    routing first (one small collective: ids bit-cast into a float32 row next to the weights), then the
-    tokens travel by copy-engine pushes into the peers' symmetric memory (``kernels.symm.ShardPusher``: no SM
-    taken from the GEMM, no barrier) while the routing is sorted; grouped by rank, tiles of another rank's
-    tokens spin on that rank's arrival flag, so the GEMM computes the local tokens while the rest arrive.
+    tiles from the launching rank's own tokens on. A call without ``graph_safe`` gathers every rank's tokens
+    and routing in one all-gather, packed in one row per token (:func:`gather_packed`), then sorts and
+    multiplies: at these sizes an eager call is host-bound, and the pushes below cost its host three times
+    the operations (docs/moe.md, "Where an eager call's host time goes"). A graph-safe call on NCCL GPUs
+    all-gathers the routing first (one small collective: ids bit-cast into a float32 row next to the
+    weights), then the tokens travel by copy-engine pushes into the peers' symmetric memory
+    (``kernels.symm.ShardPusher``: no SM taken from the GEMM, no barrier) while the routing is sorted;
+    grouped by rank, tiles of another rank's tokens spin on that rank's arrival flag, so the GEMM computes
+    the local tokens while the rest arrive.
     The tuning key holds the bucket of the *global* row count, the same on every rank.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the id range check on every
     rank's ids (unless ``check_ids=False``).
@@ -251,10 +252,10 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
 
 def _pushes_tokens(x: torch.Tensor, group, graph_safe: bool) -> bool:
     """Whether the tokens travel by copy-engine pushes (else packed with the routing in one all-gather): for a
-    call captured in a CUDA graph on NCCL GPUs. Replayed, host operations cost nothing and the pushes overlap
-    the sort (and, grouped by rank, the GEMM); eager, the pushes' host operations cost more than they hide
-    (on 2 x H200, ``bench/moe.py`` part b: 0.57x against 0.69x of the sequential form at 64 experts,
-    0.79x against 0.88x at 8)."""
+    ``graph_safe`` call (made to be captured in a CUDA graph) on NCCL GPUs. Replayed, host operations cost
+    nothing and the pushes overlap the sort (and, grouped by rank, the GEMM); eager, the pushes' host
+    operations cost more than they hide (on 2 x H200, ``bench/moe.py`` part b's shapes: 0.57x against
+    0.69x of the sequential form at 64 experts, 0.79x against 0.88x at 8)."""
     return graph_safe and x.is_cuda and uses_nccl(group)
 
 
@@ -336,17 +337,18 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
                   group) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Every rank's tokens, ``topk_ids`` (int32) and ``topk_weights`` in rank order, in one all-gather: each
     token's row of bytes holds its hidden state, then its ids and its weights (float32), then padding.
-    Returns strided views into the gathered rows (``x`` in its dtype, the row stride a multiple of 16
-    elements, as Triton needs to vectorize the GEMM's loads). One pack (a copy of ``x``), one
-    collective (padded to the largest rank) and views: the host's cheapest gather. Where the tokens' bytes
-    do not end on a 4-byte boundary (an odd H in 16-bit floats), two collectives instead."""
+    Returns the tokens as a strided view into the gathered rows (in ``x``'s dtype, the row stride a multiple
+    of 16 elements, as Triton needs to vectorize the GEMM's loads) and the routing as views of a copy of its
+    columns (so a kept routing does not keep every rank's tokens alive). One pack (a copy of ``x``), one
+    collective (padded to the largest rank), one small copy and views: the host's cheapest gather. Where the
+    tokens' bytes do not end on a 4-byte boundary (an odd H in 16-bit floats), two collectives instead."""
     T, H = x.shape
     k = topk_ids.shape[1]
     x_bytes = H * x.element_size()
     if x_bytes % 4:
         ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
         return _gather_rows(x, tpr, group), ids_all, weights_all
-    parts = [x.contiguous().view(torch.uint8), _bytes_of(topk_ids, torch.int32)]
+    parts = [_bytes_of(x, x.dtype), _bytes_of(topk_ids, torch.int32)]
     if topk_weights is not None:
         parts.append(_bytes_of(topk_weights, torch.float32))
     used = x_bytes + 4 * k * (len(parts) - 1)
@@ -362,34 +364,36 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
     _all_gather(rows, packed, group)
     if any(t != max_t for t in tpr):
         rows = torch.cat([rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
-    x_all = rows[:, :x_bytes].view(x.dtype)
-    ids_all = rows[:, x_bytes:x_bytes + 4 * k].view(torch.int32)
+    routing = rows[:, x_bytes:used].clone()
+    ids_all = routing[:, :4 * k].view(torch.int32)
     weights_all = None
     if topk_weights is not None:
-        weights_all = rows[:, x_bytes + 4 * k:used].view(torch.float32)
+        weights_all = routing[:, 4 * k:].view(torch.float32)
         if topk_weights.dtype != torch.float32:
             weights_all = weights_all.to(topk_weights.dtype)
-    return x_all, ids_all, weights_all
+    return rows[:, :x_bytes].view(x.dtype), ids_all, weights_all
 
 
 def _bytes_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, contiguous, seen as bytes (no copy where it already is)."""
-    return (t if t.dtype == dtype else t.to(dtype)).contiguous().view(torch.uint8)
+    """``t`` in ``dtype`` with unit-stride rows, seen as bytes (no copy where it already is). ``is_contiguous``
+    alone does not do: torch calls a tensor with an empty or one-long dimension contiguous whatever its strides,
+    and a byte view needs the last stride to be 1."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    if not (t.is_contiguous() and t.stride(-1) == 1):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
-#: Byte blocks that fill a packed row or pad a rank's rows, by (rows, bytes, device): never read, so one
-#: uninitialized block serves every call of a shape (a few shapes kept).
+#: A byte block per (width, device) that fills packed rows or pads a rank's rows, grown to the most rows
+#: asked: never read, so one uninitialized block serves every call.
 _fillers: dict = {}
 
 
 def _filler(rows: int, width: int, device: torch.device) -> torch.Tensor:
-    key = (rows, width, device)
-    block = _fillers.get(key)
-    if block is None:
-        if len(_fillers) >= 16:
-            _fillers.clear()
-        block = _fillers[key] = torch.empty(rows, width, dtype=torch.uint8, device=device)
-    return block
+    block = _fillers.get((width, device))
+    if block is None or block.shape[0] < rows:
+        block = _fillers[(width, device)] = torch.empty(rows, width, dtype=torch.uint8, device=device)
+    return block[:rows]
 
 
 def _gather_rows(x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:

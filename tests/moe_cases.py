@@ -121,24 +121,34 @@ def case_layer(ctx: Ranks) -> dict:
 @cases.case
 def case_packed_gather(ctx: Ranks) -> dict:
     """gather_packed alone: every rank's tokens, ids and weights back bit for bit, in rank order, for uneven
-    counts with one rank holding none, with and without weights, in float32 (one packed collective) and in
-    float16 with an odd hidden size (its bytes end off a 4-byte boundary: two collectives)."""
+    counts with one rank holding none, with and without weights, in float32 and float16 (one packed
+    collective; int64 ids and float16 weights converted and back; column-strided tokens and top-1 routing
+    transposed from a row, the empty rank's too, which torch calls contiguous though a byte view needs unit
+    strides), and in float16 with an odd hidden size (its bytes end off a 4-byte boundary: two collectives).
+    The routing returned must not share the gathered tokens' memory (a kept routing would keep them alive)."""
     tokens = [0 if r == 1 else 3 + 2 * r for r in range(ctx.world)]
     mine = slice(sum(tokens[:ctx.rank]), sum(tokens[:ctx.rank + 1]))
     checks = []
-    for dtype, H, weighted in [(torch.float32, 12, True), (torch.float32, 12, False), (torch.float16, 7, True)]:
+    for dtype, H, k, weights, ids_dtype, strided in [(torch.float32, 12, 3, torch.float32, torch.int32, False),
+                                                     (torch.float32, 12, 3, None, torch.int32, False),
+                                                     (torch.float16, 8, 1, torch.float16, torch.int64, True),
+                                                     (torch.float16, 7, 3, torch.float32, torch.int32, False)]:
         g = torch.Generator().manual_seed(7)
         x = torch.randn(sum(tokens), H, generator=g).to(dtype)
-        ids = torch.randint(0, 64, (sum(tokens), 3), generator=g, dtype=torch.int32)
-        wts = torch.rand(sum(tokens), 3, generator=g)
-        x_all, ids_all, wts_all = moe_ag.gather_packed(x[mine].to(ctx.device), ids[mine].to(ctx.device),
-                                                       wts[mine].to(ctx.device) if weighted else None,
-                                                       tuple(tokens), None)
-        checks.append({"dtype": str(dtype), "H": H, "weighted": weighted,
-                       "x": torch.equal(x_all.cpu(), x), "ids": torch.equal(ids_all.cpu(), ids),
-                       "weights": torch.equal(wts_all.cpu(), wts) if weighted else wts_all is None,
+        ids = torch.randint(0, 64, (sum(tokens), k), generator=g).to(ids_dtype)
+        wts = torch.rand(sum(tokens), k, generator=g).to(weights or torch.float32)
+        x_r, ids_r, wts_r = x[mine].to(ctx.device), ids[mine].to(ctx.device), wts[mine].to(ctx.device)
+        if strided:  # every other column of a wider tensor; [T, 1] routing as the transpose of a [1, T] row
+            x_r = torch.stack([x_r, torch.zeros_like(x_r)], dim=2).flatten(1)[:, ::2]
+            ids_r, wts_r = ids_r.t().contiguous().t(), wts_r.t().contiguous().t()
+        x_all, ids_all, wts_all = moe_ag.gather_packed(x_r, ids_r, wts_r if weights else None, tuple(tokens), None)
+        checks.append({"dtype": str(dtype), "H": H, "weights": str(weights), "strided": strided,
+                       "given_strides": [x_r.stride(), ids_r.stride()],
+                       "x": torch.equal(x_all.cpu(), x), "ids": torch.equal(ids_all.cpu(), ids.to(torch.int32)),
+                       "weights_back": torch.equal(wts_all.cpu(), wts) if weights else wts_all is None,
                        "x_dtype": str(x_all.dtype), "one_row": x_all.stride(0) != H,
-                       "stride16": x_all.stride(0) % 16 == 0})
+                       "stride16": x_all.stride(0) % 16 == 0,
+                       "routing_apart": ids_all.untyped_storage().data_ptr() != x_all.untyped_storage().data_ptr()})
     return {"checks": checks}
 
 

@@ -441,17 +441,22 @@ def _check_layer(per_rank):
 
 
 def test_one_all_gather_carries_every_ranks_tokens_and_routing(gloo2):
-    """The packed gather an eager call grouped per expert uses: tokens, ids and weights back bit for bit on
-    every rank, uneven counts with an empty rank, without weights, and the two-collective form where a
-    token's bytes cannot be followed by int32 ids (odd H in float16)."""
+    """The packed gather every call without graph_safe uses: tokens, ids and weights back bit for bit on every
+    rank, uneven counts with an empty rank, without weights, converted ids and weights, strided inputs, the
+    two-collective form where a token's bytes cannot be followed by int32 ids (odd H in float16), and a
+    routing that does not keep the gathered tokens alive."""
     for rank, value in enumerate(_values(gloo2["packed_gather"])):
-        assert [(c["dtype"], c["H"], c["weighted"]) for c in value["checks"]] == [
-            ("torch.float32", 12, True), ("torch.float32", 12, False), ("torch.float16", 7, True)]
+        assert [(c["dtype"], c["H"], c["weights"], c["strided"]) for c in value["checks"]] == [
+            ("torch.float32", 12, "torch.float32", False), ("torch.float32", 12, "None", False),
+            ("torch.float16", 8, "torch.float16", True), ("torch.float16", 7, "torch.float32", False)]
         for check in value["checks"]:
-            assert check["x"] and check["ids"] and check["weights"], f"rank {rank}: {check}"
+            assert check["x"] and check["ids"] and check["weights_back"], f"rank {rank}: {check}"
             assert check["x_dtype"] == check["dtype"], f"rank {rank}: {check}"
             assert check["stride16"] or not check["one_row"], f"rank {rank}: a row stride the GEMM cannot vectorize"
-        assert [c["one_row"] for c in value["checks"]] == [True, True, False], f"rank {rank}: {value}"
+            assert check["routing_apart"], f"rank {rank}: the routing shares the gathered tokens' memory"
+        assert [c["one_row"] for c in value["checks"]] == [True, True, True, False], f"rank {rank}: {value}"
+        strided = value["checks"][2]["given_strides"]
+        assert strided[0][1] != 1 and strided[1][0] == 1, f"rank {rank}: the strided inputs were not strided: {strided}"
 
 
 @pytest.mark.slow
