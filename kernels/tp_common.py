@@ -31,13 +31,15 @@ def group_info(group: Optional[dist.ProcessGroup], max_world: Optional[int] = No
     the group has more than ``max_world`` ranks (the limit of the caller's kernel; None: no limit).
     Asked once per group (four c10d calls, 10-15 µs of a busy GPU host), then a dictionary lookup."""
     process_group = group if group is not None else dist.GroupMember.WORLD
-    info = _infos.get(process_group) if process_group is not None else None
+    cacheable = isinstance(process_group, dist.ProcessGroup)  # not a rank's NON_GROUP_MEMBER marker, not None
+    info = _infos.get(process_group) if cacheable else None
     if info is None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call disttune.dist.init() (or "
                                "torch.distributed.init_process_group) before using the tensor-parallel kernels")
         info = GroupInfo(None, dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)))
-        _infos[process_group] = info
+        if cacheable:
+            _infos[process_group] = info
     if group is not None:
         info = GroupInfo(group, info.rank, info.world_size, info.backend)
     if max_world is not None and info.world_size > max_world:

@@ -9,7 +9,6 @@ ragged shards, references from torch collectives).
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -71,13 +70,12 @@ def test_group_facts_asked_once_follow_a_new_default_group(tmp_path):
     another backend name) gets its own, as does a subgroup; the facts kept do not keep a destroyed group alive
     (a group freed at exit instead aborts the process); after destroy it raises again."""
     script = write_script(tmp_path, """
-        import gc, json, os, sys, weakref
+        import gc, json, weakref
         import torch.distributed as dist
         from disttune.kernels.symm import uses_nccl
         from disttune.kernels.tp_common import group_info
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
         seen = []
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
         seen.append([group_info(None).world_size, group_info(None).group is None, uses_nccl()])
         sub = dist.new_group([0])
         seen.append([group_info(sub).world_size, group_info(sub).group is sub])
@@ -91,15 +89,17 @@ def test_group_facts_asked_once_follow_a_new_default_group(tmp_path):
             seen.append("no error")
         except RuntimeError as err:
             seen.append(str(err)[:37])
-        dist.init_process_group("cpu:gloo", rank=0, world_size=1)  # a new default group, another backend name
+        # a new default group, another backend name
+        dist.init_process_group("cpu:gloo", rank=0, world_size=1, store=dist.HashStore())
         seen.append([group_info(None).backend, uses_nccl()])
         dist.destroy_process_group()
         print(json.dumps(seen))
     """)
-    proc = run_python([str(script), str(29500 + os.getpid() % 400)], timeout=60)
+    proc = run_python([str(script)], timeout=60)
     assert proc.returncode == 0, describe(proc)
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == [[1, True, False], [1, True], True, "torch.distributed is not initialized:", ["cpu:gloo", False]], seen
+    assert seen == [[1, True, False], [1, True], True, "torch.distributed is not initialized:",
+                    ["cpu:gloo", False]], seen
 
 
 @pytest.mark.gpu
