@@ -347,23 +347,16 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
     x_bytes = H * x.element_size()
     if x_bytes % 4:
         ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
-        return _gather_rows(x, tpr, group), ids_all, weights_all
+        return _gather_padded(x, tpr, group), ids_all, weights_all
     parts = [_bytes_of(x, x.dtype), _bytes_of(topk_ids, torch.int32)]
     if topk_weights is not None:
         parts.append(_bytes_of(topk_weights, torch.float32))
     used = x_bytes + 4 * k * (len(parts) - 1)
-    max_t, world = max(tpr), len(tpr)
     # a row a multiple of 16 elements of x: the GEMM's loads are vectorized only for such a row stride
     row_bytes = -(-used // (16 * x.element_size())) * 16 * x.element_size()
     if row_bytes > used:
-        parts.append(_filler(T, row_bytes - used, x.device))
-    packed = torch.cat(parts, dim=1)
-    if T != max_t:
-        packed = torch.cat([packed, _filler(max_t - T, row_bytes, x.device)])
-    rows = torch.empty(world * max_t, row_bytes, dtype=torch.uint8, device=x.device)
-    _all_gather(rows, packed, group)
-    if any(t != max_t for t in tpr):
-        rows = torch.cat([rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+        parts.append(_filler(T, row_bytes - used, torch.uint8, x.device))
+    rows = _gather_padded(torch.cat(parts, dim=1), tpr, group)
     routing = rows[:, x_bytes:used].clone()
     ids_all = routing[:, :4 * k].view(torch.int32)
     weights_all = None
@@ -384,24 +377,26 @@ def _bytes_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-#: A byte block per (width, device) that fills packed rows or pads a rank's rows, grown to the most rows
+#: A block per (width, dtype, device) that fills packed rows or pads a rank's rows, grown to the most rows
 #: asked: never read, so one uninitialized block serves every call.
 _fillers: dict = {}
 
 
-def _filler(rows: int, width: int, device: torch.device) -> torch.Tensor:
-    block = _fillers.get((width, device))
+def _filler(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    block = _fillers.get((width, dtype, device))
     if block is None or block.shape[0] < rows:
-        block = _fillers[(width, device)] = torch.empty(rows, width, dtype=torch.uint8, device=device)
+        block = _fillers[(width, dtype, device)] = torch.empty(rows, width, dtype=dtype, device=device)
     return block[:rows]
 
 
-def _gather_rows(x: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
-    """Every rank's rows of ``x``, concatenated in rank order (a collective; padded to the largest rank)."""
+def _gather_padded(local: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
+    """Every rank's rows of ``local`` (``[T_r, W]``, ``T_r = tpr[rank]``), concatenated in rank order: one
+    all-gather with each rank's rows padded to the largest rank's count, the padding dropped after it."""
     max_t = max(tpr)
-    x_pad = x if x.shape[0] == max_t else torch.cat([x, x.new_zeros(max_t - x.shape[0], x.shape[1])])
-    gathered = empty_buffer((len(tpr) * max_t, x.shape[1]), x.dtype, x.device)
-    _all_gather(gathered, x_pad.contiguous(), group)
+    if local.shape[0] != max_t:
+        local = torch.cat([local, _filler(max_t - local.shape[0], local.shape[1], local.dtype, local.device)])
+    gathered = torch.empty(len(tpr) * max_t, local.shape[1], dtype=local.dtype, device=local.device)
+    _all_gather(gathered, local.contiguous(), group)
     if all(t == max_t for t in tpr):
         return gathered
     return torch.cat([gathered[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
@@ -411,18 +406,11 @@ def gather_routing(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
                     group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Every rank's ``topk_ids`` (int32) and ``topk_weights``, in rank order: one all-gather of float32
     rows (ids bit-cast, then the weights), padded to the largest rank."""
-    T, k = topk_ids.shape
-    max_t, world = max(tpr), len(tpr)
+    k = topk_ids.shape[1]
     parts = [topk_ids.to(torch.int32).view(torch.float32)]
     if topk_weights is not None:
         parts.append(topk_weights.float())
-    meta = torch.cat(parts, dim=1)
-    if T != max_t:
-        meta = torch.cat([meta, meta.new_zeros(max_t - T, meta.shape[1])])
-    metas = torch.empty(world * max_t, meta.shape[1], dtype=torch.float32, device=meta.device)
-    _all_gather(metas, meta, group)
-    if any(t != max_t for t in tpr):
-        metas = torch.cat([metas[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+    metas = _gather_padded(torch.cat(parts, dim=1), tpr, group)
     ids_all = metas[:, :k].view(torch.int32)  # a strided view: moe_align_stacked reads it as it is
     weights_all = metas[:, k:].to(topk_weights.dtype) if topk_weights is not None else None
     return ids_all, weights_all
