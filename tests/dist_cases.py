@@ -309,7 +309,9 @@ def case_subgroup(ctx):
     table = {0: {0: 1.0, 1: 2.0 + ctx.rank, 2: 4.0}, 1: {0: 4.0, 1: 2.0 + ctx.rank, 2: 1.0}}[pair_index % 2]
     x = torch.randn(96, device=ctx.device)
 
-    @disttune.contextual_autotune(**tuner_options(ctx, "subgroup", group=mine, timer=TableTimer(lambda i: table[i.config_index])))
+    # each pair its own winner store: a pair that finds the other's stored winner would load it, not tune
+    @disttune.contextual_autotune(**tuner_options(ctx, f"subgroup-{pair_index}", group=mine,
+                                                  timer=TableTimer(lambda i: table[i.config_index])))
     def step():
         y = torch.empty_like(x)
         launch_add(kernel, x, y)
