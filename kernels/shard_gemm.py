@@ -60,6 +60,7 @@ __all__ = [
     "shard_gemm_jit",
     "shard_gemm_kernel",
     "shard_gemm",
+    "partials_gemm",
     "matmul_shards",
     "check_gemm_inputs",
     "shard_offsets_tensor",
@@ -84,12 +85,13 @@ def default_configs() -> list:
 
 @triton.jit
 def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 GROUP_M: tl.constexpr, RS: tl.constexpr):
     """(shard, first row of the tile, rows left in the shard from there, pid_n, the tile's first row
     counted from the shard's start) of persistent tile ``tile``.
 
     Shards are visited in the order they arrive (``kernels.symm.arrival_order``): rank, rank-1, ...;
-    each shard's tiles are grouped by GROUP_M row-tiles for L2 reuse of B.
+    with ``RS`` in the order GEMM-RS pushes them (``kernels.symm.push_order``): rank+1, rank+2, ..., and the
+    own rows last. Each shard's tiles are grouped by GROUP_M row-tiles for L2 reuse of B.
     """
     first = 0
     shard = rank
@@ -97,7 +99,10 @@ def _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_
     row_start = 0
     rows = 0
     for i in tl.static_range(WORLD):
-        s = (rank + WORLD - i) % WORLD
+        if RS:
+            s = (rank + 1 + i) % WORLD
+        else:
+            s = (rank + WORLD - i) % WORLD
         s_start = tl.load(offsets_ptr + s)
         s_rows = tl.load(offsets_ptr + s + 1) - s_start
         count = tl.cdiv(s_rows, BLOCK_M) * num_pid_n
@@ -125,13 +130,30 @@ def _count_tiles(offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_M: tl.conste
     return total
 
 
+@triton.jit
+def _count_piece_tile(signals_ptr, shard, row_in_shard, rows_left, chunk_rows, num_pid_n, epoch,
+                      WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One more tile of ``shard``'s piece stored. ``signals`` holds a tile count per piece
+    (``[WORLD * CHUNKS]``) and then a ready flag per piece: the piece's last tile resets the count and sets
+    the flag to ``epoch`` (a release at system scope, so a copy engine that waits on the flag reads the
+    stored tiles)."""
+    tl.debug_barrier()  # every thread's stores of the tile precede the count
+    piece = row_in_shard // chunk_rows
+    piece_rows = tl.minimum(chunk_rows, row_in_shard + rows_left - piece * chunk_rows)
+    tiles = tl.cdiv(piece_rows, BLOCK_M) * num_pid_n
+    index = shard * CHUNKS + piece
+    if tl.atomic_add(signals_ptr + index, 1, sem="acq_rel", scope="gpu") == tiles - 1:
+        tl.atomic_xchg(signals_ptr + index, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(signals_ptr + WORLD * CHUNKS + index, epoch, sem="release", scope="sys")
+
+
 def shard_ordered_gemm(
-    a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr, add_ptr, add_flags_ptr,
+    a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr, add_ptr, add_flags_ptr, signals_ptr,
     M, N, K,
-    stride_am, stride_b, stride_cm, stride_add_slot, stride_add_m,
+    stride_am, stride_b, stride_cm, stride_c_slot, stride_add_slot, stride_add_m,
     rank, chunk_rows, epoch, add_skip,
     WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, ADD_SLOTS: tl.constexpr,
-    NUM_SMS: tl.constexpr,
+    RS: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SKIP_WAIT: tl.constexpr = False,  # for tests only (racy_config): tiles read their rows without waiting
 ):
@@ -146,10 +168,13 @@ def shard_ordered_gemm(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = _count_tiles(offsets_ptr, num_pid_n, WORLD, BLOCK_M)
+    if RS:  # the other ranks' partials only: the own rows' tiles, last in the walk, are left out
+        own_rows = tl.load(offsets_ptr + rank + 1) - tl.load(offsets_ptr + rank)
+        num_tiles -= tl.cdiv(own_rows, BLOCK_M) * num_pid_n
     # A spin loop inside the tile loop keeps the compiler from flattening the loop nest.
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT and ADD_SLOTS == 0):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WAIT and ADD_SLOTS == 0 and not RS):
         shard, row, rows_left, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD,
-                                                                  BLOCK_M, GROUP_M)
+                                                                  BLOCK_M, GROUP_M, RS)
         if WAIT and not SKIP_WAIT:  # shards arrive in CHUNKS pieces of chunk_rows rows, each flagged with the epoch
             flag = flags_ptr + shard * CHUNKS + row_in_shard // chunk_rows
             while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
@@ -175,7 +200,15 @@ def shard_ordered_gemm(
                         pass
                     part = tl.load(add_ptr + slot * stride_add_slot + add_offs, mask=add_mask, other=0.0)
                     acc += part.to(tl.float32)
-        if WORLD == 1:
+        if RS:  # shard s's rows into C's slot s, then one more tile of its piece done
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_n = col + tl.arange(0, BLOCK_N)
+            c_ptrs = (c_ptr + shard.to(tl.int64) * stride_c_slot
+                      + (row_in_shard.to(tl.int64) + offs_m)[:, None] * stride_cm + offs_n[None, :])
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
+            _count_piece_tile(signals_ptr, shard, row_in_shard, rows_left, chunk_rows, num_pid_n, epoch, WORLD,
+                              CHUNKS, BLOCK_M)
+        elif WORLD == 1:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
             c_desc.store([row, col], left.to(c_ptr.dtype.element_ty))
@@ -191,7 +224,7 @@ def shard_ordered_gemm(
 #: The jitted kernel without a tuner.
 shard_gemm_jit = triton.jit(shard_ordered_gemm, do_not_specialize=["rank", "epoch", "add_skip"])
 
-_AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR", "ADD_SLOTS"]
+_AUTOTUNE_KEY = ["M", "N", "K", "WORLD", "WAIT", "B_KMAJOR", "ADD_SLOTS", "RS"]
 
 
 #: Largest BLOCK_M: pushed shards arrive in chunks starting at multiples of this many rows
@@ -345,42 +378,79 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     ``flags``: int32 ``[len(rows) * chunks]``; when given, a tile of shard ``s`` whose
     first row is ``r`` rows into the shard waits for ``flags[s * chunks + r // chunk_rows] >= epoch``
     (``chunk_rows`` a multiple of 256, so no tile spans two chunks).
-    ``addend``: ``[slots, >= M, N]`` (one shard only): every slot but ``addend_skip`` is added to the fp32 accumulator before the store, each tile once
-    ``addend_flags[slot * chunks + r // chunk_rows] >= epoch`` (the reduction of GEMM-RS).
+    ``addend``: ``[slots, >= M, N]`` (one shard only): every slot but ``addend_skip`` is added to the fp32
+    accumulator before the store, each tile once ``addend_flags[slot * chunks + r // chunk_rows] >= epoch``
+    (the reduction of GEMM-RS).
     ``kernel``: an Autotuner from :func:`make_shard_gemm_kernel` (default :data:`shard_gemm_kernel`).
     Inputs are not re-validated here: call :func:`check_gemm_inputs` once per shape.
     """
-    world = len(rows)
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return out
     if (flags is not None or addend is not None) and chunks > 1 and chunk_rows >= 1 << 30:
         raise ValueError("shard_gemm: chunks > 1 needs chunk_rows (kernels.symm.chunk_rows(rows, chunks))")
-    if addend is not None and (world != 1 or addend_flags is None or addend.dim() != 3 or addend.stride(2) != 1
+    if addend is not None and (len(rows) != 1 or addend_flags is None or addend.dim() != 3 or addend.stride(2) != 1
                                or addend.shape[1] < M or addend.shape[2] != N):
         raise ValueError("shard_gemm: an addend must be [slots, >= M, N] with unit column stride, for one shard, "
                          "with addend_flags")
+    offsets = shard_offsets_tensor(rows, a.device)
+    _launch(kernel, a, b, out, rows, rank, flags if flags is not None else offsets, offsets,
+            out if addend is None else addend, offsets if addend_flags is None else addend_flags, offsets,
+            0, 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
+            chunk_rows, epoch, addend_skip,
+            dict(WAIT=flags is not None, CHUNKS=chunks, ADD_SLOTS=0 if addend is None else addend.shape[0], RS=False),
+            skipped_rows=0)
+    return out
+
+
+def partials_gemm(a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, signals: torch.Tensor,
+                  rows: Sequence[int], rank: int, kernel=None, chunks: int = 1, chunk_rows: int = 1 << 30,
+                  epoch: int = 1) -> torch.Tensor:
+    """GEMM-RS's partials in one launch: for every shard ``s`` but ``rank``'s, ``partials[s, :rows[s]]`` =
+    shard ``s``'s rows of ``a @ b``, the shards walked in ``kernels.symm.push_order``.
+
+    ``partials``: ``[len(rows), >= max(rows), N]`` (slot ``rank`` untouched). ``signals``: int32
+    ``[2 * len(rows) * chunks]``, zeros before the first call: a tile count per piece of ``chunk_rows`` rows,
+    then a flag per piece that the piece's last tile sets to ``epoch`` (a release at system scope), for a copy
+    stream to wait on before it pushes the piece (``kernels.symm.push_pieces(ready=...)``); the counts are back
+    at zero when the launch ends. Cost: one launch of ``min(#SMs, tiles)`` programs over the other ranks' rows.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    world = len(rows)
+    if (partials.dim() != 3 or partials.shape[0] != world or partials.shape[1] < max(rows) or partials.shape[2] != N
+            or partials.stride(2) != 1 or signals.dtype != torch.int32 or signals.numel() < 2 * world * chunks):
+        raise ValueError("partials_gemm: partials must be [shards, >= largest shard, N] with unit column stride, and "
+                         "signals 2 * shards * chunks int32")
+    if chunks > 1 and chunk_rows >= 1 << 30:
+        raise ValueError("partials_gemm: chunks > 1 needs chunk_rows (kernels.symm.chunk_rows(rows, chunks))")
+    if M == rows[rank] or N == 0:
+        return partials
+    offsets = shard_offsets_tensor(rows, a.device)
+    _launch(kernel, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals, partials.stride(0), 0, 0,
+            chunk_rows, epoch, -1, dict(WAIT=False, CHUNKS=chunks, ADD_SLOTS=0, RS=True), skipped_rows=rows[rank])
+    return partials
+
+
+def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals, stride_c_slot, stride_add_slot,
+            stride_add_m, chunk_rows, epoch, add_skip, modes: dict, skipped_rows: int) -> None:
+    """The kernel's launch (through ``disttune.cached_launch``) over the tiles of ``rows`` less ``skipped_rows``."""
     if a.device.type == "cuda":
         ensure_descriptor_allocator()
-    offsets = shard_offsets_tensor(rows, a.device)
-    kern = kernel if kernel is not None else shard_gemm_kernel
-    wait = flags is not None
+    M, K = a.shape
+    N = b.shape[1]
     kmajor = b_is_kmajor(b)
     sms = num_sms(a.device)
-    slots = 0 if addend is None else addend.shape[0]
 
     def grid(meta):
-        tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) * cdiv(N, meta["BLOCK_N"])
-        return (max(1, min(sms, tiles)),)
+        row_tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) - cdiv(skipped_rows, meta["BLOCK_M"])
+        return (max(1, min(sms, row_tiles * cdiv(N, meta["BLOCK_N"]))),)
 
-    cached_launch.launch(kern, grid, (
-        a, b, out, flags if wait else offsets, offsets, out if addend is None else addend,
-        offsets if addend_flags is None else addend_flags, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-        out.stride(0), 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
-        rank, chunk_rows, epoch, addend_skip),
-        dict(WORLD=world, WAIT=wait, CHUNKS=chunks, B_KMAJOR=kmajor, ADD_SLOTS=slots, NUM_SMS=sms))
-    return out
+    cached_launch.launch(kernel if kernel is not None else shard_gemm_kernel, grid, (
+        a, b, c, flags, offsets, add, add_flags, signals, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
+        c.stride(-2), stride_c_slot, stride_add_slot, stride_add_m, rank, chunk_rows, epoch, add_skip),
+        dict(WORLD=len(rows), B_KMAJOR=kmajor, NUM_SMS=sms, **modes))
 
 
 def matmul_shards(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, kernel=None) -> torch.Tensor:

@@ -250,10 +250,13 @@ def pieces_of(rows: int, dest: int, row_bytes: int, step_rows: int, flag_of: Cal
              flag_of(c)) for c, first in enumerate(range(0, rows, step_rows))]
 
 
-def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=None, graph_safe: bool = False) -> None:
+def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=None, graph_safe: bool = False,
+                ready: Optional[Sequence[Any]] = None) -> None:
     """On ``stream`` (a ``CUstream``): wait until ``free`` (the destination's "read it" flag for this
     target, if any) holds ``epoch - 2``, then copy each piece from ``source`` and set its arrival flag
     to ``epoch``. The double-buffered pattern (epoch mode) shared by :class:`ShardPusher` and GEMM-ReduceScatter.
+    ``ready``: a flag address per piece that must hold ``epoch`` before the piece is copied (a piece that a
+    kernel running beside the stream is still writing).
 
     ``graph_safe``: fixed values instead of epochs (``epoch`` is then 1): wait until ``free`` is 1
     (the destination has read the last push), set it back to 0, then copy and flag as above."""
@@ -263,7 +266,9 @@ def push_pieces(stream, source: int, pieces: Sequence[tuple], epoch: int, free=N
             write_flag_at(stream, free, 0)
         elif epoch > 2:  # the destination has read what was put in this half two calls ago
             wait_flag_at(stream, free, epoch - 2)
-    for offset, dest, size, flag in pieces:
+    for n, (offset, dest, size, flag) in enumerate(pieces):
+        if ready is not None:
+            wait_flag_at(stream, ready[n], epoch)
         if size:  # (a graph-safe sender without rows still signals: the handshake runs every call)
             copy_async(stream, dest, source + offset, size)
         write_flag_at(stream, flag, epoch)
