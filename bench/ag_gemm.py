@@ -17,8 +17,9 @@ spread (lowest-highest) beside it.
   transport gives a perfect GEMM); the decomposed kernel tuned alone by stock ``triton.autotune`` on each
   rank, timed in the step; and the overlap limit ``max(GEMM alone, all_gather alone)``.
 * GEMM-RS: cuBLAS alone (``[M, K/w] @ [K/w, N]``), NCCL ``reduce_scatter_tensor`` alone, the sequential form,
-  ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, ours per ``--streams`` value (wrapped and bare), the
-  overlap limit.
+  ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, ours: the decomposed design per ``--streams`` and
+  ``--rs-launches`` value and the fused design per ``--streams`` and ``--rs-chunks`` value (wrapped and bare),
+  the overlap limit.
 
 Two modes: *steady state* (10 calls back to back between two CUDA events, per call: the host runs ahead, as
 in a model) and *one call from an idle GPU* (each call after a device sync and a barrier: host launch latency
@@ -168,13 +169,16 @@ def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     fused_op = getattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter", None)
     if fused_op is not None:
         contest.add_if_it_runs("torch fused", lambda: fused_op(a_local, b_local, "sum", 0, group_name))
-    for streams in args.streams:
-        for launches in args.rs_launches:
-            op = GemmReduceScatter(streams=streams, last_launches=launches)
-            mine = torch.empty_like(out)
-            contest.add_ours(f"ours, {streams} stream(s), last partial in {launches}", op,
-                             lambda op=op, mine=mine: op(a_local, b_local, mine), mine,
-                             os.path.join(store, f"rs-{streams}-{launches}"))
+    ours = [(f"ours decomposed, {streams} stream(s), last partial in {launches}", f"rs-{streams}-{launches}",
+             GemmReduceScatter(design="decomposed", streams=streams, last_launches=launches))
+            for streams in args.streams for launches in args.rs_launches]
+    ours += [(f"ours fused, {streams} stream(s), {chunks} piece(s)", f"rs-fused-{streams}-{chunks}",
+              GemmReduceScatter(design="fused", streams=streams, chunks=chunks))
+             for streams in args.streams for chunks in args.rs_chunks]
+    for name, folder, op in ours:
+        mine = torch.empty_like(out)
+        contest.add_ours(name, op, lambda op=op, mine=mine: op(a_local, b_local, mine), mine,
+                         os.path.join(store, folder))
     return contest, ("NCCL reduce-scatter", "cuBLAS")
 
 
@@ -244,11 +248,14 @@ def main() -> None:
     parser.add_argument("--streams", default="1,2", help="copy streams, a comma-separated list: one contender each")
     parser.add_argument("--rs-launches", default="2",
                         help="GEMM-RS: GEMMs the last partial is computed in, a comma-separated list: one contender each")
+    parser.add_argument("--rs-chunks", default="1,4",
+                        help="fused GEMM-RS: flagged pieces per partial, a comma-separated list: one contender each")
     parser.add_argument("--timeline", action="store_true", help="print where one call of ours spends GPU time")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     args.rs_launches = [int(s) for s in args.rs_launches.split(",")]
+    args.rs_chunks = [int(s) for s in args.rs_chunks.split(",")]
     if not torch.cuda.is_available():
         sys.exit("bench/ag_gemm.py needs CUDA GPUs (NCCL, symmetric memory); CPU runs of AllGatherGEMM are in tests/")
     benchmark.stacks_on_termination()

@@ -6,22 +6,31 @@ split by ``torch.tensor_split``'s rule unless ``out_rows`` says otherwise). fp16
 fp32 accumulation inside each GEMM; the other ranks' partials travel rounded to the input dtype
 (as with ``matmul`` then ``reduce_scatter_tensor``), the own partial is summed before rounding.
 
-GPU design (push, overlapped, no reduction kernel): the partial for each destination rank is
-computed in turn, in ``kernels.symm.push_order`` (the next rank's rows first, so at each step
-every rank sends to a different rank) and ending with this rank's own. As soon as a partial is
-done, the copy engines push it in ``chunks`` pieces, spread over ``streams`` copy streams, into
-the destination's symmetric-memory receive slot, flagging each piece in the destination's
-memory (``cuStreamWriteValue32``) while the GEMM goes on with the next destination. The own
-rows' GEMM then adds the received partials in its epilogue, each tile after spinning on its
-piece's flag (the pieces have landed long before: each was computed one GEMM earlier).
-Slots are double-buffered; a pusher waits (``cuStreamWaitValue32``) until the destination has
-read the same half two calls earlier. No barrier kernel, no reduction pass. Memory:
+GPU designs (push, overlapped, no reduction kernel), ``design=``:
+
+* ``"decomposed"``: the partial for each destination rank is computed in turn by a GEMM launch of
+  its own, in ``kernels.symm.push_order`` (the next rank's rows first, so at each step every rank
+  sends to a different rank) and ending with this rank's own. As soon as a partial is done, the
+  copy engines push it in ``chunks`` pieces, spread over ``streams`` copy streams, into the
+  destination's symmetric-memory receive slot, flagging each piece in the destination's memory
+  (``cuStreamWriteValue32``) while the GEMM goes on with the next destination.
+* ``"fused"``: one persistent GEMM launch computes every other rank's partial, walking them in the
+  same order (``kernels.shard_gemm.partials_gemm``). The last tile of each piece sets that piece's
+  ready flag, and the copy streams, which wait on those flags (``cuStreamWaitValue32``), push each
+  piece as soon as it is done: two launches (the partials, the own rows) and a few driver calls per
+  destination, where the decomposed design costs the host a launch per partial (with 4 ranks an
+  8192^3 step's partials take the GPU about as long as the host takes to issue them).
+* ``"auto"``: fused on GPUs from :data:`FUSED_FROM_WORLD` ranks on, decomposed below.
+
+Either way the own rows' GEMM adds the received partials in its epilogue, each tile after spinning
+on its piece's flag. Slots are double-buffered; a pusher waits (``cuStreamWaitValue32``) until the
+destination has read the same half two calls earlier. No barrier kernel, no reduction pass. Memory:
 ``[2, w, R, N]`` symmetric receive slots and a ``[w, R, N]`` staging buffer (row ``rank``
 unused), ``R`` the largest rank's rows rounded up to a power of two; 8 KB of flags.
 
-On CPUs (gloo, ``TRITON_INTERPRET=1``) the partials are computed with the same GEMM and
-delivered by an all-gather, and the own rows' GEMM adds them in the same epilogue (flags
-preset), so CI checks the kernel path the GPUs run.
+On CPUs (gloo, ``TRITON_INTERPRET=1``) the partials are computed with the same GEMM (the fused
+design's one launch leaves out the own rows) and delivered by an all-gather, and the own rows' GEMM
+adds them in the same epilogue (flags preset), so CI checks the kernel paths the GPUs run.
 
 The GEMM is a ``triton.autotune`` kernel: wrap the step with ``disttune.contextual_autotune``.
 """
@@ -33,7 +42,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, shard_gemm
+from .shard_gemm import MAX_WORLD, check_gemm_inputs, make_shard_gemm_kernel, partials_gemm, shard_gemm
 from .symm import (
     DEFAULT_STREAMS,
     SignalBoard,
@@ -51,7 +60,19 @@ from .symm import (
 )
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
-__all__ = ["GemmReduceScatter", "gemm_rs", "gemm_rs_reference"]
+__all__ = ["DESIGNS", "FUSED_FROM_WORLD", "GemmReduceScatter", "auto_design", "gemm_rs", "gemm_rs_reference"]
+
+DESIGNS = ("auto", "fused", "decomposed")
+
+#: ``"auto"`` runs the fused design on GPUs from this many ranks on: below, the partials are long enough that
+#: a GEMM launch per partial keeps the GPU busy while the host issues the next.
+FUSED_FROM_WORLD = 3
+
+
+def auto_design(world_size: int, device: torch.device) -> str:
+    """The design ``"auto"`` runs for ``world_size`` ranks on ``device``: fused on GPUs from
+    :data:`FUSED_FROM_WORLD` ranks on, else decomposed."""
+    return "fused" if device.type == "cuda" and world_size >= FUSED_FROM_WORLD else "decomposed"
 
 
 class GemmReduceScatter:
@@ -59,23 +80,36 @@ class GemmReduceScatter:
 
     Keep one per process group: the first call with a new shape allocates the buffers (a
     collective on GPUs) and checks that all ranks agree on the shapes.
+
+    ``design``: one of :data:`DESIGNS` (see the module doc). ``chunks``: flagged pieces per pushed partial
+    (default: 1 where ``"auto"`` or ``"fused"`` runs the fused design at 3 ranks or more, else 4; on
+    2 x H200 the fused design ran 0.87 ms in 4 pieces and 1.00 in 1, on 4 x H200 0.64 ms in 1 piece and 0.71
+    in 4, ``bench/ag_gemm.py``). ``streams``: copy streams. ``last_launches``: the decomposed design's
+    GEMMs for the last partial.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: int = 4,
-                 streams: int = DEFAULT_STREAMS, last_launches: int = 2) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: Optional[int] = None,
+                 streams: int = DEFAULT_STREAMS, last_launches: int = 2, design: str = "auto") -> None:
+        if design not in DESIGNS:
+            raise ValueError(f"GemmReduceScatter: design must be one of {DESIGNS}, got {design!r}")
+        self.requested_design = design
         self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
+        if chunks is None:  # measured with bench/ag_gemm.py (8192^3): whole partials where the fused design runs
+            chunks = 1 if design != "decomposed" and self.info.world_size >= FUSED_FROM_WORLD else 4
         if int(chunks) < 1 or int(streams) < 1:
             raise ValueError(f"GemmReduceScatter: chunks and streams must be >= 1, got {chunks} and {streams}")
         # each partial travels in ``chunks`` flagged pieces (at least one per copy stream) spread over ``streams``
         self.chunks = max(int(chunks), int(streams))
         self.streams = int(streams)
-        # the last partial before the own rows' GEMM is computed in this many GEMMs, each pushed as it is done
+        # decomposed: the last partial before the own rows' GEMM is computed in this many GEMMs, each pushed as
+        # it is done
         self.last_launches = max(1, int(last_launches))
         self._checked: set = set()
         self._buffers: dict = {}
         self._epoch = 0
         self._board = None  # kernels.symm.SignalBoard, made on the first GPU call
+        self._signals = None  # the fused GEMM's tile counts and ready flags per piece
         self._sides: list = []  # copy streams
         self._side_handles: list = []
         self._events: list = []
@@ -94,7 +128,8 @@ class GemmReduceScatter:
         mine = rows[info.rank]
         if out is None:
             out = torch.empty(mine, N, dtype=a_local.dtype, device=a_local.device)
-        signature = (rows, a_local.shape[1], N, str(a_local.dtype), self.chunks)
+        design = self.design_for(a_local.device)
+        signature = (rows, a_local.shape[1], N, str(a_local.dtype), self.chunks, design)
 
         def local_check() -> None:
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (mine, N):
@@ -105,12 +140,20 @@ class GemmReduceScatter:
 
         check_inputs(info, "GemmReduceScatter", self._checked, signature,
                      {"a_local": tuple(a_local.shape), "b_local": tuple(b_local.shape), "dtype": str(a_local.dtype),
-                      "out_rows": list(rows), "chunks": self.chunks}, local_check)
+                      "out_rows": list(rows), "chunks": self.chunks, "design": design}, local_check)
         if M == 0 or N == 0:
             return out
         if a_local.device.type == "cuda" and uses_nccl(info.group):
+            if design == "fused":
+                return self._fused_step(a_local, b_local, out, rows)
             return self._gpu_step(a_local, b_local, out, rows)
-        return self._reduced_step(a_local, b_local, out, rows)
+        return self._reduced_step(a_local, b_local, out, rows, fused=design == "fused")
+
+    def design_for(self, device: torch.device) -> str:
+        """The design a call on ``device`` runs (``"auto"`` resolved by :func:`auto_design`)."""
+        if self.requested_design != "auto":
+            return self.requested_design
+        return auto_design(self.info.world_size, device)
 
     # ------------------------------------------------------------------ GPU (push into symmetric memory)
 
@@ -124,6 +167,8 @@ class GemmReduceScatter:
             self._sides = [torch.cuda.Stream(device=device) for _ in range(self.streams)]
             self._side_handles = [stream_handle(side) for side in self._sides]
             self._events = [torch.cuda.Event() for _ in range(self.info.world_size + self.chunks)]
+            self._signals = torch.zeros(2 * self.info.world_size * self.chunks, dtype=torch.int32, device=device)
+            torch.cuda.current_stream(device).synchronize()  # zeroed before a copy stream first waits on it
         key = (N, dtype)
         bufs = self._buffers.get(key)
         if bufs is None or bufs[0].shape[2] < max(rows):
@@ -152,22 +197,26 @@ class GemmReduceScatter:
                                  lambda c, d=d: board.address(d, board.ARRIVED, rank * chunks + c)))
                       for d in push_order(rank, world) if rows[d]]
             frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
+            flags = self._signals.data_ptr() + 4 * world * chunks  # the ready flags, after the tile counts
+            ready = {d: [flags + 4 * (d * chunks + c) for c in range(len(pieces))] for d, _, pieces in pushes}
             plan = self._plans[key] = _RsPlan(launch_groups(pushes, rows, step_rows, self.last_launches), frees,
-                                              step_rows)
+                                              step_rows, pushes, ready)
         return plan
 
-    def _gpu_step(self, a_local, b_local, out, rows):
-        info = self.info
-        rank = info.rank
+    def _begin(self, a_local, b_local, rows) -> tuple:
+        """A GPU call's buffers, epoch, parity (the half of the receive slots it uses) and push plan."""
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
-        board, sides, handles = self._board, self._sides, self._side_handles
-        starts = row_starts(rows)
         self._epoch += 1
         epoch, parity = self._epoch, self._epoch % 2
-        plan = self._push_plan(rows, recv, staging, parity)
+        if self.timeline is not None:
+            self.timeline.mark("call starts", torch.cuda.current_stream())
+        return recv, staging, epoch, parity, self._push_plan(rows, recv, staging, parity)
+
+    def _gpu_step(self, a_local, b_local, out, rows):
+        recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
+        sides, handles = self._sides, self._side_handles
+        starts = row_starts(rows)
         current, timeline = torch.cuda.current_stream(), self.timeline
-        if timeline is not None:
-            timeline.mark("call starts", current)
         for n_group, (d, free, first, end, pieces) in enumerate(plan.groups):  # each pushed while the next computes
             part = staging[d, : rows[d]]
             shard_gemm(a_local[starts[d] + first: starts[d] + end], b_local, part[first:end], (end - first,), 0,
@@ -183,14 +232,40 @@ class GemmReduceScatter:
                     push_pieces(handle, part.data_ptr(), share, epoch, free)
                     if timeline is not None:
                         timeline.mark(f"pushed to rank {d}, rows {first}-{end} (copy stream {n})", side)
-        mine = rows[rank]
-        if mine:  # the own rows' GEMM adds every peer's partial in its epilogue, piece by piece as they land
-            shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
-                       chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch,
-                       addend=recv.local[parity, :, :mine], addend_flags=board.arrived, addend_skip=rank)
+        return self._finish(a_local, b_local, out, rows, recv.local[parity], epoch, plan)
+
+    def _fused_step(self, a_local, b_local, out, rows):
+        """Every other rank's partial in one persistent GEMM, each piece pushed once its last tile sets its ready
+        flag; then the own rows' GEMM with the received partials."""
+        recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
+        sides, handles = self._sides, self._side_handles
+        current, timeline = torch.cuda.current_stream(), self.timeline
+        partials_gemm(a_local, b_local, staging, self._signals, rows, self.info.rank, kernel=self.kernel,
+                      chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch)
+        if timeline is not None:
+            timeline.mark("the other ranks' partials done", current)
+        # pushed after the launch: with CUDA's lazy module loading, a kernel's first launch may wait for every
+        # stream, and a copy stream already waiting on that kernel's flags would never let it start
+        for n, (d, free, pieces) in enumerate(plan.pushes):  # destination n on copy stream n (mod streams)
+            side, handle = sides[n % len(sides)], handles[n % len(sides)]
+            push_pieces(handle, staging[d].data_ptr(), pieces, epoch, free, ready=plan.ready[d])
             if timeline is not None:
-                timeline.mark("own rows' GEMM (with the peers' partials) done", current)
-        for side in sides:
+                timeline.mark(f"pushed to rank {d} (copy stream {n % len(sides)})", side)
+        return self._finish(a_local, b_local, out, rows, recv.local[parity], epoch, plan)
+
+    def _finish(self, a_local, b_local, out, rows, received, epoch: int, plan: "_RsPlan") -> torch.Tensor:
+        """The own rows' GEMM, adding every peer's partial in its epilogue piece by piece as they land; then the
+        copy streams joined and the peers told that this half of the receive slots is read."""
+        rank, mine = self.info.rank, rows[self.info.rank]
+        current = torch.cuda.current_stream()
+        if mine:
+            start = row_starts(rows)[rank]
+            shard_gemm(a_local[start: start + mine], b_local, out, (mine,), 0, kernel=self.kernel, chunks=self.chunks,
+                       chunk_rows=plan.step_rows, epoch=epoch, addend=received[:, :mine],
+                       addend_flags=self._board.arrived, addend_skip=rank)
+            if self.timeline is not None:
+                self.timeline.mark("own rows' GEMM (with the peers' partials) done", current)
+        for side in self._sides:
             current.wait_stream(side)
         for address in plan.frees:
             write_flag_at(current, address, epoch)
@@ -198,17 +273,24 @@ class GemmReduceScatter:
 
     # ------------------------------------------------------------------ CPU / gloo
 
-    def _reduced_step(self, a_local, b_local, out, rows):
+    def _reduced_step(self, a_local, b_local, out, rows, fused: bool):
         """The GPU schedule with gloo in place of the pushes: every rank computes the partials of
-        the others' rows, an all-gather delivers them, and the own rows' GEMM adds them in its
-        epilogue (flags preset), so the interpreter checks the same kernel path."""
+        the others' rows (``fused``: in one launch that leaves out the own rows, and checks that it flagged
+        every piece), an all-gather delivers them, and the own rows' GEMM adds them in its
+        epilogue (flags preset), so the interpreter checks the same kernel paths."""
         info = self.info
         rank, world = info.rank, info.world_size
         starts = row_starts(rows)
         most, N = max(rows), b_local.shape[1]
         staging = torch.zeros(world, most, N, dtype=a_local.dtype, device=a_local.device)
+        if fused:
+            signals = torch.zeros(2 * world * self.chunks, dtype=torch.int32, device=a_local.device)
+            step_rows = chunk_rows(rows, self.chunks)
+            partials_gemm(a_local, b_local, staging, signals, rows, rank, kernel=self.kernel, chunks=self.chunks,
+                          chunk_rows=step_rows)
+            _check_flagged(signals, rows, rank, self.chunks, step_rows)
         for d in range(world):
-            if d != rank and rows[d]:
+            if d != rank and rows[d] and not fused:
                 block = slice(starts[d], starts[d] + rows[d])
                 shard_gemm(a_local[block], b_local, staging[d, : rows[d]], (rows[d],), 0, kernel=self.kernel)
         everyone = [torch.empty_like(staging) for _ in range(world)]
@@ -244,10 +326,26 @@ def launch_groups(pushes: list, rows: Sequence[int], step_rows: int, last_launch
     return groups
 
 
+def _check_flagged(signals: torch.Tensor, rows: Sequence[int], rank: int, chunks: int, step_rows: int) -> None:
+    """That the fused GEMM left every tile count at zero and set the ready flag of exactly the pieces of the
+    other ranks' rows (a RuntimeError otherwise: a copy stream would wait forever on a missing flag)."""
+    world = len(rows)
+    want = torch.zeros(world, chunks, dtype=torch.int32)
+    for d in range(world):
+        if d != rank:
+            want[d, : -(-rows[d] // step_rows)] = 1
+    counts, flags = signals.view(2, world, chunks).cpu()
+    if counts.any() or not torch.equal(flags, want):
+        raise RuntimeError(f"GemmReduceScatter: the fused GEMM left tile counts {counts.tolist()} and ready flags "
+                           f"{flags.tolist()}, expected zeros and {want.tolist()}")
+
+
 class _RsPlan(NamedTuple):
     groups: list  # launch_groups(...): (destination, free flag here, first row, end row, pieces into its slot)
     frees: list  # the peers' free-flag addresses for this rank
     step_rows: int  # rows per piece
+    pushes: list  # (destination, free flag here, pieces into its slot), in push order
+    ready: dict  # destination -> the ready flag address of each of its pieces (the fused design's)
 
 
 _instances: dict = {}

@@ -139,6 +139,14 @@ def test_auto_runs_one_persistent_gemm_on_gpus_from_three_ranks_and_a_launch_per
     assert {auto_design(world, cpu) for world in (1, 2, 4, 8)} == {"decomposed"}  # both designs gather first there
 
 
+def test_gemm_rs_auto_computes_the_partials_in_one_launch_on_gpus_from_three_ranks():
+    from disttune.kernels.gemm_rs import auto_design
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [auto_design(world, gpu) for world in (1, 2, 3, 4, 8)] == ["decomposed"] * 2 + ["fused"] * 3
+    assert {auto_design(world, cpu) for world in (1, 2, 4, 8)} == {"decomposed"}
+
+
 @pytest.mark.slow
 def test_one_ranks_bad_input_is_an_error_on_every_rank_and_a_rank_without_columns_still_gathers(tmp_path):
     (per_rank,) = run_cases(CASES, ["bad_input_one_rank"], tmp_path, 2, timeout=120).values()
@@ -190,3 +198,32 @@ def test_gemm_rs_computes_each_partial_once_and_the_last_in_pieces_pushed_as_the
             assert len(mine) == (-(-len(pieces) // per_launch) if last else 1)
             if last:
                 assert all(len(part) == per_launch for _, _, part in mine[:-1])
+
+
+@pytest.mark.parametrize("rows", [(40, 0, 35, 20), (64, 64), (17, 30, 0)], ids=str)
+def test_partials_gemm_writes_every_other_ranks_rows_and_flags_each_piece_once_done(rows):
+    """The fused GEMM-RS launch: every shard but the launching rank's lands in its slot (the own slot untouched),
+    each piece's ready flag holds the epoch, and every tile count is back at zero for the next call."""
+    import triton
+    from disttune.kernels.shard_gemm import make_shard_gemm_kernel, partials_gemm
+
+    kernel = make_shard_gemm_kernel([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2})])
+    torch.manual_seed(0)
+    world, K, N, chunks, step = len(rows), 32, 24, 2, 32
+    a, b = torch.randn(sum(rows), K, dtype=torch.float16), torch.randn(K, N, dtype=torch.float16)
+    full, starts = a.float() @ b.float(), [sum(rows[:r]) for r in range(world)]
+    for rank in range(world):
+        partials = torch.full((world, max(rows), N), float("nan"), dtype=torch.float16)
+        signals = torch.zeros(2 * world * chunks, dtype=torch.int32)
+        for epoch in (5, 6):  # a second call: the counts start from zero again
+            partials_gemm(a, b, partials, signals, rows, rank, kernel=kernel, chunks=chunks, chunk_rows=step,
+                          epoch=epoch)
+            counts, ready = signals.view(2, world, chunks)
+            assert not counts.any(), counts
+            for d in range(world):
+                pieces = -(-rows[d] // step) if d != rank else 0
+                assert ready[d].tolist() == [epoch if c < pieces else 0 for c in range(chunks)], (rank, d, ready)
+                if d != rank:
+                    torch.testing.assert_close(partials[d, :rows[d]].float(), full[starts[d]:starts[d] + rows[d]],
+                                               atol=1e-2, rtol=1e-2)
+        assert partials[rank].isnan().all()
