@@ -172,7 +172,7 @@ def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     ours = [(f"ours decomposed, {streams} stream(s), last partial in {launches}", f"rs-{streams}-{launches}",
              GemmReduceScatter(design="decomposed", streams=streams, last_launches=launches))
             for streams in args.streams for launches in args.rs_launches]
-    ours += [(f"ours fused, {streams} stream(s), {chunks} piece(s)", f"rs-fused-{streams}-{chunks}",
+    ours += [(f"ours fused, {streams} stream(s), {chunks or 'default'} piece(s)", f"rs-fused-{streams}-{chunks}",
               GemmReduceScatter(design="fused", streams=streams, chunks=chunks))
              for streams in args.streams for chunks in args.rs_chunks]
     for name, folder, op in ours:
@@ -248,14 +248,15 @@ def main() -> None:
     parser.add_argument("--streams", default="1,2", help="copy streams, a comma-separated list: one contender each")
     parser.add_argument("--rs-launches", default="2",
                         help="GEMM-RS: GEMMs the last partial is computed in, a comma-separated list: one contender each")
-    parser.add_argument("--rs-chunks", default="1,4",
-                        help="fused GEMM-RS: flagged pieces per partial, a comma-separated list: one contender each")
+    parser.add_argument("--rs-chunks", default="default",
+                        help="fused GEMM-RS: flagged pieces per partial, a comma-separated list of counts or 'default' "
+                             "(GemmReduceScatter's): one contender each")
     parser.add_argument("--timeline", action="store_true", help="print where one call of ours spends GPU time")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     args.rs_launches = [int(s) for s in args.rs_launches.split(",")]
-    args.rs_chunks = [int(s) for s in args.rs_chunks.split(",")]
+    args.rs_chunks = [None if s == "default" else int(s) for s in args.rs_chunks.split(",")]
     if not torch.cuda.is_available():
         sys.exit("bench/ag_gemm.py needs CUDA GPUs (NCCL, symmetric memory); CPU runs of AllGatherGEMM are in tests/")
     benchmark.stacks_on_termination()
