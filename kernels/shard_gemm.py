@@ -32,7 +32,7 @@ Cost: one launch of ``min(#SMs, sum_s cdiv(rows_s, BLOCK_M) * cdiv(N, BLOCK_N))`
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import triton
@@ -406,15 +406,18 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
 
 def partials_gemm(a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, signals: torch.Tensor,
                   rows: Sequence[int], rank: int, kernel=None, chunks: int = 1, chunk_rows: int = 1 << 30,
-                  epoch: int = 1) -> torch.Tensor:
+                  epoch: int = 1) -> bool:
     """GEMM-RS's partials in one launch: for every shard ``s`` but ``rank``'s, ``partials[s, :rows[s]]`` =
     shard ``s``'s rows of ``a @ b``, the shards walked in ``kernels.symm.push_order``.
 
     ``partials``: ``[len(rows), >= max(rows), N]`` (slot ``rank`` untouched). ``signals``: int32
-    ``[2 * len(rows) * chunks]``, zeros before the first call: a tile count per piece of ``chunk_rows`` rows,
+    ``[2 * len(rows) * chunks]``, zeros before the first call: a tile count per piece of ``chunk_rows`` rows
+    (a multiple of :data:`MAX_BLOCK_M`, so no tile spans two pieces; at most ``chunks`` pieces per shard),
     then a flag per piece that the piece's last tile sets to ``epoch`` (a release at system scope), for a copy
     stream to wait on before it pushes the piece (``kernels.symm.push_pieces(ready=...)``); the counts are back
-    at zero when the launch ends. Cost: one launch of ``min(#SMs, tiles)`` programs over the other ranks' rows.
+    at zero when the launch ends. Returns False where nothing was launched though there were rows to compute:
+    a tuner launched no config on this rank (every one failed here), so no flag will be set. Cost: one launch
+    of ``min(#SMs, tiles)`` programs over the other ranks' rows.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -423,19 +426,23 @@ def partials_gemm(a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, sign
             or partials.stride(2) != 1 or signals.dtype != torch.int32 or signals.numel() < 2 * world * chunks):
         raise ValueError("partials_gemm: partials must be [shards, >= largest shard, N] with unit column stride, and "
                          "signals 2 * shards * chunks int32")
-    if chunks > 1 and chunk_rows >= 1 << 30:
-        raise ValueError("partials_gemm: chunks > 1 needs chunk_rows (kernels.symm.chunk_rows(rows, chunks))")
+    if chunk_rows % MAX_BLOCK_M or max(cdiv(r, chunk_rows) for r in rows) > chunks:
+        raise ValueError(f"partials_gemm: chunk_rows must be a multiple of {MAX_BLOCK_M} that cuts every shard into at "
+                         f"most chunks={chunks} pieces (kernels.symm.chunk_rows(rows, chunks)), got {chunk_rows} for "
+                         f"rows {list(rows)}")
     if M == rows[rank] or N == 0:
-        return partials
+        return True
     offsets = shard_offsets_tensor(rows, a.device)
-    _launch(kernel, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals, partials.stride(0), 0, 0,
-            chunk_rows, epoch, -1, dict(WAIT=False, CHUNKS=chunks, ADD_SLOTS=0, RS=True), skipped_rows=rows[rank])
-    return partials
+    modes = dict(WAIT=False, CHUNKS=chunks, ADD_SLOTS=0, RS=True)
+    launched = _launch(kernel, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals,
+                       partials.stride(0), 0, 0, chunk_rows, epoch, -1, modes, skipped_rows=rows[rank])
+    return launched is not None or interpreting()  # (the interpreter's launches return None)
 
 
 def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals, stride_c_slot, stride_add_slot,
-            stride_add_m, chunk_rows, epoch, add_skip, modes: dict, skipped_rows: int) -> None:
-    """The kernel's launch (through ``disttune.cached_launch``) over the tiles of ``rows`` less ``skipped_rows``."""
+            stride_add_m, chunk_rows, epoch, add_skip, modes: dict, skipped_rows: int) -> Any:
+    """The kernel's launch (through ``disttune.cached_launch``) over the tiles of ``rows`` less ``skipped_rows``;
+    returns what the launch returned (None where a tuner launched nothing)."""
     if a.device.type == "cuda":
         ensure_descriptor_allocator()
     M, K = a.shape
@@ -447,7 +454,7 @@ def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals
         row_tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) - cdiv(skipped_rows, meta["BLOCK_M"])
         return (max(1, min(sms, row_tiles * cdiv(N, meta["BLOCK_N"]))),)
 
-    cached_launch.launch(kernel if kernel is not None else shard_gemm_kernel, grid, (
+    return cached_launch.launch(kernel if kernel is not None else shard_gemm_kernel, grid, (
         a, b, c, flags, offsets, add, add_flags, signals, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
         c.stride(-2), stride_c_slot, stride_add_slot, stride_add_m, rank, chunk_rows, epoch, add_skip),
         dict(WORLD=len(rows), B_KMAJOR=kmajor, NUM_SMS=sms, **modes))
