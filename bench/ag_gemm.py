@@ -172,9 +172,10 @@ def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     ours = [(f"ours decomposed, {streams} stream(s), last partial in {launches}", f"rs-{streams}-{launches}",
              GemmReduceScatter(design="decomposed", streams=streams, last_launches=launches))
             for streams in args.streams for launches in args.rs_launches]
-    ours += [(f"ours fused, {streams} stream(s), {chunks or 'default'} piece(s)", f"rs-fused-{streams}-{chunks}",
-              GemmReduceScatter(design="fused", streams=streams, chunks=chunks))
+    fused = [(streams, chunks, GemmReduceScatter(design="fused", streams=streams, chunks=chunks))
              for streams in args.streams for chunks in args.rs_chunks]
+    ours += [(f"ours fused, {streams} stream(s), {op.chunks} piece(s)", f"rs-fused-{streams}-{chunks}", op)
+             for streams, chunks, op in fused]
     for name, folder, op in ours:
         mine = torch.empty_like(out)
         contest.add_ours(name, op, lambda op=op, mine=mine: op(a_local, b_local, mine), mine,

@@ -82,10 +82,10 @@ class GemmReduceScatter:
     collective on GPUs) and checks that all ranks agree on the shapes.
 
     ``design``: one of :data:`DESIGNS` (see the module doc). ``chunks``: flagged pieces per pushed partial
-    (default: 1 where ``"auto"`` or ``"fused"`` runs the fused design at 3 ranks or more, else 4; on
-    2 x H200 the fused design ran 0.87 ms in 4 pieces and 1.00 in 1, on 4 x H200 0.64 ms in 1 piece and 0.71
-    in 4, ``bench/ag_gemm.py``). ``streams``: copy streams. ``last_launches``: the decomposed design's
-    GEMMs for the last partial.
+    (at least ``streams``; default: 1 at 3 ranks or more unless ``design="decomposed"``, else 4; on 2 x H200
+    the fused design ran 0.87 ms in 4 pieces and 1.00 in 1, on 4 x H200 0.64 ms in 1 piece and 0.71 in 4,
+    ``bench/ag_gemm.py``). ``streams``: copy streams. ``last_launches``: the decomposed design's GEMMs for
+    the last partial.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: Optional[int] = None,
@@ -110,6 +110,7 @@ class GemmReduceScatter:
         self._epoch = 0
         self._board = None  # kernels.symm.SignalBoard, made on the first GPU call
         self._signals = None  # the fused GEMM's tile counts and ready flags per piece
+        self._last_stream = None  # the stream of the last GPU call
         self._sides: list = []  # copy streams
         self._side_handles: list = []
         self._events: list = []
@@ -204,12 +205,18 @@ class GemmReduceScatter:
         return plan
 
     def _begin(self, a_local, b_local, rows) -> tuple:
-        """A GPU call's buffers, epoch, parity (the half of the receive slots it uses) and push plan."""
+        """A GPU call's buffers, epoch, parity (the half of the receive slots it uses) and push plan. A call on
+        another stream than the last one first waits for that stream: the staging buffer and the fused GEMM's
+        tile counts must not be shared by two calls at once."""
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
+        current = torch.cuda.current_stream()
+        if self._last_stream is not None and current != self._last_stream:
+            current.wait_stream(self._last_stream)
+        self._last_stream = current
         self._epoch += 1
         epoch, parity = self._epoch, self._epoch % 2
         if self.timeline is not None:
-            self.timeline.mark("call starts", torch.cuda.current_stream())
+            self.timeline.mark("call starts", current)
         return recv, staging, epoch, parity, self._push_plan(rows, recv, staging, parity)
 
     def _gpu_step(self, a_local, b_local, out, rows):
@@ -240,8 +247,13 @@ class GemmReduceScatter:
         recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
         sides, handles = self._sides, self._side_handles
         current, timeline = torch.cuda.current_stream(), self.timeline
-        partials_gemm(a_local, b_local, staging, self._signals, rows, self.info.rank, kernel=self.kernel,
-                      chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch)
+        if not partials_gemm(a_local, b_local, staging, self._signals, rows, self.info.rank, kernel=self.kernel,
+                             chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch):
+            # a tuner launched no config here (every one failed on this rank; it fails the call on every rank):
+            # flag the pieces anyway, so the copy streams and the peers' GEMMs waiting on them do not hang
+            for addresses in plan.ready.values():
+                for address in addresses:
+                    write_flag_at(current, address, epoch)
         if timeline is not None:
             timeline.mark("the other ranks' partials done", current)
         # pushed after the launch: with CUDA's lazy module loading, a kernel's first launch may wait for every
