@@ -32,9 +32,11 @@ def test_two_ranks_both_dtypes_and_tuned_mlp_agree(tmp_path):
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant")
 @pytest.mark.slow
-def test_four_ranks_ragged_shards(tmp_path):
-    records = run_cases(CASES, ["ag_gemm", "gemm_rs"], tmp_path, 4, args=["--dtypes", "float16"], timeout=300)
+def test_four_ranks_ragged_shards_and_the_fused_gemm_rs_tuned_in_context(tmp_path):
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_fused_gemm_rs"], tmp_path, 4, args=["--dtypes", "float16"],
+                        timeout=400)
     assert all(n > 0 for n in checks_per_rank(records))
+    assert len(records["tuned_fused_gemm_rs"][0]["winners"]) == 2
 
 
 @pytest.mark.slow
@@ -105,7 +107,7 @@ def test_group_facts_asked_once_follow_a_new_default_group(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 def test_tp_on_two_gpus(tmp_path):
-    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_mlp"], tmp_path, 2, timeout=540,
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_mlp", "tuned_fused_gemm_rs"], tmp_path, 2, timeout=540,
                         args=["--size", "large", "--dtypes", "bfloat16,float16"])
     assert all(n > 0 for n in checks_per_rank(records))
     for kernel, key, occurrence, config in records["tuned_mlp"][0]["winners"]:
@@ -200,25 +202,27 @@ def test_gemm_rs_computes_each_partial_once_and_the_last_in_pieces_pushed_as_the
                 assert all(len(part) == per_launch for _, _, part in mine[:-1])
 
 
-@pytest.mark.parametrize("rows", [(40, 0, 35, 20), (64, 64), (17, 30, 0)], ids=str)
+@pytest.mark.parametrize("rows", [(300, 0, 270, 20), (512, 512), (17, 300, 0)], ids=str)
 def test_partials_gemm_writes_every_other_ranks_rows_and_flags_each_piece_once_done(rows):
     """The fused GEMM-RS launch: every shard but the launching rank's lands in its slot (the own slot untouched),
     each piece's ready flag holds the epoch, and every tile count is back at zero for the next call."""
     import triton
     from disttune.kernels.shard_gemm import make_shard_gemm_kernel, partials_gemm
 
-    kernel = make_shard_gemm_kernel([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2})])
+    kernel = make_shard_gemm_kernel([triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2})])
+    device = "cuda" if GPUS else "cpu"
     torch.manual_seed(0)
-    world, K, N, chunks, step = len(rows), 32, 24, 2, 32
-    a, b = torch.randn(sum(rows), K, dtype=torch.float16), torch.randn(K, N, dtype=torch.float16)
+    world, K, N, chunks, step = len(rows), 32, 24, 2, 256
+    a = torch.randn(sum(rows), K, dtype=torch.float16, device=device)
+    b = torch.randn(K, N, dtype=torch.float16, device=device)
     full, starts = a.float() @ b.float(), [sum(rows[:r]) for r in range(world)]
     for rank in range(world):
-        partials = torch.full((world, max(rows), N), float("nan"), dtype=torch.float16)
-        signals = torch.zeros(2 * world * chunks, dtype=torch.int32)
+        partials = torch.full((world, max(rows), N), float("nan"), dtype=torch.float16, device=device)
+        signals = torch.zeros(2 * world * chunks, dtype=torch.int32, device=device)
         for epoch in (5, 6):  # a second call: the counts start from zero again
-            partials_gemm(a, b, partials, signals, rows, rank, kernel=kernel, chunks=chunks, chunk_rows=step,
-                          epoch=epoch)
-            counts, ready = signals.view(2, world, chunks)
+            assert partials_gemm(a, b, partials, signals, rows, rank, kernel=kernel, chunks=chunks, chunk_rows=step,
+                                 epoch=epoch)
+            counts, ready = signals.view(2, world, chunks).cpu()
             assert not counts.any(), counts
             for d in range(world):
                 pieces = -(-rows[d] // step) if d != rank else 0
@@ -227,3 +231,14 @@ def test_partials_gemm_writes_every_other_ranks_rows_and_flags_each_piece_once_d
                     torch.testing.assert_close(partials[d, :rows[d]].float(), full[starts[d]:starts[d] + rows[d]],
                                                atol=1e-2, rtol=1e-2)
         assert partials[rank].isnan().all()
+
+
+def test_partials_gemm_refuses_pieces_a_tile_could_span_or_more_pieces_than_flags():
+    from disttune.kernels.shard_gemm import partials_gemm
+
+    a, b = torch.zeros(600, 16, dtype=torch.float16), torch.zeros(16, 16, dtype=torch.float16)
+    partials, signals = torch.zeros(2, 300, 16, dtype=torch.float16), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=2, chunk_rows=160)
+    with pytest.raises(ValueError, match="at most chunks=1 pieces"):
+        partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=1, chunk_rows=256)

@@ -150,6 +150,35 @@ def case_gemm_rs(ranks: Ranks) -> dict:
 
 
 @cases.case(default=False)
+def case_tuned_fused_gemm_rs(ranks: Ranks) -> dict:
+    """The fused GEMM-RS (its partials in one launch) tuned in context: right result, and every rank holds the
+    same winners for its two sites (the partials, the own rows)."""
+    world = ranks.world
+    checks = Checks(ranks)
+    dtype = dtypes(ranks)[0]
+    # (rows that divide by the ranks: the own rows' GEMM keys on its row count, which must be the same everywhere)
+    M, K_local, N = (16 * world, 32, 24) if ranks.options.size != "large" else (4096, 2048, 4096)
+    a_local = checks.rand(M, K_local, dtype=dtype)
+    b_local = checks.rand(K_local, N, dtype=dtype) / (K_local * world) ** 0.5
+    out = torch.empty(split_rows(M, world)[ranks.rank], N, dtype=dtype, device=ranks.device)
+    rs = GemmReduceScatter(design="fused")
+
+    @disttune.contextual_autotune(is_dist=True, n_warmup=1, n_repeat=2, timeout_s=120)
+    def step():
+        out.fill_(float("nan"))
+        return rs(a_local, b_local, out)
+
+    checks.within("tuned fused GEMM-RS", rel_error(step(), gemm_rs_reference(a_local, b_local)), TOLERANCE[dtype] * 2)
+    winners = [[r.site.kernel, repr(r.site.key), r.site.occurrence, disttune.describe_config(r.config)]
+               for r in step.report.results]
+    everyone = ranks.all_gather_object(winners)
+    checks.count += 1
+    if any(w != everyone[0] for w in everyone) or len(winners) != 2:
+        checks.failures.append(f"winners differ between ranks or not one per site (partials, own rows): {everyone}")
+    return checks.verdict(winners=winners)
+
+
+@cases.case(default=False)
 def case_tuned_mlp(ranks: Ranks) -> dict:
     """A TP-MLP step tuned in context: right result, and every rank holds the same winners (>= 2 sites)."""
     world, device = ranks.world, ranks.device
