@@ -205,7 +205,7 @@ class GemmReduceScatter:
         return plan
 
     def _begin(self, a_local, b_local, rows) -> tuple:
-        """A GPU call's buffers, epoch, parity (the half of the receive slots it uses) and push plan. A call on
+        """A GPU call's stream, buffers, epoch, parity (the half of the receive slots it uses) and push plan. A call on
         another stream than the last one first waits for that stream: the staging buffer and the fused GEMM's
         tile counts must not be shared by two calls at once."""
         recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
@@ -217,13 +217,12 @@ class GemmReduceScatter:
         epoch, parity = self._epoch, self._epoch % 2
         if self.timeline is not None:
             self.timeline.mark("call starts", current)
-        return recv, staging, epoch, parity, self._push_plan(rows, recv, staging, parity)
+        return current, recv, staging, epoch, parity, self._push_plan(rows, recv, staging, parity)
 
     def _gpu_step(self, a_local, b_local, out, rows):
-        recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
-        sides, handles = self._sides, self._side_handles
+        current, recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
+        sides, handles, timeline = self._sides, self._side_handles, self.timeline
         starts = row_starts(rows)
-        current, timeline = torch.cuda.current_stream(), self.timeline
         for n_group, (d, free, first, end, pieces) in enumerate(plan.groups):  # each pushed while the next computes
             part = staging[d, : rows[d]]
             shard_gemm(a_local[starts[d] + first: starts[d] + end], b_local, part[first:end], (end - first,), 0,
@@ -239,14 +238,13 @@ class GemmReduceScatter:
                     push_pieces(handle, part.data_ptr(), share, epoch, free)
                     if timeline is not None:
                         timeline.mark(f"pushed to rank {d}, rows {first}-{end} (copy stream {n})", side)
-        return self._finish(a_local, b_local, out, rows, recv.local[parity], epoch, plan)
+        return self._finish(current, a_local, b_local, out, rows, recv.local[parity], epoch, plan)
 
     def _fused_step(self, a_local, b_local, out, rows):
         """Every other rank's partial in one persistent GEMM, each piece pushed once its last tile sets its ready
         flag; then the own rows' GEMM with the received partials."""
-        recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
-        sides, handles = self._sides, self._side_handles
-        current, timeline = torch.cuda.current_stream(), self.timeline
+        current, recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
+        sides, handles, timeline = self._sides, self._side_handles, self.timeline
         if not partials_gemm(a_local, b_local, staging, self._signals, rows, self.info.rank, kernel=self.kernel,
                              chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch):
             # a tuner launched no config here (every one failed on this rank; it fails the call on every rank):
@@ -263,13 +261,13 @@ class GemmReduceScatter:
             push_pieces(handle, staging[d].data_ptr(), pieces, epoch, free, ready=plan.ready[d])
             if timeline is not None:
                 timeline.mark(f"pushed to rank {d} (copy stream {n % len(sides)})", side)
-        return self._finish(a_local, b_local, out, rows, recv.local[parity], epoch, plan)
+        return self._finish(current, a_local, b_local, out, rows, recv.local[parity], epoch, plan)
 
-    def _finish(self, a_local, b_local, out, rows, received, epoch: int, plan: "_RsPlan") -> torch.Tensor:
+    def _finish(self, current, a_local, b_local, out, rows, received, epoch: int, plan: "_RsPlan") -> torch.Tensor:
         """The own rows' GEMM, adding every peer's partial in its epilogue piece by piece as they land; then the
-        copy streams joined and the peers told that this half of the receive slots is read."""
+        copy streams joined (into ``current``, the call's stream) and the peers told that this half of the receive
+        slots is read."""
         rank, mine = self.info.rank, rows[self.info.rank]
-        current = torch.cuda.current_stream()
         if mine:
             start = row_starts(rows)[rank]
             shard_gemm(a_local[start: start + mine], b_local, out, (mine,), 0, kernel=self.kernel, chunks=self.chunks,
@@ -301,10 +299,11 @@ class GemmReduceScatter:
             partials_gemm(a_local, b_local, staging, signals, rows, rank, kernel=self.kernel, chunks=self.chunks,
                           chunk_rows=step_rows)
             _check_flagged(signals, rows, rank, self.chunks, step_rows)
-        for d in range(world):
-            if d != rank and rows[d] and not fused:
-                block = slice(starts[d], starts[d] + rows[d])
-                shard_gemm(a_local[block], b_local, staging[d, : rows[d]], (rows[d],), 0, kernel=self.kernel)
+        else:
+            for d in range(world):
+                if d != rank and rows[d]:
+                    block = slice(starts[d], starts[d] + rows[d])
+                    shard_gemm(a_local[block], b_local, staging[d, : rows[d]], (rows[d],), 0, kernel=self.kernel)
         everyone = [torch.empty_like(staging) for _ in range(world)]
         dist.all_gather(everyone, staging, group=info.group)
         mine = rows[rank]
