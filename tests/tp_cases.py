@@ -169,13 +169,20 @@ def case_tuned_fused_gemm_rs(ranks: Ranks) -> dict:
         return rs(a_local, b_local, out)
 
     checks.within("tuned fused GEMM-RS", rel_error(step(), gemm_rs_reference(a_local, b_local)), TOLERANCE[dtype] * 2)
+    winners = agreed_winners(ranks, checks, step, lambda sites: sites == 2, "not one per site (partials, own rows)")
+    return checks.verdict(winners=winners)
+
+
+def agreed_winners(ranks: Ranks, checks: Checks, step, sites_ok, what: str) -> list:
+    """``step``'s winners ([kernel, key, occurrence, config] per site), checked to be the same on every rank and
+    their number to satisfy ``sites_ok`` (a failure saying ``what`` otherwise)."""
     winners = [[r.site.kernel, repr(r.site.key), r.site.occurrence, disttune.describe_config(r.config)]
                for r in step.report.results]
     everyone = ranks.all_gather_object(winners)
     checks.count += 1
-    if any(w != everyone[0] for w in everyone) or len(winners) != 2:
-        checks.failures.append(f"winners differ between ranks or not one per site (partials, own rows): {everyone}")
-    return checks.verdict(winners=winners)
+    if any(w != everyone[0] for w in everyone) or not sites_ok(len(winners)):
+        checks.failures.append(f"winners differ between ranks or {what}: {everyone}")
+    return winners
 
 
 @cases.case(default=False)
@@ -201,12 +208,7 @@ def case_tuned_mlp(ranks: Ranks) -> dict:
     result = tp_mlp()
     want = gemm_rs_reference(ag_gemm_reference(x_shard, w_up), w_down)
     checks.within("tuned TP-MLP", rel_error(result, want), TOLERANCE[dtype] * 4)
-    winners = [[r.site.kernel, repr(r.site.key), r.site.occurrence, disttune.describe_config(r.config)]
-               for r in tp_mlp.report.results]
-    everyone = ranks.all_gather_object(winners)
-    checks.count += 1
-    if any(w != everyone[0] for w in everyone) or len(winners) < 2:
-        checks.failures.append(f"winners differ between ranks or too few sites: {everyone}")
+    winners = agreed_winners(ranks, checks, tp_mlp, lambda sites: sites >= 2, "too few sites")
     if ranks.rank == 0:
         for kernel, key, occurrence, config in winners:
             say(f"winner {kernel.rsplit('.', 1)[-1]} key={key} #{occurrence}: {config}")
