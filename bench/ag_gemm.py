@@ -18,8 +18,8 @@ spread (lowest-highest) beside it.
   rank, timed in the step; and the overlap limit ``max(GEMM alone, all_gather alone)``.
 * GEMM-RS: cuBLAS alone (``[M, K/w] @ [K/w, N]``), NCCL ``reduce_scatter_tensor`` alone, the sequential form,
   ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, ours: the decomposed design per ``--streams`` and
-  ``--rs-launches`` value, the fused design per ``--streams`` and ``--rs-chunks`` value and the direct design
-  per ``--rs-chunks`` value (wrapped and bare; ``--rs-designs`` picks), the overlap limit.
+  ``--rs-launches`` value and the fused design per ``--streams`` and ``--rs-chunks`` value (wrapped and bare),
+  the overlap limit.
 
 Two modes: *steady state* (10 calls back to back between two CUDA events, per call: the host runs ahead, as
 in a model) and *one call from an idle GPU* (each call after a device sync and a barrier: host launch latency
@@ -169,19 +169,13 @@ def bench_rs(name: str, M: int, K: int, N: int, args, rank: int, world: int, gro
     fused_op = getattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter", None)
     if fused_op is not None:
         contest.add_if_it_runs("torch fused", lambda: fused_op(a_local, b_local, "sum", 0, group_name))
-    ours = []
-    if "decomposed" in args.rs_designs:
-        ours += [(f"ours decomposed, {streams} stream(s), last partial in {launches}", f"rs-{streams}-{launches}",
-                  GemmReduceScatter(design="decomposed", streams=streams, last_launches=launches))
-                 for streams in args.streams for launches in args.rs_launches]
-    if "fused" in args.rs_designs:
-        fused = [(streams, chunks, GemmReduceScatter(design="fused", streams=streams, chunks=chunks))
-                 for streams in args.streams for chunks in args.rs_chunks]
-        ours += [(f"ours fused, {streams} stream(s), {op.chunks} piece(s)", f"rs-fused-{streams}-{chunks}", op)
-                 for streams, chunks, op in fused]
-    if "direct" in args.rs_designs:
-        direct = [(chunks, GemmReduceScatter(design="direct", chunks=chunks)) for chunks in args.rs_chunks]
-        ours += [(f"ours direct, {op.chunks} piece(s)", f"rs-direct-{chunks}", op) for chunks, op in direct]
+    ours = [(f"ours decomposed, {streams} stream(s), last partial in {launches}", f"rs-{streams}-{launches}",
+             GemmReduceScatter(design="decomposed", streams=streams, last_launches=launches))
+            for streams in args.streams for launches in args.rs_launches]
+    fused = [(streams, chunks, GemmReduceScatter(design="fused", streams=streams, chunks=chunks))
+             for streams in args.streams for chunks in args.rs_chunks]
+    ours += [(f"ours fused, {streams} stream(s), {op.chunks} piece(s)", f"rs-fused-{streams}-{chunks}", op)
+             for streams, chunks, op in fused]
     for name, folder, op in ours:
         mine = torch.empty_like(out)
         contest.add_ours(name, op, lambda op=op, mine=mine: op(a_local, b_local, mine), mine,
@@ -256,17 +250,14 @@ def main() -> None:
     parser.add_argument("--rs-launches", default="2",
                         help="GEMM-RS: GEMMs the last partial is computed in, a comma-separated list: one contender each")
     parser.add_argument("--rs-chunks", default="default",
-                        help="fused and direct GEMM-RS: flagged pieces per partial, a comma-separated list of counts or "
-                             "'default' (GemmReduceScatter's): one contender each")
-    parser.add_argument("--rs-designs", default="decomposed,fused,direct",
-                        help="GEMM-RS designs of ours to run, a comma-separated list")
+                        help="fused GEMM-RS: flagged pieces per partial, a comma-separated list of counts or 'default' "
+                             "(GemmReduceScatter's): one contender each")
     parser.add_argument("--timeline", action="store_true", help="print where one call of ours spends GPU time")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     args.rs_launches = [int(s) for s in args.rs_launches.split(",")]
     args.rs_chunks = [None if s == "default" else int(s) for s in args.rs_chunks.split(",")]
-    args.rs_designs = args.rs_designs.split(",")
     if not torch.cuda.is_available():
         sys.exit("bench/ag_gemm.py needs CUDA GPUs (NCCL, symmetric memory); CPU runs of AllGatherGEMM are in tests/")
     benchmark.stacks_on_termination()

@@ -20,10 +20,6 @@ GPU designs (push, overlapped, no reduction kernel), ``design=``:
   piece as soon as it is done: two launches (the partials, the own rows) and a few driver calls per
   destination, where the decomposed design costs the host a launch per partial (with 4 ranks an
   8192^3 step's partials take the GPU about as long as the host takes to issue them).
-* ``"direct"``: the same one persistent launch, but each tile is stored straight into its destination's
-  receive slot (peer memory, over NVLink) and the piece's last tile sets the arrival flag there: no copy
-  engine, no staging buffer, no driver call per destination (the tiles' stores compete with the GEMM for
-  the SMs' memory bandwidth instead).
 * ``"auto"``: fused on GPUs from :data:`FUSED_FROM_WORLD` ranks on, decomposed below.
 
 Either way the own rows' GEMM adds the received partials in its epilogue, each tile after spinning
@@ -60,14 +56,13 @@ from .symm import (
     refuse_epoch_capture,
     stream_handle,
     uses_nccl,
-    wait_flag_at,
     write_flag_at,
 )
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
 __all__ = ["DESIGNS", "FUSED_FROM_WORLD", "GemmReduceScatter", "auto_design", "gemm_rs", "gemm_rs_reference"]
 
-DESIGNS = ("auto", "fused", "direct", "decomposed")
+DESIGNS = ("auto", "fused", "decomposed")
 
 #: ``"auto"`` runs the fused design on GPUs from this many ranks on: below, the partials are long enough that
 #: a GEMM launch per partial keeps the GPU busy while the host issues the next.
@@ -101,7 +96,7 @@ class GemmReduceScatter:
         self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
         if chunks is None:  # measured with bench/ag_gemm.py (8192^3): whole partials where the fused design runs
-            chunks = 1 if design == "fused" or (design == "auto" and self.info.world_size >= FUSED_FROM_WORLD) else 4
+            chunks = 1 if design != "decomposed" and self.info.world_size >= FUSED_FROM_WORLD else 4
         if int(chunks) < 1 or int(streams) < 1:
             raise ValueError(f"GemmReduceScatter: chunks and streams must be >= 1, got {chunks} and {streams}")
         # each partial travels in ``chunks`` flagged pieces (at least one per copy stream) spread over ``streams``
@@ -150,9 +145,10 @@ class GemmReduceScatter:
         if M == 0 or N == 0:
             return out
         if a_local.device.type == "cuda" and uses_nccl(info.group):
-            step = {"fused": self._fused_step, "direct": self._direct_step}.get(design, self._gpu_step)
-            return step(a_local, b_local, out, rows)
-        return self._reduced_step(a_local, b_local, out, rows, design)
+            if design == "fused":
+                return self._fused_step(a_local, b_local, out, rows)
+            return self._gpu_step(a_local, b_local, out, rows)
+        return self._reduced_step(a_local, b_local, out, rows, fused=design == "fused")
 
     def design_for(self, device: torch.device) -> str:
         """The design a call on ``device`` runs (``"auto"`` resolved by :func:`auto_design`)."""
@@ -162,9 +158,8 @@ class GemmReduceScatter:
 
     # ------------------------------------------------------------------ GPU (push into symmetric memory)
 
-    def _gpu_buffers(self, rows, N, dtype, device, staged: bool):
-        """Receive slots and (``staged``) a staging buffer for ``max(rows)`` rows, grown to a power of two (a
-        collective)."""
+    def _gpu_buffers(self, rows, N, dtype, device):
+        """Receive slots and staging for ``max(rows)`` rows, grown to a power of two (a collective)."""
         if self._board is None:
             ok, why = overlap_support(self.info.group)
             if not ok:
@@ -184,20 +179,20 @@ class GemmReduceScatter:
                 torch.cuda.synchronize(device)
             world, capacity = self.info.world_size, 1 << max(0, max(rows) - 1).bit_length()
             recv = SymmetricBuffer((2, world, capacity, N), dtype, self.info.group, device)
-            staging = torch.empty(world, capacity, N, dtype=dtype, device=device) if staged else None
+            staging = torch.empty(world, capacity, N, dtype=dtype, device=device)
             bufs = self._buffers[key] = (recv, staging)
             self._plans = {plan_key: plan for plan_key, plan in self._plans.items() if plan_key[1:3] != key}
         return bufs
 
-    def _push_plan(self, rows: tuple, recv, parity: int) -> "_RsPlan":
+    def _push_plan(self, rows: tuple, recv, staging, parity: int) -> "_RsPlan":
         """Where each partial goes (pieces into the destination's receive slot, flagged there), which
         free flag guards it, and the peers' free flags for this rank: computed once per shape and parity."""
-        key = (rows, recv.local.shape[3], recv.local.dtype, parity)
+        key = (rows, staging.shape[2], staging.dtype, parity)
         plan = self._plans.get(key)
         if plan is None:
             rank, world, board, chunks = self.info.rank, self.info.world_size, self._board, self.chunks
             step_rows = chunk_rows(rows, chunks)
-            row_bytes = recv.local.stride(2) * recv.local.element_size()
+            row_bytes = staging.stride(1) * staging.element_size()
             pushes = [(d, board.address(rank, board.FREED, d),
                        pieces_of(rows[d], recv.peer(d)[parity, rank].data_ptr(), row_bytes, step_rows,
                                  lambda c, d=d: board.address(d, board.ARRIVED, rank * chunks + c)))
@@ -205,18 +200,15 @@ class GemmReduceScatter:
             frees = [board.address(p, board.FREED, rank) for p in range(world) if p != rank]
             flags = self._signals.data_ptr() + 4 * world * chunks  # the ready flags, after the tile counts
             ready = {d: [flags + 4 * (d * chunks + c) for c in range(len(pieces))] for d, _, pieces in pushes}
-            slots = [recv.peer(d)[parity, rank].data_ptr() for d in range(world)]  # the direct design's targets
-            arrivals = [board.pointer(d, board.ARRIVED, rank * chunks) for d in range(world)]
             plan = self._plans[key] = _RsPlan(launch_groups(pushes, rows, step_rows, self.last_launches), frees,
-                                              step_rows, pushes, ready, slots, arrivals)
+                                              step_rows, pushes, ready)
         return plan
 
     def _begin(self, a_local, b_local, rows) -> tuple:
         """A GPU call's stream, buffers, epoch, parity (the half of the receive slots it uses) and push plan. A call on
         another stream than the last one first waits for that stream: the staging buffer and the fused GEMM's
         tile counts must not be shared by two calls at once."""
-        staged = self.design_for(a_local.device) != "direct"
-        recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device, staged)
+        recv, staging = self._gpu_buffers(rows, b_local.shape[1], a_local.dtype, a_local.device)
         current = torch.cuda.current_stream()
         if self._last_stream is not None and current != self._last_stream:
             current.wait_stream(self._last_stream)
@@ -225,7 +217,7 @@ class GemmReduceScatter:
         epoch, parity = self._epoch, self._epoch % 2
         if self.timeline is not None:
             self.timeline.mark("call starts", current)
-        return current, recv, staging, epoch, parity, self._push_plan(rows, recv, parity)
+        return current, recv, staging, epoch, parity, self._push_plan(rows, recv, staging, parity)
 
     def _gpu_step(self, a_local, b_local, out, rows):
         current, recv, staging, epoch, parity, plan = self._begin(a_local, b_local, rows)
@@ -271,26 +263,7 @@ class GemmReduceScatter:
                 timeline.mark(f"pushed to rank {d} (copy stream {n % len(sides)})", side)
         return self._finish(current, a_local, b_local, out, rows, recv.local[parity], epoch, plan)
 
-    def _direct_step(self, a_local, b_local, out, rows):
-        """Every other rank's partial in one persistent GEMM that stores each tile into its destination's receive
-        slot and flags each piece there; then the own rows' GEMM with the received partials."""
-        current, recv, _, epoch, parity, plan = self._begin(a_local, b_local, rows)
-        if epoch > 2:  # every destination has read what this rank put in this half two calls ago
-            for _, free, _ in plan.pushes:
-                wait_flag_at(current, free, epoch - 2)
-        if not partials_gemm(a_local, b_local, recv.local[parity], self._signals, rows, self.info.rank,
-                             kernel=self.kernel, chunks=self.chunks, chunk_rows=plan.step_rows, epoch=epoch,
-                             slots=plan.slots, flags=plan.arrivals):
-            # no config launched here (the call fails on every rank): flag the pieces so no peer spins forever
-            for _, _, pieces in plan.pushes:
-                for *_, arrival in pieces:
-                    write_flag_at(current, arrival, epoch)
-        if self.timeline is not None:
-            self.timeline.mark("the other ranks' partials stored in their slots", current)
-        return self._finish(current, a_local, b_local, out, rows, recv.local[parity], epoch, plan, copies=False)
-
-    def _finish(self, current, a_local, b_local, out, rows, received, epoch: int, plan: "_RsPlan",
-                copies: bool = True) -> torch.Tensor:
+    def _finish(self, current, a_local, b_local, out, rows, received, epoch: int, plan: "_RsPlan") -> torch.Tensor:
         """The own rows' GEMM, adding every peer's partial in its epilogue piece by piece as they land; then the
         copy streams joined (into ``current``, the call's stream) and the peers told that this half of the receive
         slots is read."""
@@ -302,7 +275,7 @@ class GemmReduceScatter:
                        addend_flags=self._board.arrived, addend_skip=rank)
             if self.timeline is not None:
                 self.timeline.mark("own rows' GEMM (with the peers' partials) done", current)
-        for side in self._sides if copies else ():
+        for side in self._sides:
             current.wait_stream(side)
         for address in plan.frees:
             write_flag_at(current, address, epoch)
@@ -310,29 +283,21 @@ class GemmReduceScatter:
 
     # ------------------------------------------------------------------ CPU / gloo
 
-    def _reduced_step(self, a_local, b_local, out, rows, design: str):
+    def _reduced_step(self, a_local, b_local, out, rows, fused: bool):
         """The GPU schedule with gloo in place of the pushes: every rank computes the partials of
-        the others' rows (the fused and direct designs in one launch that leaves out the own rows, and checks that
-        it flagged every piece; the direct one through its slot and flag addresses), an all-gather delivers them,
-        and the own rows' GEMM adds them in its epilogue (flags preset), so the interpreter checks the same kernel
-        paths."""
+        the others' rows (``fused``: in one launch that leaves out the own rows, and checks that it flagged
+        every piece), an all-gather delivers them, and the own rows' GEMM adds them in its
+        epilogue (flags preset), so the interpreter checks the same kernel paths."""
         info = self.info
         rank, world = info.rank, info.world_size
         starts = row_starts(rows)
         most, N = max(rows), b_local.shape[1]
         staging = torch.zeros(world, most, N, dtype=a_local.dtype, device=a_local.device)
-        if design in ("fused", "direct"):
+        if fused:
             signals = torch.zeros(2 * world * self.chunks, dtype=torch.int32, device=a_local.device)
             step_rows = chunk_rows(rows, self.chunks)
-            targets = {}
-            if design == "direct":  # the flags apart from the counts, as a peer's arrival flags are
-                arrivals = torch.zeros(world, self.chunks, dtype=torch.int32, device=a_local.device)
-                targets = dict(slots=[staging[d].data_ptr() for d in range(world)],
-                               flags=[arrivals[d].data_ptr() for d in range(world)])
-            partials_gemm(a_local, b_local, torch.empty_like(staging) if targets else staging, signals, rows, rank,
-                          kernel=self.kernel, chunks=self.chunks, chunk_rows=step_rows, **targets)
-            if targets:
-                signals.view(2, -1)[1] = arrivals.view(-1)
+            partials_gemm(a_local, b_local, staging, signals, rows, rank, kernel=self.kernel, chunks=self.chunks,
+                          chunk_rows=step_rows)
             _check_flagged(signals, rows, rank, self.chunks, step_rows)
         else:
             for d in range(world):
@@ -392,8 +357,6 @@ class _RsPlan(NamedTuple):
     step_rows: int  # rows per piece
     pushes: list  # (destination, free flag here, pieces into its slot), in push order
     ready: dict  # destination -> the ready flag address of each of its pieces (the fused design's)
-    slots: list  # per rank, the address of this rank's receive slot there (the direct design's targets)
-    arrivals: list  # per rank, the address of the arrival flag of this rank's first piece there
 
 
 _instances: dict = {}

@@ -131,31 +131,26 @@ def _count_tiles(offsets_ptr, num_pid_n, WORLD: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _count_piece_tile(signals_ptr, flag_ptr, shard, row_in_shard, rows_left, chunk_rows, num_pid_n, epoch,
-                      CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PEERS: tl.constexpr):
+def _count_piece_tile(signals_ptr, shard, row_in_shard, rows_left, chunk_rows, num_pid_n, epoch,
+                      WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
     """One more tile of ``shard``'s piece stored. ``signals`` holds a tile count per piece
-    (``[WORLD * CHUNKS]``); the piece's last tile resets the count and sets the piece's ready flag
-    (``flag_ptr[piece]``) to ``epoch``, a release at system scope, so a copy engine or a peer GPU that waits
-    on the flag reads the stored tiles. ``PEERS``: the tiles went to another GPU's memory, so each tile's
-    count is a system-scope release of its stores too."""
+    (``[WORLD * CHUNKS]``) and then a ready flag per piece: the piece's last tile resets the count and sets
+    the flag to ``epoch`` (a release at system scope, so a copy engine that waits on the flag reads the
+    stored tiles)."""
     tl.debug_barrier()  # every thread's stores of the tile precede the count
     piece = row_in_shard // chunk_rows
     piece_rows = tl.minimum(chunk_rows, row_in_shard + rows_left - piece * chunk_rows)
     tiles = tl.cdiv(piece_rows, BLOCK_M) * num_pid_n
-    count = signals_ptr + shard * CHUNKS + piece
-    if PEERS:
-        done = tl.atomic_add(count, 1, sem="acq_rel", scope="sys") == tiles - 1
-    else:
-        done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tiles - 1
-    if done:
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(flag_ptr + piece, epoch, sem="release", scope="sys")
+    index = shard * CHUNKS + piece
+    if tl.atomic_add(signals_ptr + index, 1, sem="acq_rel", scope="gpu") == tiles - 1:
+        tl.atomic_xchg(signals_ptr + index, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(signals_ptr + WORLD * CHUNKS + index, epoch, sem="release", scope="sys")
 
 
 def shard_ordered_gemm(
     a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr, add_ptr, add_flags_ptr, signals_ptr,
     M, N, K,
-    stride_am, stride_b, stride_cm, targets_ptr, stride_add_slot, stride_add_m,
+    stride_am, stride_b, stride_cm, stride_c_slot, stride_add_slot, stride_add_m,
     rank, chunk_rows, epoch, add_skip,
     WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, ADD_SLOTS: tl.constexpr,
     RS: tl.constexpr, NUM_SMS: tl.constexpr,
@@ -205,15 +200,14 @@ def shard_ordered_gemm(
                         pass
                     part = tl.load(add_ptr + slot * stride_add_slot + add_offs, mask=add_mask, other=0.0)
                     acc += part.to(tl.float32)
-        if RS:  # shard s's rows to its target (targets[s] from C), then one more tile of its piece done
+        if RS:  # shard s's rows into C's slot s, then one more tile of its piece done
             offs_m = tl.arange(0, BLOCK_M)
             offs_n = col + tl.arange(0, BLOCK_N)
-            # (targets count 16-byte units, so the compiler knows the stores may be vectorised)
-            c_ptrs = (c_ptr + tl.load(targets_ptr + shard) * (128 // c_ptr.dtype.element_ty.primitive_bitwidth)
+            c_ptrs = (c_ptr + shard.to(tl.int64) * stride_c_slot
                       + (row_in_shard.to(tl.int64) + offs_m)[:, None] * stride_cm + offs_n[None, :])
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
-            _count_piece_tile(signals_ptr, signals_ptr + tl.load(targets_ptr + WORLD + shard), shard, row_in_shard,
-                              rows_left, chunk_rows, num_pid_n, epoch, CHUNKS, BLOCK_M, RS == 2)
+            _count_piece_tile(signals_ptr, shard, row_in_shard, rows_left, chunk_rows, num_pid_n, epoch, WORLD,
+                              CHUNKS, BLOCK_M)
         elif WORLD == 1:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
@@ -403,7 +397,7 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     offsets = shard_offsets_tensor(rows, a.device)
     _launch(kernel, a, b, out, rows, rank, flags if flags is not None else offsets, offsets,
             out if addend is None else addend, offsets if addend_flags is None else addend_flags, offsets,
-            offsets, 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
+            0, 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
             chunk_rows, epoch, addend_skip,
             dict(WAIT=flags is not None, CHUNKS=chunks, ADD_SLOTS=0 if addend is None else addend.shape[0], RS=False),
             skipped_rows=0)
@@ -412,26 +406,18 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
 
 def partials_gemm(a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, signals: torch.Tensor,
                   rows: Sequence[int], rank: int, kernel=None, chunks: int = 1, chunk_rows: int = 1 << 30,
-                  epoch: int = 1, slots: Optional[Sequence[int]] = None,
-                  flags: Optional[Sequence[int]] = None) -> bool:
-    """GEMM-RS's partials in one launch: for every shard ``s`` but ``rank``'s, shard ``s``'s rows of ``a @ b``
-    into ``partials[s, :rows[s]]``, or into ``slots[s]``, the shards walked in ``kernels.symm.push_order``.
+                  epoch: int = 1) -> bool:
+    """GEMM-RS's partials in one launch: for every shard ``s`` but ``rank``'s, ``partials[s, :rows[s]]`` =
+    shard ``s``'s rows of ``a @ b``, the shards walked in ``kernels.symm.push_order``.
 
     ``partials``: ``[len(rows), >= max(rows), N]`` (slot ``rank`` untouched). ``signals``: int32
     ``[2 * len(rows) * chunks]``, zeros before the first call: a tile count per piece of ``chunk_rows`` rows
     (a multiple of :data:`MAX_BLOCK_M`, so no tile spans two pieces; at most ``chunks`` pieces per shard),
-    then a ready flag per piece that the piece's last tile sets to ``epoch`` (a release at system scope), for a
-    copy stream to wait on before it pushes the piece (``kernels.symm.push_pieces(ready=...)``); the counts are
-    back at zero when the launch ends.
-
-    ``slots`` and ``flags`` (both or neither): per shard, the address its rows go to (rows of ``partials``'s
-    row stride and dtype, e.g. a receive slot in a peer GPU's memory) and the address of its first piece's
-    ready flag (int32, one per piece after it, e.g. the peer's arrival flags). The tiles then count at system
-    scope, so a peer that acquires a flag reads its piece: the partials arrive with no copy.
-
-    Returns False where nothing was launched though there were rows to compute: a tuner launched no config on
-    this rank (every one failed here), so no flag will be set. Cost: one launch of ``min(#SMs, tiles)``
-    programs over the other ranks' rows (and a small host-to-device copy for a new set of addresses).
+    then a flag per piece that the piece's last tile sets to ``epoch`` (a release at system scope), for a copy
+    stream to wait on before it pushes the piece (``kernels.symm.push_pieces(ready=...)``); the counts are back
+    at zero when the launch ends. Returns False where nothing was launched though there were rows to compute:
+    a tuner launched no config on this rank (every one failed here), so no flag will be set. Cost: one launch
+    of ``min(#SMs, tiles)`` programs over the other ranks' rows.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -444,44 +430,16 @@ def partials_gemm(a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, sign
         raise ValueError(f"partials_gemm: chunk_rows must be a multiple of {MAX_BLOCK_M} that cuts every shard into at "
                          f"most chunks={chunks} pieces (kernels.symm.chunk_rows(rows, chunks)), got {chunk_rows} for "
                          f"rows {list(rows)}")
-    if (slots is None) != (flags is None) or (slots is not None and (len(slots) != world or len(flags) != world)):
-        raise ValueError(f"partials_gemm: slots and flags go together, one address per shard ({world}), got "
-                         f"{None if slots is None else len(slots)} and {None if flags is None else len(flags)}")
     if M == rows[rank] or N == 0:
         return True
-    peers = slots is not None
-    if not peers:
-        slots = [partials[s].data_ptr() for s in range(world)]
-        flags = [signals.data_ptr() + 4 * (world + s) * chunks for s in range(world)]
-    targets = _targets_tensor(partials, signals, slots, flags, a.device)
     offsets = shard_offsets_tensor(rows, a.device)
-    modes = dict(WAIT=False, CHUNKS=chunks, ADD_SLOTS=0, RS=2 if peers else 1)
-    launched = _launch(kernel, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals, targets, 0, 0,
-                       chunk_rows, epoch, -1, modes, skipped_rows=rows[rank])
+    modes = dict(WAIT=False, CHUNKS=chunks, ADD_SLOTS=0, RS=True)
+    launched = _launch(kernel, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals,
+                       partials.stride(0), 0, 0, chunk_rows, epoch, -1, modes, skipped_rows=rows[rank])
     return launched is not None or interpreting()  # (the interpreter's launches return None)
 
 
-_targets_cache: dict = {}
-
-
-def _targets_tensor(partials: torch.Tensor, signals: torch.Tensor, slots: Sequence[int], flags: Sequence[int],
-                    device: torch.device) -> torch.Tensor:
-    """int64 ``[2 * shards]`` (cached per address set): each shard's slot as 16-byte units from ``partials``,
-    then each shard's first ready flag as int32 elements from ``signals``."""
-    key = (partials.data_ptr(), signals.data_ptr(), tuple(slots), tuple(flags), str(device))
-    cached = _targets_cache.get(key)
-    if cached is None:
-        if any((slot - key[0]) % 16 for slot in slots) or any((flag - key[1]) % 4 for flag in flags):
-            raise ValueError("partials_gemm: slots must lie a multiple of 16 bytes from partials and flags a multiple "
-                             "of 4 bytes from signals")
-        values = [(slot - key[0]) // 16 for slot in slots] + [(flag - key[1]) // 4 for flag in flags]
-        if len(_targets_cache) >= 64:
-            _targets_cache.clear()
-        cached = _targets_cache[key] = torch.tensor(values, dtype=torch.int64, device=device)
-    return cached
-
-
-def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals, targets, stride_add_slot,
+def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals, stride_c_slot, stride_add_slot,
             stride_add_m, chunk_rows, epoch, add_skip, modes: dict, skipped_rows: int) -> Any:
     """The kernel's launch (through ``disttune.cached_launch``) over the tiles of ``rows`` less ``skipped_rows``;
     returns what the launch returned (None where a tuner launched nothing)."""
@@ -498,7 +456,7 @@ def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals
 
     return cached_launch.launch(kernel if kernel is not None else shard_gemm_kernel, grid, (
         a, b, c, flags, offsets, add, add_flags, signals, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
-        c.stride(-2), targets, stride_add_slot, stride_add_m, rank, chunk_rows, epoch, add_skip),
+        c.stride(-2), stride_c_slot, stride_add_slot, stride_add_m, rank, chunk_rows, epoch, add_skip),
         dict(WORLD=len(rows), B_KMAJOR=kmajor, NUM_SMS=sms, **modes))
 
 

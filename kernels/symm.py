@@ -231,13 +231,9 @@ class SignalBoard:
 
     def address(self, owner: int, row: int, index: int):
         """The ``CUdeviceptr`` of slot ``index`` of ``row`` in rank ``owner``'s memory."""
-        return _driver().CUdeviceptr(self.pointer(owner, row, index))
-
-    def pointer(self, owner: int, row: int, index: int) -> int:
-        """The address of slot ``index`` of ``row`` in rank ``owner``'s memory, as an int (for kernels)."""
         if not 0 <= index < self.SLOTS:
             raise ValueError(f"SignalBoard: slot {index} out of range (at most {self.SLOTS} per row)")
-        return self.buffer.peer(owner).data_ptr() + 4 * (row * self.SLOTS + index)
+        return _driver().CUdeviceptr(self.buffer.peer(owner).data_ptr() + 4 * (row * self.SLOTS + index))
 
 
 def copy_async(stream, dest: int, source: int, nbytes: int) -> None:

@@ -32,11 +32,11 @@ def test_two_ranks_both_dtypes_and_tuned_mlp_agree(tmp_path):
 
 @pytest.mark.skipif(GPUS > 0, reason="CPU (gloo, interpreter) variant")
 @pytest.mark.slow
-def test_four_ranks_ragged_shards_and_the_one_launch_gemm_rs_tuned_in_context(tmp_path):
-    tuned = ["tuned_fused_gemm_rs", "tuned_direct_gemm_rs"]
-    records = run_cases(CASES, ["ag_gemm", "gemm_rs", *tuned], tmp_path, 4, args=["--dtypes", "float16"], timeout=400)
+def test_four_ranks_ragged_shards_and_the_fused_gemm_rs_tuned_in_context(tmp_path):
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_fused_gemm_rs"], tmp_path, 4, args=["--dtypes", "float16"],
+                        timeout=400)
     assert all(n > 0 for n in checks_per_rank(records))
-    assert all(len(records[case][0]["winners"]) == 2 for case in tuned)
+    assert len(records["tuned_fused_gemm_rs"][0]["winners"]) == 2
 
 
 @pytest.mark.slow
@@ -107,8 +107,7 @@ def test_group_facts_asked_once_follow_a_new_default_group(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 def test_tp_on_two_gpus(tmp_path):
-    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_mlp", "tuned_fused_gemm_rs", "tuned_direct_gemm_rs"],
-                        tmp_path, 2, timeout=540,
+    records = run_cases(CASES, ["ag_gemm", "gemm_rs", "tuned_mlp", "tuned_fused_gemm_rs"], tmp_path, 2, timeout=540,
                         args=["--size", "large", "--dtypes", "bfloat16,float16"])
     assert all(n > 0 for n in checks_per_rank(records))
     for kernel, key, occurrence, config in records["tuned_mlp"][0]["winners"]:
@@ -203,13 +202,10 @@ def test_gemm_rs_computes_each_partial_once_and_the_last_in_pieces_pushed_as_the
                 assert all(len(part) == per_launch for _, _, part in mine[:-1])
 
 
-@pytest.mark.parametrize("targets", ["own slots", "given slots"])
 @pytest.mark.parametrize("rows", [(300, 0, 270, 20), (512, 512), (17, 300, 0)], ids=str)
-def test_partials_gemm_writes_every_other_ranks_rows_and_flags_each_piece_once_done(rows, targets):
+def test_partials_gemm_writes_every_other_ranks_rows_and_flags_each_piece_once_done(rows):
     """The fused GEMM-RS launch: every shard but the launching rank's lands in its slot (the own slot untouched),
-    each piece's ready flag holds the epoch, and every tile count is back at zero for the next call. With
-    given slots and flags (as peers' receive slots and arrival flags are given), the rows and flags go there
-    and the partials buffer is not written."""
+    each piece's ready flag holds the epoch, and every tile count is back at zero for the next call."""
     import triton
     from disttune.kernels.shard_gemm import make_shard_gemm_kernel, partials_gemm
 
@@ -223,30 +219,18 @@ def test_partials_gemm_writes_every_other_ranks_rows_and_flags_each_piece_once_d
     for rank in range(world):
         partials = torch.full((world, max(rows), N), float("nan"), dtype=torch.float16, device=device)
         signals = torch.zeros(2 * world * chunks, dtype=torch.int32, device=device)
-        given = {}
-        if targets == "given slots":  # one allocation per destination, flags elsewhere: addresses far apart
-            slots = [torch.full((max(rows) + 1, N), float("nan"), dtype=torch.float16, device=device)[1:]
-                     for _ in range(world)]
-            flags = torch.zeros(world, chunks + 3, dtype=torch.int32, device=device)
-            given = dict(slots=[t.data_ptr() for t in slots], flags=[flags[d, 3:].data_ptr() for d in range(world)])
         for epoch in (5, 6):  # a second call: the counts start from zero again
             assert partials_gemm(a, b, partials, signals, rows, rank, kernel=kernel, chunks=chunks, chunk_rows=step,
-                                 epoch=epoch, **given)
+                                 epoch=epoch)
             counts, ready = signals.view(2, world, chunks).cpu()
-            if given:
-                assert not ready.any() and partials.isnan().all()
-                ready = flags[:, 3:].cpu()
-                assert not flags[:, :3].any()
             assert not counts.any(), counts
             for d in range(world):
                 pieces = -(-rows[d] // step) if d != rank else 0
                 assert ready[d].tolist() == [epoch if c < pieces else 0 for c in range(chunks)], (rank, d, ready)
-                landed = slots[d] if given else partials[d]
                 if d != rank:
-                    torch.testing.assert_close(landed[:rows[d]].float(), full[starts[d]:starts[d] + rows[d]],
+                    torch.testing.assert_close(partials[d, :rows[d]].float(), full[starts[d]:starts[d] + rows[d]],
                                                atol=1e-2, rtol=1e-2)
-                else:
-                    assert landed.isnan().all()
+        assert partials[rank].isnan().all()
 
 
 def test_partials_gemm_refuses_pieces_a_tile_could_span_or_more_pieces_than_flags():
@@ -258,9 +242,3 @@ def test_partials_gemm_refuses_pieces_a_tile_could_span_or_more_pieces_than_flag
         partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=2, chunk_rows=160)
     with pytest.raises(ValueError, match="at most chunks=1 pieces"):
         partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=1, chunk_rows=256)
-    with pytest.raises(ValueError, match="slots and flags go together"):
-        partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=2, chunk_rows=256, slots=[0, 0])
-    flags = [signals.data_ptr()] * 2
-    with pytest.raises(ValueError, match="multiple of 16 bytes"):  # stores are vectorised by 16 bytes
-        partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=2, chunk_rows=256, flags=flags,
-                      slots=[partials[0].data_ptr(), partials[1].data_ptr() + 2])

@@ -122,7 +122,7 @@ def case_ag_gemm(ranks: Ranks) -> dict:
 
 @cases.case
 def case_gemm_rs(ranks: Ranks) -> dict:
-    """Every GEMM-RS design, rows that do not divide by the ranks, twice each (the second with a K-major B)."""
+    """Both GEMM-RS designs, rows that do not divide by the ranks, twice each (the second with a K-major B)."""
     world, size = ranks.world, ranks.options.size
     if size == "tiny":
         shapes = [(8 * world + 3, 16, 16)]
@@ -130,8 +130,7 @@ def case_gemm_rs(ranks: Ranks) -> dict:
         shapes = [(16 * world, 32, 16), (37, 24, 24), (41, 16, 40)]
     else:
         shapes = [(4096, 2048, 4096), (3001, 1024, 2048)]
-    ops = {design: GemmReduceScatter(design=design, kernel=shard_kernel(ranks))
-           for design in ("decomposed", "fused", "direct")}
+    ops = {design: GemmReduceScatter(design=design, kernel=shard_kernel(ranks)) for design in ("decomposed", "fused")}
     checks = Checks(ranks)
     for dtype in dtypes(ranks):
         for M, K_local, N in shapes:
@@ -152,19 +151,8 @@ def case_gemm_rs(ranks: Ranks) -> dict:
 
 @cases.case(default=False)
 def case_tuned_fused_gemm_rs(ranks: Ranks) -> dict:
-    """The fused GEMM-RS (its partials in one launch, pushed by the copy engines) tuned in context: right result,
-    and every rank holds the same winners for its two sites (the partials, the own rows)."""
-    return tuned_one_launch_gemm_rs(ranks, "fused")
-
-
-@cases.case(default=False)
-def case_tuned_direct_gemm_rs(ranks: Ranks) -> dict:
-    """The direct GEMM-RS (its partials in one launch that stores into the peers' slots) tuned in context: right
-    result, and every rank holds the same winners for its two sites."""
-    return tuned_one_launch_gemm_rs(ranks, "direct")
-
-
-def tuned_one_launch_gemm_rs(ranks: Ranks, design: str) -> dict:
+    """The fused GEMM-RS (its partials in one launch) tuned in context: right result, and every rank holds the
+    same winners for its two sites (the partials, the own rows)."""
     world = ranks.world
     checks = Checks(ranks)
     dtype = dtypes(ranks)[0]
@@ -173,15 +161,14 @@ def tuned_one_launch_gemm_rs(ranks: Ranks, design: str) -> dict:
     a_local = checks.rand(M, K_local, dtype=dtype)
     b_local = checks.rand(K_local, N, dtype=dtype) / (K_local * world) ** 0.5
     out = torch.empty(split_rows(M, world)[ranks.rank], N, dtype=dtype, device=ranks.device)
-    rs = GemmReduceScatter(design=design)
+    rs = GemmReduceScatter(design="fused")
 
     @disttune.contextual_autotune(is_dist=True, n_warmup=1, n_repeat=2, timeout_s=120)
     def step():
         out.fill_(float("nan"))
         return rs(a_local, b_local, out)
 
-    checks.within(f"tuned {design} GEMM-RS", rel_error(step(), gemm_rs_reference(a_local, b_local)),
-                  TOLERANCE[dtype] * 2)
+    checks.within("tuned fused GEMM-RS", rel_error(step(), gemm_rs_reference(a_local, b_local)), TOLERANCE[dtype] * 2)
     winners = agreed_winners(ranks, checks, step, lambda sites: sites == 2, "not one per site (partials, own rows)")
     return checks.verdict(winners=winners)
 
