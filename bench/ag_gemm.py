@@ -1,7 +1,7 @@
 """Benchmark: AllGather-GEMM and GEMM-ReduceScatter against NCCL + cuBLAS and torch's fused ops.
 
     torchrun --nproc_per_node=2 bench/ag_gemm.py [--shapes square,llama] [--rounds 10] [--streams 1,2]
-                                                  [--timeline] [--out ag_gemm.jsonl]
+                                                  [--timeline] [--host-profile] [--out ag_gemm.jsonl]
 
 Per shape (totals over the ranks; bf16; B the transpose of a row-major weight, ``nn.Linear``'s layout, for
 every contender), all measured in this run, **interleaved**: each round times every contender once, in an
@@ -25,7 +25,7 @@ Two modes: *steady state* (10 calls back to back between two CUDA events, per ca
 in a model) and *one call from an idle GPU* (each call after a device sync and a barrier: host launch latency
 included). The host column is the time the host took to issue a call: close to the GPU time means the step
 runs at the host's pace. ``--timeline`` prints, per rank, where one steady-state call of ours spends its GPU
-time (``kernels.symm.Timeline``). Rank 0 prints markdown; ``--out FILE`` appends one JSON line per shape and
+time (``kernels.symm.Timeline``); ``--host-profile`` where the bare calls of ours spend the host's (cProfile). Rank 0 prints markdown; ``--out FILE`` appends one JSON line per shape and
 workload (with device, versions and date).
 
 Cost per shape: ~15 contenders x (3 + 2 x ``--rounds`` x 10 calls), plus the tuning of each of ours (seconds).
@@ -196,6 +196,15 @@ def timeline_of(op, step: Step, rank: int, world: int) -> list:
     return everyone
 
 
+def host_profile(step: Step, world: int) -> dict:
+    """Where one of ours spends the host's time: every rank's host ms per call under cProfile (an upper bound)
+    and rank 0's table of its functions by own time (20 calls back to back)."""
+    host_ms, table = benchmark.cprofile(step, calls=20, top=20)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, host_ms)
+    return {"host_ms": [round(ms, 3) for ms in everyone], "table": table}
+
+
 def measure(contest: Contest, limit_of: tuple, args, rank: int, world: int) -> dict:
     """Steady state and one call from idle, interleaved; the limit; the timelines (``--timeline``)."""
     steady = benchmark.interleaved(contest.steps, rounds=args.rounds, calls=10)
@@ -207,6 +216,9 @@ def measure(contest: Contest, limit_of: tuple, args, rank: int, world: int) -> d
     if args.timeline:
         row["timelines"] = {name: timeline_of(op, contest.steps[name], rank, world)
                             for name, op in contest.timelines.items()}
+    if args.host_profile:
+        row["host_profiles"] = {name + ", bare": host_profile(contest.steps[name + ", bare"], world)
+                                for name in contest.ours[::2]}
     row["spreads"] = {"steady": steady, "idle": idle}
     return row
 
@@ -238,6 +250,9 @@ def print_workload(title: str, row: dict, ours: list[str]) -> None:
         print(f"\ntimeline of one steady-state call, {name} (ms after the call's first mark on that rank):")
         for r, marks in enumerate(ranks):
             print(f"  rank {r}: " + "; ".join(f"{label} {ms:.3f}" for label, ms in marks))
+    for name, profile in row.get("host_profiles", {}).items():
+        print(f"\nhost profile of {name}: ms per call under cProfile, per rank {profile['host_ms']}; rank 0:")
+        print(profile["table"])
 
 
 def main() -> None:
@@ -253,6 +268,8 @@ def main() -> None:
                         help="fused GEMM-RS: flagged pieces per partial, a comma-separated list of counts or 'default' "
                              "(GemmReduceScatter's): one contender each")
     parser.add_argument("--timeline", action="store_true", help="print where one call of ours spends GPU time")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="print where the host's time goes in the bare calls of ours (cProfile)")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
