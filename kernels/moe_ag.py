@@ -356,7 +356,8 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
     row_bytes = -(-used // (16 * x.element_size())) * 16 * x.element_size()
     if row_bytes > used:
         parts.append(_filler(T, row_bytes - used, torch.uint8, x.device))
-    rows = _gather_padded(torch.cat(parts, dim=1), tpr, group)
+    word = _widest_word(parts)  # a byte-wise cat moves one byte per element: 3-4x slower on an H200
+    rows = _gather_padded(torch.cat([part.view(word) for part in parts], dim=1), tpr, group).view(torch.uint8)
     routing = rows[:, x_bytes:used].clone()
     ids_all = routing[:, :4 * k].view(torch.int32)
     weights_all = None
@@ -365,6 +366,16 @@ def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optiona
         if topk_weights.dtype != torch.float32:
             weights_all = weights_all.to(topk_weights.dtype)
     return rows[:, :x_bytes].view(x.dtype), ids_all, weights_all
+
+
+def _widest_word(parts: Sequence[torch.Tensor]) -> torch.dtype:
+    """The widest integer type (8, 4, 2 or 1 bytes) that every byte tensor of ``parts`` can be viewed as: its
+    row width, row stride and offset in storage all multiples of that size."""
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if all(p.shape[1] % size == 0 and p.stride(0) % size == 0 and p.storage_offset() % size == 0 for p in parts):
+            return word
+    return torch.uint8
 
 
 def _bytes_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

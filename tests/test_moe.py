@@ -369,6 +369,23 @@ def test_host_errors():
             moe.moe_gemm_with_config(x.bfloat16(), w.bfloat16(), rt, cfg)
 
 
+def test_packed_rows_are_copied_in_the_widest_word_every_part_allows():
+    """The packed gather's rows are joined as int64 where every part's width, row stride and offset allow it, else
+    in narrower words, down to bytes; viewed back as bytes they are the same rows."""
+    from disttune.kernels.moe_ag import _widest_word
+
+    block = torch.arange(8 * 48, dtype=torch.uint8).view(8, 48)
+    assert _widest_word([block[:, :16], block[:, 16:40]]) == torch.int64
+    assert _widest_word([block[:, :16], block[:, 16:28]]) == torch.int32  # a width of 12 bytes
+    assert _widest_word([block[:, 4:12]]) == torch.int32  # an offset of 4 bytes
+    assert _widest_word([block[:, 2:4]]) == torch.int16
+    assert _widest_word([block[1:, 1:2]]) == torch.uint8
+    parts = [block[:, :16], block[:, 16:28]]
+    word = _widest_word(parts)
+    joined = torch.cat([part.view(word) for part in parts], dim=1).view(torch.uint8)
+    assert torch.equal(joined, torch.cat(parts, dim=1))
+
+
 def test_default_configs_and_pruning():
     if INTERPRET or not torch.cuda.is_available():
         assert moe.default_moe_configs() == moe.CPU_MOE_CONFIGS
