@@ -25,8 +25,9 @@ Two modes: *steady state* (10 calls back to back between two CUDA events, per ca
 in a model) and *one call from an idle GPU* (each call after a device sync and a barrier: host launch latency
 included). The host column is the time the host took to issue a call: close to the GPU time means the step
 runs at the host's pace. ``--timeline`` prints, per rank, where one steady-state call of ours spends its GPU
-time (``kernels.symm.Timeline``); ``--host-profile`` where the bare calls of ours spend the host's (cProfile). Rank 0 prints markdown; ``--out FILE`` appends one JSON line per shape and
-workload (with device, versions and date).
+time (``kernels.symm.Timeline``); ``--host-profile`` where the bare calls of ours spend the host's (cProfile).
+Rank 0 prints markdown; ``--out FILE`` appends one JSON line per shape and workload (with device, versions and
+date).
 
 Cost per shape: ~15 contenders x (3 + 2 x ``--rounds`` x 10 calls), plus the tuning of each of ours (seconds).
 GPUs only (NCCL, symmetric memory).
@@ -206,7 +207,8 @@ def host_profile(step: Step, world: int) -> dict:
 
 
 def measure(contest: Contest, limit_of: tuple, args, rank: int, world: int) -> dict:
-    """Steady state and one call from idle, interleaved; the limit; the timelines (``--timeline``)."""
+    """Steady state and one call from idle, interleaved; the limit; the timelines (``--timeline``); the host
+    profiles (``--host-profile``)."""
     steady = benchmark.interleaved(contest.steps, rounds=args.rounds, calls=10)
     idle = benchmark.interleaved(contest.steps, rounds=args.rounds * 2, calls=1, warmup=1)
     row: dict = {"steady": {k: spread_row(v) for k, v in steady.items()},
