@@ -37,15 +37,17 @@ c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down)
    CUDA graph replay).
 
 Timing (``disttune.benchmark``): CUDA events around each call (the host clock on CPUs),
-``--warmup`` calls then ``--iters`` samples (part c: ``--iters`` interleaved rounds), median;
-multi-rank samples start after a barrier and the median is reduced with MAX over ranks. On GPUs parts a and b also report a steady state: 10
-calls back to back between two events, per call (part a's ratios use it: one call from idle adds
-each contender's host launch time to its GPU time). Rank 0 prints markdown tables and, with
-``--out FILE``, appends one JSON line per contender (with device, versions and date) to FILE.
+``--warmup`` calls first. Part a: ``--iters`` samples, median. Parts b and c time their contenders in
+interleaved rounds (``disttune.benchmark.interleaved``: each round times every contender once, in a rotating
+order, so a drift of the host or the GPUs hits them alike): ``--iters`` rounds of one call from idle, and on
+GPUs (parts a and b) ``--iters`` / 2 rounds of a steady state, 10 calls back to back between two events, per
+call; a round's time is the slowest rank's, and the tables print the median [low-high] over the rounds and
+the host's time to issue a call. Multi-rank samples start after a barrier. Rank 0 prints markdown tables and,
+with ``--out FILE``, appends one JSON line per contender (with device, versions and date) to FILE.
 
 Cost on GPUs, per shape: part a 9 contenders, part b 4 steps and their 4 parts (plus 4 CUDA
 graphs), part c 3 layer variants (4 on GPUs), each ``--warmup`` + ``--iters`` single calls and, where a
-steady state is reported, 3 + 10 x ``--iters`` / 3 back-to-back calls; plus stock tuning of the
+steady state is reported, 3 + 10 x ``--iters`` / 2 back-to-back calls; plus stock tuning of the
 grouped GEMM (12 configs per key) and one contextual tuning of the layer (two on GPUs).
 """
 
@@ -313,14 +315,21 @@ class Bench:
             if self.o.host_profile:
                 self.host_profile(ag_fused, f"ag_moe E={E} top-{k}")
             err = rel_error(rs_fused(), rs_seq())
-            results, steady = {}, {}
-            for name, fn in [("AG-MoE: all_gather then grouped_mm", ag_seq), ("AG-MoE: disttune ag_moe", ag_fused),
-                             ("MoE-RS: grouped_mm then reduce_scatter", rs_seq), ("MoE-RS: disttune moe_rs", rs_fused)]:
-                ms = self.time_ms(fn, collective=True)
-                results[name] = ms
-                steady[name] = self.steady_ms(fn) if self.gpu else None
-                self.record("b", s, name, ms, steady_ms=steady[name],
-                            rel_err=err if name.startswith("MoE-RS: disttune") else None)
+            names = {"AG-MoE": ("AG-MoE: all_gather then grouped_mm", "AG-MoE: disttune ag_moe"),
+                     "MoE-RS": ("MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")}
+            contenders = {names["AG-MoE"][0]: ag_seq, names["AG-MoE"][1]: ag_fused,
+                          names["MoE-RS"][0]: rs_seq, names["MoE-RS"][1]: rs_fused}
+            # every contender in the same rounds, in a rotating order: a drift of the host or the GPUs hits all alike
+            idle = benchmark.interleaved(contenders, rounds=self.o.iters, calls=1, warmup=self.o.warmup, barrier=True)
+            steady = (benchmark.interleaved(contenders, rounds=max(3, self.o.iters // 2), calls=10)
+                      if self.gpu else None)
+            for name in contenders:
+                extra = {} if steady is None else dict(
+                    steady_ms=steady[name].median, steady_low_ms=steady[name].low, steady_high_ms=steady[name].high,
+                    steady_host_ms=steady[name].host)
+                self.record("b", s, name, idle[name].median, low_ms=idle[name].low, high_ms=idle[name].high,
+                            host_ms=idle[name].host, rel_err=err if name.startswith("MoE-RS: disttune") else None,
+                            **extra)
             # The overlap limit: the sequential form's communication and computation timed apart; an
             # overlapped step can at best take the longer of the two, so sequential / limit bounds its speed-up.
             parts = {}
@@ -329,21 +338,27 @@ class Bench:
                 parts[name] = self.steady_ms(fn) if self.gpu else self.time_ms(fn, collective=True)
                 self.record("b", s, name, parts[name], steady_ms=parts[name] if self.gpu else None)
             if self.rank == 0:
-                print(f"\n### (b) world {w}: T={T} E={E} top-{k} H={H} I={Ir * w} (I/w={Ir} per rank), max over ranks\n")
-                print("| step | sequential ms | disttune ms | speed-up | steady: sequential | steady: disttune "
-                      "| steady speed-up | comm | compute | limit | best possible (sequential / limit) |")
-                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-                for label, seq, fused in [("AG-MoE", "AG-MoE: all_gather then grouped_mm", "AG-MoE: disttune ag_moe"),
-                                          ("MoE-RS", "MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")]:
-                    st = (f"{steady[seq]:.3f} | {steady[fused]:.3f} | {steady[seq] / steady[fused]:.2f}x"
-                          if steady[seq] is not None else "n/a | n/a | n/a")
+                print(f"\n### (b) world {w}: T={T} E={E} top-{k} H={H} I={Ir * w} (I/w={Ir} per rank), "
+                      f"{self.o.iters} interleaved rounds from idle"
+                      + ("" if steady is None else f", {max(3, self.o.iters // 2)} steady") + ", max over ranks\n")
+                print("| step | from idle: sequential | disttune | speed-up | steady: sequential | disttune "
+                      "| speed-up | host ms: sequential / disttune | comm | compute | limit "
+                      "| best possible (sequential / limit) |")
+                print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+                for label, (seq, fused) in names.items():
+                    timed = steady if steady is not None else idle
+                    st = ("n/a | n/a | n/a" if steady is None else f"{steady[seq].text()} | {steady[fused].text()} "
+                          f"| {steady[seq].median / steady[fused].median:.2f}x")
                     comm, compute = parts[f"{label} comm"], parts[f"{label} compute"]
                     limit = max(comm, compute)
-                    base = steady[seq] if steady[seq] is not None else results[seq]
-                    print(f"| {label} | {results[seq]:.3f} | {results[fused]:.3f} | {results[seq] / results[fused]:.2f}x "
-                          f"| {st} | {comm:.3f} | {compute:.3f} | {limit:.3f} | {base / limit:.2f}x |")
-                print("\ncomm / compute / limit: steady state on GPUs (median with a barrier on CPUs); the best "
-                      "possible speed-up divides the steady sequential time by the limit.")
+                    print(f"| {label} | {idle[seq].text()} | {idle[fused].text()} "
+                          f"| {idle[seq].median / idle[fused].median:.2f}x | {st} "
+                          f"| {timed[seq].host:.3f} / {timed[fused].host:.3f} | {comm:.3f} | {compute:.3f} "
+                          f"| {limit:.3f} | {timed[seq].median / limit:.2f}x |")
+                print("\nTimes: median [low-high] over the rounds, ms per call; host: the median time to issue a "
+                      "round's calls (steady rounds on GPUs), per call. comm / compute / limit: steady state on GPUs "
+                      "(median with a barrier on CPUs); the best possible speed-up divides the sequential time by "
+                      "the limit.")
                 print(f"\nMoE-RS rel. err vs sequential: {err:.1e}")
             if self.gpu:
                 self.part_b_graphs(s, [("AG-MoE", ag_seq, lambda: ag_fused(graph_safe=True)), ("MoE-RS", rs_seq, rs_fused)])
@@ -351,22 +366,26 @@ class Bench:
     def part_b_graphs(self, s: dict, steps: list) -> None:
         """Part b with each step captured in a CUDA graph and replayed: a few µs of host per call, so the
         GPU work (and the overlap) decides; what a serving engine that captures its layers sees."""
-        rows = []
+        replays = {}
         for label, seq, fused in steps:
-            times = {}
-            for form, fn in (("sequential", seq), ("disttune", fused)):
-                replay = self.graphed(fn)
-                times[form] = (self.time_ms(replay, collective=True), self.steady_ms(replay))
-                self.record("b", s, f"{label}: {form} (CUDA graph)", times[form][0], steady_ms=times[form][1])
-            rows.append((label, times))
+            replays[f"{label}: sequential (CUDA graph)"] = self.graphed(seq)
+            replays[f"{label}: disttune (CUDA graph)"] = self.graphed(fused)
+        idle = benchmark.interleaved(replays, rounds=self.o.iters, calls=1, warmup=self.o.warmup, barrier=True)
+        steady = benchmark.interleaved(replays, rounds=max(3, self.o.iters // 2), calls=10)
+        for name in replays:
+            self.record("b", s, name, idle[name].median, low_ms=idle[name].low, high_ms=idle[name].high,
+                        steady_ms=steady[name].median, steady_low_ms=steady[name].low,
+                        steady_high_ms=steady[name].high)
         if self.rank == 0:
-            print(f"\n### (b, CUDA graphs) world {self.world}: each step captured once and replayed, max over ranks\n")
-            print("| step | sequential ms | disttune ms | speed-up | steady: sequential | steady: disttune | steady speed-up |")
+            print(f"\n### (b, CUDA graphs) world {self.world}: each step captured once and replayed, interleaved "
+                  "rounds, max over ranks\n")
+            print("| step | from idle: sequential | disttune | speed-up | steady: sequential | disttune | speed-up |")
             print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-            for label, t in rows:
-                (seq, seq_steady), (fused, fused_steady) = t["sequential"], t["disttune"]
-                print(f"| {label} | {seq:.3f} | {fused:.3f} | {seq / fused:.2f}x | {seq_steady:.3f} | {fused_steady:.3f} "
-                      f"| {seq_steady / fused_steady:.2f}x |")
+            for label, _, _ in steps:
+                seq, fused = f"{label}: sequential (CUDA graph)", f"{label}: disttune (CUDA graph)"
+                print(f"| {label} | {idle[seq].text()} | {idle[fused].text()} "
+                      f"| {idle[seq].median / idle[fused].median:.2f}x | {steady[seq].text()} | {steady[fused].text()} "
+                      f"| {steady[seq].median / steady[fused].median:.2f}x |")
 
     def graphed(self, fn: Callable[[], object]) -> Callable[[], None]:
         """``fn`` captured in a CUDA graph (``disttune.benchmark.capture_graph``: a warm-up on a side stream,
