@@ -22,7 +22,9 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
    ``moe.ag_moe`` / ``moe.moe_rs_stacked`` (the layer's MoE-RS) vs the sequential forms (NCCL
    all_gather of tokens and routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
-   weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks. On GPUs
+   weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks. On 2 GPUs or
+   more a third AG-MoE contender is ``ag_moe(graph_safe=True)`` called eagerly (the tokens pushed on the
+   copy engines while the routing is sorted, instead of packed in one all-gather). On GPUs
    a second table times the same steps captured in CUDA graphs and replayed (``ag_moe`` with
    ``graph_safe=True``): a few µs of host per call, so the GPU work and the overlap decide.
 c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down) with the
@@ -319,6 +321,10 @@ class Bench:
                      "MoE-RS": ("MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")}
             contenders = {names["AG-MoE"][0]: ag_seq, names["AG-MoE"][1]: ag_fused,
                           names["MoE-RS"][0]: rs_seq, names["MoE-RS"][1]: rs_fused}
+            if self.gpu and w > 1:  # the graph-safe form called eagerly: tokens pushed on the copy engines
+                pushed = "AG-MoE: disttune ag_moe(graph_safe=True), eager"
+                names["AG-MoE, tokens pushed"] = (names["AG-MoE"][0], pushed)
+                contenders[pushed] = lambda: ag_fused(graph_safe=True)
             # every contender in the same rounds, in a rotating order: a drift of the host or the GPUs hits all alike
             idle = benchmark.interleaved(contenders, rounds=self.o.iters, calls=1, warmup=self.o.warmup, barrier=True)
             steady = (benchmark.interleaved(contenders, rounds=max(3, self.o.iters // 2), calls=10)
@@ -349,7 +355,8 @@ class Bench:
                     timed = steady if steady is not None else idle
                     st = ("n/a | n/a | n/a" if steady is None else f"{steady[seq].text()} | {steady[fused].text()} "
                           f"| {steady[seq].median / steady[fused].median:.2f}x")
-                    comm, compute = parts[f"{label} comm"], parts[f"{label} compute"]
+                    step = label.split(",")[0]
+                    comm, compute = parts[f"{step} comm"], parts[f"{step} compute"]
                     limit = max(comm, compute)
                     print(f"| {label} | {idle[seq].text()} | {idle[fused].text()} "
                           f"| {idle[seq].median / idle[fused].median:.2f}x | {st} "
