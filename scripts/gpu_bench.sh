@@ -40,7 +40,7 @@ if want ag; then
     TAIL=40 run ag_gemm 240 "${launch[@]}" bench/ag_gemm.py --out "$OUT/ag_gemm.jsonl"
 fi
 if want moe; then
-    TAIL=60 run moe 240 "${launch[@]}" bench/moe.py --out "$OUT/moe.jsonl"
+    TAIL=70 run moe 420 "${launch[@]}" bench/moe.py --out "$OUT/moe.jsonl"
 fi
 if want moehost; then  # is AG-MoE host-bound? host, wall and GPU time per call, with a cProfile on rank 0
     TAIL=30 run moe_host 200 "${launch[@]}" bench/moe_host.py --profile --phases --out "$OUT/moe_host.jsonl"
