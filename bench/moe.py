@@ -59,7 +59,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -317,25 +317,17 @@ class Bench:
             if self.o.host_profile:
                 self.host_profile(ag_fused, f"ag_moe E={E} top-{k}")
             err = rel_error(rs_fused(), rs_seq())
-            names = {"AG-MoE": ("AG-MoE: all_gather then grouped_mm", "AG-MoE: disttune ag_moe"),
-                     "MoE-RS": ("MoE-RS: grouped_mm then reduce_scatter", "MoE-RS: disttune moe_rs")}
-            contenders = {names["AG-MoE"][0]: ag_seq, names["AG-MoE"][1]: ag_fused,
-                          names["MoE-RS"][0]: rs_seq, names["MoE-RS"][1]: rs_fused}
+            ag_seq_name, rs_seq_name = "AG-MoE: all_gather then grouped_mm", "MoE-RS: grouped_mm then reduce_scatter"
+            # table row -> (the step whose comm and compute bound it, the sequential contender, ours)
+            rows = {"AG-MoE": ("AG-MoE", ag_seq_name, "AG-MoE: disttune ag_moe"),
+                    "MoE-RS": ("MoE-RS", rs_seq_name, "MoE-RS: disttune moe_rs")}
+            contenders = {ag_seq_name: ag_seq, rows["AG-MoE"][2]: ag_fused, rs_seq_name: rs_seq,
+                          rows["MoE-RS"][2]: rs_fused}
             if self.gpu and w > 1:  # the graph-safe form called eagerly: tokens pushed on the copy engines
                 pushed = "AG-MoE: disttune ag_moe(graph_safe=True), eager"
-                names["AG-MoE, tokens pushed"] = (names["AG-MoE"][0], pushed)
+                rows["AG-MoE, tokens pushed"] = ("AG-MoE", ag_seq_name, pushed)
                 contenders[pushed] = lambda: ag_fused(graph_safe=True)
-            # every contender in the same rounds, in a rotating order: a drift of the host or the GPUs hits all alike
-            idle = benchmark.interleaved(contenders, rounds=self.o.iters, calls=1, warmup=self.o.warmup, barrier=True)
-            steady = (benchmark.interleaved(contenders, rounds=max(3, self.o.iters // 2), calls=10)
-                      if self.gpu else None)
-            for name in contenders:
-                extra = {} if steady is None else dict(
-                    steady_ms=steady[name].median, steady_low_ms=steady[name].low, steady_high_ms=steady[name].high,
-                    steady_host_ms=steady[name].host)
-                self.record("b", s, name, idle[name].median, low_ms=idle[name].low, high_ms=idle[name].high,
-                            host_ms=idle[name].host, rel_err=err if name.startswith("MoE-RS: disttune") else None,
-                            **extra)
+            idle, steady = self.interleave(s, contenders, rel_err={rows["MoE-RS"][2]: err})
             # The overlap limit: the sequential form's communication and computation timed apart; an
             # overlapped step can at best take the longer of the two, so sequential / limit bounds its speed-up.
             parts = {}
@@ -346,16 +338,15 @@ class Bench:
             if self.rank == 0:
                 print(f"\n### (b) world {w}: T={T} E={E} top-{k} H={H} I={Ir * w} (I/w={Ir} per rank), "
                       f"{self.o.iters} interleaved rounds from idle"
-                      + ("" if steady is None else f", {max(3, self.o.iters // 2)} steady") + ", max over ranks\n")
+                      + ("" if steady is None else f", {self.steady_rounds} steady") + ", max over ranks\n")
                 print("| step | from idle: sequential | disttune | speed-up | steady: sequential | disttune "
                       "| speed-up | host ms: sequential / disttune | comm | compute | limit "
                       "| best possible (sequential / limit) |")
                 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-                for label, (seq, fused) in names.items():
-                    timed = steady if steady is not None else idle
+                timed = steady if steady is not None else idle
+                for label, (step, seq, fused) in rows.items():
                     st = ("n/a | n/a | n/a" if steady is None else f"{steady[seq].text()} | {steady[fused].text()} "
                           f"| {steady[seq].median / steady[fused].median:.2f}x")
-                    step = label.split(",")[0]
                     comm, compute = parts[f"{step} comm"], parts[f"{step} compute"]
                     limit = max(comm, compute)
                     print(f"| {label} | {idle[seq].text()} | {idle[fused].text()} "
@@ -377,12 +368,7 @@ class Bench:
         for label, seq, fused in steps:
             replays[f"{label}: sequential (CUDA graph)"] = self.graphed(seq)
             replays[f"{label}: disttune (CUDA graph)"] = self.graphed(fused)
-        idle = benchmark.interleaved(replays, rounds=self.o.iters, calls=1, warmup=self.o.warmup, barrier=True)
-        steady = benchmark.interleaved(replays, rounds=max(3, self.o.iters // 2), calls=10)
-        for name in replays:
-            self.record("b", s, name, idle[name].median, low_ms=idle[name].low, high_ms=idle[name].high,
-                        steady_ms=steady[name].median, steady_low_ms=steady[name].low,
-                        steady_high_ms=steady[name].high)
+        idle, steady = self.interleave(s, replays)
         if self.rank == 0:
             print(f"\n### (b, CUDA graphs) world {self.world}: each step captured once and replayed, interleaved "
                   "rounds, max over ranks\n")
@@ -393,6 +379,26 @@ class Bench:
                 print(f"| {label} | {idle[seq].text()} | {idle[fused].text()} "
                       f"| {idle[seq].median / idle[fused].median:.2f}x | {steady[seq].text()} | {steady[fused].text()} "
                       f"| {steady[seq].median / steady[fused].median:.2f}x |")
+
+    @property
+    def steady_rounds(self) -> int:
+        """Part b's steady rounds: half the rounds from idle (each is 10 calls), at least 3."""
+        return max(3, self.o.iters // 2)
+
+    def interleave(self, s: dict, contenders: dict, rel_err: Optional[dict] = None) -> tuple[dict, Optional[dict]]:
+        """Part b's timing: ``contenders`` in the same interleaved rounds (a drift of the host or the GPUs hits all
+        alike), ``--iters`` rounds of one call from idle and, on GPUs, :attr:`steady_rounds` steady ones; one row
+        recorded per contender (``rel_err``: by name, None for the others). Returns the spreads (steady: None on
+        CPUs)."""
+        idle = benchmark.interleaved(contenders, rounds=self.o.iters, calls=1, warmup=self.o.warmup, barrier=True)
+        steady = benchmark.interleaved(contenders, rounds=self.steady_rounds, calls=10) if self.gpu else None
+        for name in contenders:
+            extra = {} if steady is None else dict(
+                steady_ms=steady[name].median, steady_low_ms=steady[name].low, steady_high_ms=steady[name].high,
+                steady_host_ms=steady[name].host)
+            self.record("b", s, name, idle[name].median, low_ms=idle[name].low, high_ms=idle[name].high,
+                        host_ms=idle[name].host, rel_err=(rel_err or {}).get(name), **extra)
+        return idle, steady
 
     def graphed(self, fn: Callable[[], object]) -> Callable[[], None]:
         """``fn`` captured in a CUDA graph (``disttune.benchmark.capture_graph``: a warm-up on a side stream,
