@@ -8,7 +8,7 @@ One ``torch.distributed.TCPStore`` server (libuv) in its own process, as a job's
 ranks as threads spread over ``--workers`` processes (8, at most one per node), each rank with its own client
 (keys prefixed as under torchrun) and its own :class:`disttune.nodeplane.NodeStorePlane`, the code :class:`disttune.comm.TorchComm` runs,
 told its node: ``--per-node`` consecutive ranks share one (8 by default; a node's ranks run in one worker process,
-and its lowest rank's process holds the node store). ``--per-node 0`` runs the flat protocol
+and its lowest rank's process holds the node's relay). ``--per-node 0`` runs the flat protocol
 (:class:`disttune.storeplane.StorePlane`: every rank talks to the rendezvous store only), as every job did before
 the node-level step, and as jobs below :data:`disttune.nodeplane.NODE_STEP_MIN_RANKS` ranks still do.
 The store host's CPU is the serial part a real job cannot spread; the simulated clients share this host's
@@ -29,10 +29,10 @@ Rows, per N (``--iters`` collectives back to back after one to warm up; wall ms 
                           ending, watcher threads included): the consensus, a status point after each of 96
                           tuning runs, the timing vector of 4 sites x 12 configs, the final run's status (98 runs)
 
-Store CPU: the rendezvous store's process's CPU time over the collectives, per collective (the node stores run in
-the worker processes, as they run in their ranks' processes in a job). Clients' CPU: the worker processes' CPU
+Store CPU: the rendezvous store's process's CPU time over the collectives, per collective (the node relays run in
+the worker processes, as they run in their hosts' processes in a job). Clients' CPU: the worker processes' CPU
 time over the collectives, per collective: every simulated rank's own work (its Python, its store clients, the
-threads of the plane and of a call's ending) and the node stores' servers. Requests: every request the clients sent
+threads of the plane and of a call's ending) and the node relays' threads. Requests: every request the clients sent
 the rendezvous store (a ``get`` counts two: the store answers a wait, then the read), per collective.
 With ``--out FILE`` one JSON line per row is appended to FILE.
 """
@@ -54,12 +54,19 @@ RUNS, SITES, CONFIGS = 96, 4, 12  # the main job: 98 runs = discovery + 12 confi
 
 
 def serve(conn: Any) -> None:
-    """The rendezvous store: a TCPStore server; answers its process's CPU seconds until the parent closes."""
-    from disttune.nodeplane import loopback_store
+    """The rendezvous store: a TCPStore server (libuv); answers its process's CPU seconds until the parent closes."""
+    import socket
+
+    import torch.distributed as dist
 
     # An IPv4 listener: some container network stacks resolve the names of IPv6-mapped loopback peers slowly,
     # which makes thousands of connections take minutes; the protocol is the same.
-    (store, _listener), port = loopback_store(8192)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8192)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
+                          master_listen_fd=listener.fileno())
     conn.send(port)
     while conn.recv() is not None:
         conn.send((time.process_time(), store.num_keys()))
@@ -315,7 +322,7 @@ def main() -> None:
         iters = {kind: options.calls if kind == "tuning call" else options.iters for kind in kinds}
         workers = max(1, min(options.workers, -(-world // options.per_node) if options.per_node else world))
         all_rows.extend(measure(world, workers, kinds, iters, options.per_node).values())
-    nodes = f"{options.per_node} ranks per node" if options.per_node else "flat: no node stores"
+    nodes = f"{options.per_node} ranks per node" if options.per_node else "flat: no node relays"
     print(f"\n### control plane at N simulated ranks ({options.workers} worker processes at most, one TCPStore server, "
           f"{nodes}), per collective\n")
     print("| N | collective | wall ms (median / p90) | store-host CPU ms | clients' CPU ms | store requests |")

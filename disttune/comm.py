@@ -13,8 +13,8 @@ that each rank receives only the result. Three implementations share that protoc
   collective still hears from its peers. ``group=`` maps to the keys of that group's ranks. Set-up:
   none (the store exists); each collective costs the store's host about four requests per rank
   (``bench/control_plane.py``, ``bench/control_plane_scale.py``). In jobs of 64 ranks or more over
-  several nodes the ranks of a node combine on a store of their own first, and the rendezvous store's host
-  serves about three requests per node (:mod:`disttune.nodeplane`).
+  several nodes the ranks of a node combine first, through a relay in the process of the node's lowest
+  rank, and the rendezvous store's host serves about three requests per node (:mod:`disttune.nodeplane`).
 * :class:`MpiComm` over an ``mpi4py`` communicator (non-blocking MPI collectives, polled);
 * :class:`LocalComm` for a single process (no collective at all).
 
@@ -189,7 +189,7 @@ def control_store() -> Any:
 
 class TorchComm(NodeStorePlane):
     """The control plane of a ``torch.distributed`` job: collectives and posts through its rendezvous store
-    (:class:`~disttune.storeplane.StorePlane`; its module doc gives the protocol and its cost), through a store
+    (:class:`~disttune.storeplane.StorePlane`; its module doc gives the protocol and its cost), through a relay
     per node first in jobs of many ranks over several nodes (:mod:`disttune.nodeplane`).
 
     ``group``: a process group (default: the whole job); its ranks name the keys, so two groups over the

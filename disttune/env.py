@@ -17,7 +17,7 @@ everywhere and a bad value is one clear error:
 * :func:`local_rank` / :func:`local_world_size`: the same variables, read without starting anything
   (the tuners use them to share compiles and store writes among the ranks of a node);
 * :func:`node_name`: the node a rank runs on (``$DISTTUNE_NODE``, else the host name), for the control
-  plane's node stores;
+  plane's node relays;
 * :func:`log_dir`, :func:`environ_with_log_dir`: where the rank logs go, and a child process's
   environment that sends them elsewhere;
 * the store's (and the user cache root it falls back on), the progress bar's, the Triton warm-up's, the compile
@@ -260,7 +260,8 @@ def cuda_devices_narrowed() -> bool:
 
 def node_name(node: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> str:
     """The name of the node this rank runs on: ``node`` else ``$DISTTUNE_NODE`` else the host name. Ranks that give
-    the same name share a node store (:mod:`disttune.nodeplane`); a simulation names its nodes here."""
+    the same name share a node relay (:mod:`disttune.nodeplane`): they must run on one host. A simulation names
+    its nodes here."""
     import socket
 
     return node or environ.get(NODE) or socket.gethostname()

@@ -1,21 +1,29 @@
-"""The node-level step of the store's collectives: the ranks of a node combine on a store of their own first, so
-that the rendezvous store serves about three requests per node and collective instead of per rank.
+"""The node-level step of the store's collectives: the ranks of a node hand their payloads to their node's lowest
+rank over loopback sockets, so that the rendezvous store serves about three requests per node and collective
+instead of four per rank, and each rank's own part is one message out and one in.
 
 :class:`NodeStorePlane` is a :class:`~disttune.storeplane.StorePlane` that knows its node (``node=``, else
 ``$DISTTUNE_NODE``, else the host name: :func:`disttune.env.node_name`). At its first collective a job of at least
 :data:`NODE_STEP_MIN_RANKS` ranks gathers every rank's node name (one flat all-gather); where that shows several
-nodes, some of more than one rank, each node's lowest rank opens a ``TCPStore`` on loopback in its own process,
-the *node store*, and publishes its port in the rendezvous store. Smaller jobs, jobs of one node and jobs of one
-rank per node keep the flat protocol of :mod:`disttune.storeplane`, unchanged.
+nodes, some of more than one rank, each node's lowest rank (its *host*) starts a :class:`NodeRelay` in its process, a
+thread behind a socket listening on loopback, and publishes the port in the rendezvous store; the node's other ranks
+(its *members*) connect to it. Smaller jobs, jobs of one node and jobs of one rank per node keep the flat protocol of
+:mod:`disttune.storeplane`, unchanged.
 
-A collective then runs the flat protocol twice, with the same keys on both stores:
+A collective then goes:
 
-* every rank appends its payload to its node store's ``d`` and counts itself in there;
-* the node's last arriver, its *leader*, reads the node's frames once, appends them to the rendezvous store's
-  ``d`` as one bundle and counts the node in; the rendezvous store's last arriver combines every rank's payload
-  and sets the result in the rendezvous store's ``k``;
-* each leader, blocked in the rendezvous store's ``get``, copies that result into its node store's ``k``, where
-  the node's other ranks are blocked in theirs.
+* each member sends its payload to the relay (a message without an answer); the host hands its own over in its
+  process. Nobody waits for anybody to arrive;
+* whichever thread completes the node's payloads (the relay's, or the host's) appends them to the rendezvous
+  store's ``d`` as one bundle and counts the node in (``n``); the node that completes that count combines every
+  rank's payload and sets the result in the rendezvous store's ``k``, as the flat protocol's last arriver does;
+* the host blocks in the rendezvous store's ``get`` of ``k``, then sends what stands there to each member, which
+  blocks on its socket meanwhile.
+
+Why sockets and not a store per node: over a loopback ``TCPStore`` a member's part is three requests (an append,
+the count that names the node's last arriver, a ``get`` of two round trips), about 170 µs of CPU on both ends
+together on a 2-core host; over a socket it is a send and a receive (``bench/control_plane_scale.py`` measures
+both).
 
 A rank that has waited :data:`ARRIVAL_REPORT_S` (a quarter of the timeout where that is shorter) appends its rank to
 the collective's arrivals (``a``) in the rendezvous store, a request without an answer: a deadline names the ranks
@@ -23,21 +31,22 @@ neither there nor in a node's bundle, so a rank that never arrives is named, whi
 time costs the rendezvous store nothing per rank. (A rank that arrived within that time of the first deadline is
 named with the absent ones.)
 
-Endings are decided in the rendezvous store: a deadline, a peer's post or a node store that is gone sets an
-ending in its ``k`` unless the result stands there, and the rank that set it copies what stands into its node
-store. So every rank raises the same error: a :class:`~disttune.errors.CollectiveTimeout` naming the ranks that did
-not arrive, a :class:`~disttune.errors.PeerFailed`, or a :class:`~disttune.errors.ControlPlaneLost` naming the node
-whose store went and the rank whose process held it. (A node whose ranks have not all arrived has no leader
-waiting: its ranks learn an ending set elsewhere at their next look at the posts, or at their deadline.)
-
-The node store lives in its host rank's process: at exit that process waits, at most :data:`NODE_EXIT_WAIT_S`,
-until the node's other processes have left, and every other process says it leaves.
+Endings are decided in the rendezvous store: a deadline, a peer's post or a relay that is gone sets an ending in its
+``k`` unless the result stands there, and every rank raises what stands: a
+:class:`~disttune.errors.CollectiveTimeout` naming the ranks that did not arrive, a
+:class:`~disttune.errors.PeerFailed`, or a :class:`~disttune.errors.ControlPlaneLost` naming the node whose relay
+went and the rank whose process held it. The host's wait is watched by the process's
+:class:`~disttune.storeplane.WaitWatch`; a member watches its own (its socket's reads end every
+:attr:`~disttune.storeplane.StorePosts.post_poll_s` to look at the posts and the deadline), so a member learns an
+ending even where its host never arrives.
 """
 
 from __future__ import annotations
 
-import atexit
+import collections
 import datetime
+import logging
+import selectors
 import socket
 import threading
 import time
@@ -47,20 +56,37 @@ from typing import Any, Callable, Optional, Sequence
 from . import wire
 from .env import DEFAULT_TIMEOUT_S, node_name
 from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
-from .storeplane import (Collective, Connections, PlaneStore, StoreLost, StorePlane, delete_keys, ending_record,
-                         read_now, read_when_set, wait_watch)
+from .storeplane import Collective, StorePlane, ending_record, read_now, read_when_set, wait_watch
 
-__all__ = ["NODE_STEP_MIN_RANKS", "NODE_EXIT_WAIT_S", "ARRIVAL_REPORT_S", "MEMBERSHIP", "Nodes", "NodeStore",
-           "NodeCollective", "NodeStorePlane", "loopback_store"]
+__all__ = ["NODE_STEP_MIN_RANKS", "ARRIVAL_REPORT_S", "MEMBERSHIP", "Nodes", "NodeRelay", "NodeLink",
+           "NodeCollective", "NodeStorePlane"]
 
 #: Jobs of fewer ranks keep the flat protocol: their store answers a collective in a few milliseconds.
 NODE_STEP_MIN_RANKS = 64
-#: How long, at most, the process holding a node store waits at exit for the node's other processes to leave.
-NODE_EXIT_WAIT_S = 30.0
 #: How long a rank waits before it reports its arrival to the rendezvous store, for a deadline's message.
 ARRIVAL_REPORT_S = 1.0
-#: The channel of the one all-gather of node names, and of the node stores' ports.
+#: The channel of the one all-gather of node names, and of the relays' ports.
 MEMBERSHIP = "nodes"
+#: Collectives a relay or a member remembers as over, so that a message for one that comes late is dropped.
+_REMEMBERED = 1024
+#: What a member sends first on its connection: its rank.
+_HELLO = "hello"
+
+class _Remembered:
+    """The last :data:`_REMEMBERED` keys added, for membership tests."""
+
+    def __init__(self) -> None:
+        self._order: collections.deque = collections.deque()
+        self._keys: set[str] = set()
+
+    def add(self, key: str) -> None:
+        self._order.append(key)
+        self._keys.add(key)
+        if len(self._order) > _REMEMBERED:
+            self._keys.discard(self._order.popleft())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
 
 
 class Nodes:
@@ -73,137 +99,252 @@ class Nodes:
             self.members.setdefault(name, []).append(rank)
 
     def worth_a_step(self) -> bool:
-        """Whether node stores spare the rendezvous store work: several nodes, and some of more than one rank."""
+        """Whether relays spare the rendezvous store work: several nodes, and some of more than one rank."""
         return 1 < len(self.members) < len(self.names)
 
     def ranks_of(self, rank: int) -> list[int]:
-        """The ranks on ``rank``'s node (its lowest holds the node store)."""
+        """The ranks on ``rank``'s node (its lowest is the host)."""
         return self.members[self.names[rank]]
 
 
-class NodeStore:
-    """One rank's connections to its node's store, and in the process of the node's lowest rank the store itself
-    (``server``, from :func:`loopback_store`); ``ranks``: the node's, ``node_count``: the job's nodes. ``main``
-    carries the collectives' requests; a blocking wait takes a connection of its own (``waiters``). Once
-    the store is found gone, every request raises :class:`ControlPlaneLost` at once. Costs two connections."""
+class _Gathering:
+    """One collective's payloads at a relay until its node's are all in, and what delivers them then."""
 
-    def __init__(self, name: str, ranks: Sequence[int], node_count: int, port: int, timeout_s: float,
-                 server: Any = None) -> None:
-        self.name, self.ranks, self.host, self.server = name, tuple(ranks), ranks[0], server
-        self.node_count = node_count
-        self.lost = StoreLost(f"disttune: node '{name}''s store is unreachable: the process of rank {ranks[0]}, which "
-                              "held it, is gone (it died, or left the job before the other ranks of its node)")
-        self.main = PlaneStore(_connect(port, timeout_s), self.lost)
-        waiter = PlaneStore(_connect(port, timeout_s), self.lost)
-        waiter.set_timeout(datetime.timedelta(days=1))  # a wait ends by its key (the watch sets it)
-        self.waiters = Connections([waiter])
+    __slots__ = ("frames", "deliver")
+
+    def __init__(self) -> None:
+        self.frames: dict[int, bytes] = {}
+        self.deliver: Optional[Callable[[bytes], None]] = None
+
+
+class NodeRelay:
+    """In a node's host's process: the members' connections, and a thread that reads their payloads. Each collective's
+    bundle goes to the rendezvous store from the thread that completes it (the host hands its own payload over with
+    :meth:`arrive`); :meth:`forward` sends the members what stands. Costs a thread, a listening socket on loopback and
+    a connection per member; per collective, one read per member and, on the host's thread, one send per member."""
+
+    def __init__(self, name: str, ranks: Sequence[int], timeout_s: float) -> None:
+        self.name, self.ranks, self.timeout_s = name, tuple(ranks), timeout_s
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(len(self.ranks))
+        self.port: int = self._listener.getsockname()[1]
+        self._members: dict[int, socket.socket] = {}
+        self._gathering: dict[str, _Gathering] = {}
+        self._over = _Remembered()  # collectives forwarded: a payload for one of them comes too late
         self._lock = threading.Lock()
-        self._retired: list[str] = []  # the node's keys of retired channels: its next leader deletes them
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._wake, self._waker = socket.socketpair()
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        self._closing = False
+        threading.Thread(target=self._run, name=f"disttune-relay-{name}", daemon=True).start()
+
+    def arrive(self, key: str, frame: bytes, deliver: Callable[[bytes], None]) -> None:
+        """The host's ``frame`` for collective ``key``, and what delivers the node's bundle once every member's frame
+        is in (called here, now, where they are)."""
+        self._take(key, self.ranks[0], frame, deliver)
+
+    def forward(self, key: str, value: bytes) -> None:
+        """Send ``value`` (what stands in collective ``key``'s result) to every member. A member that does not take it
+        within the timeout is dropped: it hung, and its own deadline ends its wait."""
+        with self._lock:
+            self._gathering.pop(key, None)
+            self._over.add(key)
+            members = list(self._members.items())
+        message = wire.pack_keyed(key, value)
+        for rank, connection in members:
+            try:
+                connection.sendall(message)
+            except OSError:
+                self._forget(rank, connection)
+
+    def close(self) -> None:
+        """Stop the relay: its thread closes every connection (each member's wait ends with
+        :class:`ControlPlaneLost`)."""
+        self._closing = True
+        self._waker.send(b"\0")
+
+    def _take(self, key: str, rank: int, frame: bytes, deliver: Optional[Callable[[bytes], None]]) -> None:
+        with self._lock:
+            if key in self._over:
+                return
+            gathering = self._gathering.setdefault(key, _Gathering())
+            gathering.frames[rank] = frame
+            gathering.deliver = deliver or gathering.deliver
+            if gathering.deliver is None or len(gathering.frames) < len(self.ranks):
+                return
+            del self._gathering[key]
+        gathering.deliver(b"".join(gathering.frames.values()))
+
+    def _forget(self, rank: int, connection: socket.socket) -> None:
+        with self._lock:
+            if self._members.get(rank) is connection:
+                del self._members[rank]
+
+    def _run(self) -> None:
+        while not self._closing:
+            for selected, _ in self._selector.select():
+                if selected.fileobj is self._listener:
+                    self._accept()
+                elif selected.data is not None:
+                    self._read(selected.fileobj, selected.data)
+        for selected in list(self._selector.get_map().values()):
+            selected.fileobj.close()
+        self._waker.close()
+        self._selector.close()
+
+    def _accept(self) -> None:
+        try:
+            connection, _ = self._listener.accept()
+        except OSError:
+            return
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection.settimeout(self.timeout_s)  # a forward's send; reads come only once the selector has data
+        self._selector.register(connection, selectors.EVENT_READ, [None, wire.KeyedStream()])  # [its rank, its stream]
+
+    def _read(self, connection: socket.socket, state: list) -> None:
+        try:
+            data = connection.recv(1 << 16)
+            messages = state[1].feed(data) if data else None
+            if state[0] is None and messages:  # a member's first message says its rank
+                key, body = messages.pop(0)
+                rank = int(body) if key == _HELLO else -1
+                if rank not in self.ranks[1:]:
+                    raise ValueError(f"a connection that is not a member's ({key!r}, {body[:32]!r})")
+                state[0] = rank
+                with self._lock:
+                    self._members[rank] = connection
+        except OSError:
+            messages = None
+        except (ValueError, UnicodeDecodeError) as err:
+            logging.getLogger(__name__).warning("disttune: node '%s''s relay dropped a connection: %s", self.name, err)
+            messages = None
+        if messages is None:  # a member's process is gone (its collectives end at their deadlines), or a stranger
+            self._selector.unregister(connection)
+            connection.close()
+            if state[0] is not None:
+                self._forget(state[0], connection)
+            return
+        for key, body in messages:
+            try:
+                self._take(key, state[0], body, None)
+            except Exception:  # noqa: BLE001 - the relay reads on; the host's wait meets the deadline
+                logging.getLogger(__name__).exception("disttune: node '%s''s relay could not deliver %s", self.name,
+                                                      key)
+
+
+class NodeLink:
+    """One rank's part of its node's step: in the host's process the :class:`NodeRelay` (``relay``), in a member's its
+    connection to the relay. ``ranks``: the node's, ``node_count``: the job's nodes. Once a member has found the relay
+    gone, every use raises :class:`ControlPlaneLost` at once."""
+
+    def __init__(self, name: str, ranks: Sequence[int], node_count: int, relay: Optional[NodeRelay] = None,
+                 connection: Optional[socket.socket] = None) -> None:
+        self.name, self.ranks, self.host, self.node_count = name, tuple(ranks), ranks[0], node_count
+        self.relay, self._connection = relay, connection
+        self.lost_message = (f"disttune: node '{name}''s relay is unreachable: the process of rank {ranks[0]}, which "
+                             "held it, is gone (it died, or left the job before the other ranks of its node)")
+        self._lost = False
+        self._messages = wire.KeyedStream()
+        self._results: dict[str, bytes] = {}
+        self._over = _Remembered()  # collectives this member left: what the host forwards for them is dropped
+        self._sending, self._receiving = threading.Lock(), threading.Lock()
+        self._readable: Optional[selectors.BaseSelector] = None
+        if connection is not None:
+            self._readable = selectors.DefaultSelector()
+            self._readable.register(connection, selectors.EVENT_READ)
 
     @classmethod
     def join(cls, rendezvous: Any, key: str, rank: int, name: str, ranks: Sequence[int], node_count: int,
-             timeout_s: float) -> "NodeStore":
-        """Connect to node ``name``'s store, whose port its lowest rank publishes under ``key`` in ``rendezvous``
-        once it has opened the store (when ``rank`` is that rank, it does so here). A store that cannot be opened is
-        the same error on each of the node's ranks; a port not published within ``timeout_s`` names the rank."""
+             timeout_s: float) -> "NodeLink":
+        """Start node ``name``'s relay (``rank`` is its lowest) and publish its port under ``key`` in ``rendezvous``,
+        or connect to it once published. A relay that cannot start is the same error on each of the node's ranks; a
+        port not published within ``timeout_s`` names the host."""
         from torch.distributed import DistStoreError
 
-        server = None
         if rank == ranks[0]:
             try:
-                server, port = loopback_store()
-            except Exception as err:  # noqa: BLE001 - every rank of the node raises this text
-                rendezvous.set(key, f"!disttune: rank {rank} could not open node '{name}''s store: "
+                relay = NodeRelay(name, ranks, timeout_s)
+            except OSError as err:
+                rendezvous.set(key, f"!disttune: rank {rank} could not start node '{name}''s relay: "
                                     f"{type(err).__name__}: {err}")
                 raise
-            rendezvous.set(key, str(port))
+            rendezvous.set(key, str(relay.port))
+            return cls(name, ranks, node_count, relay=relay)
         try:
             rendezvous.wait([key], datetime.timedelta(seconds=timeout_s))
         except DistStoreError:
-            raise CollectiveTimeout(f"disttune: rank {ranks[0]} did not open node '{name}''s store within "
+            raise CollectiveTimeout(f"disttune: rank {ranks[0]} did not start node '{name}''s relay within "
                                     f"{timeout_s:g} s (it died, hung, or skipped its first collective)", [ranks[0]]
                                     ) from None
         text = (read_now(rendezvous, key) or b"").decode()
         if text.startswith("!"):
             raise RuntimeError(text[1:])
-        return cls(name, ranks, node_count, int(text), timeout_s, server)
-
-    def retire(self, keys: list[str]) -> None:
-        """Have the node's leader of this process's next collective delete ``keys``."""
-        with self._lock:
-            self._retired.extend(keys)
-
-    def take_retired(self) -> list[str]:
-        """The keys :meth:`retire` was given since the last call (a leader deletes them, others drop them)."""
-        with self._lock:
-            retired, self._retired = self._retired, []
-        return retired
-
-    def delete_later(self, keys: list[str]) -> None:
-        """Delete ``keys`` from the node store on the process's watch thread, off the collective's path, on ``main``
-        (a connection that blocks in waits answers a later ``get`` wrongly after deletions from another thread)."""
-        def delete() -> None:
-            delete_keys(self.main, keys)
-
-        wait_watch().later(delete)
-
-    def leave(self) -> None:
-        """Say that this process leaves the node (at exit; one request, none once the store is gone)."""
         try:
-            self.main.add("left", 1)
-        except (ControlPlaneLost, RuntimeError):
-            pass
+            connection = socket.create_connection(("127.0.0.1", int(text)), timeout=timeout_s)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.sendall(wire.pack_keyed(_HELLO, str(rank).encode()))
+        except OSError as err:
+            raise ControlPlaneLost(f"disttune: rank {rank} could not reach node '{name}''s relay on loopback port "
+                                   f"{text} (rank {ranks[0]}'s): {type(err).__name__}: {err}. Ranks that share a node "
+                                   "name must run on one host: check $DISTTUNE_NODE") from None
+        return cls(name, ranks, node_count, connection=connection)
 
-    def close(self, wait_s: float) -> None:
-        """Stop the node store held here, once the node's other processes have left or after ``wait_s``."""
-        deadline = time.monotonic() + wait_s
-        try:
-            while int(self.main.add("left", 0)) < len(self.ranks) - 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        except (ControlPlaneLost, RuntimeError):
-            pass
-        server, self.server = self.server, None
-        if server is not None:
-            self.lost.reason = "closed by this process"  # no request tries it again
-            store, listener = server
-            del store
-            listener.close()
+    def send(self, key: str, frame: bytes) -> None:
+        """A member's ``frame`` for collective ``key``, to the relay (no answer)."""
+        with self._sending:
+            if self._lost:
+                raise ControlPlaneLost(self.lost_message)
+            try:
+                self._connection.sendall(wire.pack_keyed(key, frame))
+            except OSError:
+                self._lost = True
+                raise ControlPlaneLost(self.lost_message) from None
 
+    def receive(self, key: str, until: float) -> Optional[bytes]:
+        """What the host forwarded for collective ``key``, waiting until ``until`` (``time.monotonic()``) at most;
+        None then."""
+        with self._receiving:
+            while key not in self._results:
+                if self._lost:
+                    raise ControlPlaneLost(self.lost_message)
+                if not self._readable.select(max(0.0, until - time.monotonic())):
+                    return None
+                try:
+                    data = self._connection.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._lost = True
+                    raise ControlPlaneLost(self.lost_message)
+                for done, body in self._messages.feed(data):
+                    if done not in self._over:
+                        self._results[done] = body
+            return self._results.pop(key)
 
-def loopback_store(backlog: int = 1024) -> tuple[tuple[Any, socket.socket], int]:
-    """A ``TCPStore`` server (libuv) on loopback, listening on IPv4 (some container stacks name IPv6-mapped peers
-    slowly): ``(store, its listening socket)`` (keep both; dropping the store stops it) and its port."""
-    import torch.distributed as dist
+    def leave(self, key: str) -> None:
+        """This member left collective ``key`` by an ending it read in the rendezvous store: drop what comes for it."""
+        with self._receiving:
+            self._results.pop(key, None)
+            self._over.add(key)
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(backlog)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
-                          master_listen_fd=listener.fileno())
-    return (store, listener), port
-
-
-def _connect(port: int, timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    def close(self) -> None:
+        """Stop the relay (in the host's process) or close the connection to it."""
+        if self.relay is not None:
+            self.relay.close()
+        elif self._connection is not None:
+            self._connection.close()
 
 
 class NodeCollective:
-    """One collective's keys on both stores, based at ``base``: on the rendezvous store every rank's payload
-    (``d``, in node bundles), the count of nodes (``n``), the result (``k``) and the arrivals (``a``); on the node
-    store the node's payloads, count and result (``d``, ``n``, ``k``)."""
+    """One collective's keys in the rendezvous store, based at ``base``: every rank's payload (``d``, in node
+    bundles), the count of nodes (``n``), the result (``k``) and the arrivals (``a``); and this rank's node link."""
 
-    def __init__(self, store: Any, node: NodeStore, base: str, rank: int, world_size: int) -> None:
+    def __init__(self, store: Any, link: NodeLink, base: str, rank: int, world_size: int) -> None:
         self.everyone = Collective(store, base, rank, world_size)
-        self.node = Collective(node.main, base, rank, len(node.ranks))
-        self.node_store, self.node_count, self.arrivals = node, node.node_count, f"{base}/a"
+        self.link, self.base, self.arrivals = link, base, f"{base}/a"
         self.reported = False
-
-    def arrive(self, payload: bytes) -> bool:
-        """Arrive with ``payload`` (two requests to the node store); True: this rank leads its node."""
-        return self.node.arrive(payload)
 
     def report(self) -> None:
         """Add this rank to the arrivals in the rendezvous store (once; one request without an answer)."""
@@ -211,25 +352,16 @@ class NodeCollective:
             self.reported = True
             self.everyone.store.append(self.arrivals, wire.pack_frame(self.everyone.rank, b""))
 
-    def deliver(self) -> bool:
-        """The leader's part: the node's payloads to the rendezvous store as one bundle, and the node counted in
-        (three requests); True when this node completed the count."""
+    def deliver(self, bundle: bytes) -> bool:
+        """The node's payloads to the rendezvous store as one bundle, and the node counted in (two requests); True
+        when this node completed the count."""
         store = self.everyone.store
-        store.append(self.everyone.data, read_now(self.node.store, self.node.data) or b"")
-        return int(store.add(self.everyone.count, 1)) == self.node_count
+        store.append(self.everyone.data, bundle)
+        return int(store.add(self.everyone.count, 1)) == self.link.node_count
 
     def settle(self, value: bytes) -> bytes:
-        """Set the rendezvous store's ``k`` to ``value`` unless it is set, and copy what stands there into the node
-        store (two requests); the value that stands."""
-        standing = self.everyone.settle(value)
-        self.copy_to_node(standing)
-        return standing
-
-    def copy_to_node(self, standing: bytes) -> None:
-        try:
-            self.node.settle(standing)
-        except ControlPlaneLost:  # the node store is gone: each of its ranks finds that out in its own wait
-            pass
+        """Set the rendezvous store's ``k`` to ``value`` unless it is set (one request); the value that stands."""
+        return self.everyone.settle(value)
 
     def missing(self) -> list[int]:
         """The ranks that did not arrive (two requests): neither among the reported arrivals nor in a node's
@@ -238,9 +370,9 @@ class NodeCollective:
         return sorted(set(range(self.everyone.world_size)) - arrived)
 
     @staticmethod
-    def keys_at(base: str) -> tuple[list[str], list[str]]:
-        """The keys of the collective based at ``base``: the rendezvous store's, the node store's."""
-        return Collective.keys_at(base) + [f"{base}/a"], Collective.keys_at(base)
+    def keys_at(base: str) -> list[str]:
+        """The rendezvous store's keys of the collective based at ``base``."""
+        return Collective.keys_at(base) + [f"{base}/a"]
 
 
 def _ranks_in(frames: Optional[bytes]) -> set[int]:
@@ -251,66 +383,51 @@ def _ranks_in(frames: Optional[bytes]) -> set[int]:
 
 
 class _Memberships:
-    """Per rendezvous store connection: each prefix's node store (None: the flat protocol), made once."""
+    """Per rendezvous store connection: each prefix's node link (None: the flat protocol), made once."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.by_prefix: dict[str, Optional[NodeStore]] = {}
+        self.by_prefix: dict[str, Optional[NodeLink]] = {}
 
 
 _MEMBERSHIPS: "weakref.WeakKeyDictionary[Any, _Memberships]" = weakref.WeakKeyDictionary()
-_OPEN: list[NodeStore] = []  # every node store connection of this process, for its exit
 _LOCK = threading.Lock()
-
-
-def _leave_nodes() -> None:
-    """At exit: every process says it leaves its nodes, then the processes holding node stores wait for the others
-    (at most :data:`NODE_EXIT_WAIT_S`) and stop them."""
-    with _LOCK:
-        stores = list(_OPEN)
-    for store in stores:
-        if store.server is None:
-            store.leave()
-    deadline = time.monotonic() + NODE_EXIT_WAIT_S
-    for store in stores:
-        if store.server is not None:
-            store.close(max(0.0, deadline - time.monotonic()))
 
 
 class NodeStorePlane(StorePlane):
     """A :class:`~disttune.storeplane.StorePlane` whose collectives take the node-level step (the module doc) where
     the job is large enough and spans several nodes; ``node``: the name of this rank's node
-    (:func:`disttune.env.node_name`). Its first collective, in such a job, gathers the node names and opens the
-    node stores (about one flat all-gather). Cost per collective then, on the rendezvous store's host: three
-    requests per node (the bundle, the count, the wait and read), and one append without an answer per rank that
-    waits :data:`ARRIVAL_REPORT_S`; on each node store's, four requests per rank.
+    (:func:`disttune.env.node_name`). Its first collective, in such a job, gathers the node names and starts the
+    relays (about one flat all-gather). Cost per collective then, on the rendezvous store's host: three requests per
+    node (the bundle, the count, the host's wait and read), and one append without an answer per rank that waits
+    :data:`ARRIVAL_REPORT_S`; on each member, one send and one receive on loopback.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "disttune/all",
                  timeout_s: float = DEFAULT_TIMEOUT_S, node: Optional[str] = None) -> None:
         super().__init__(store, rank, world_size, prefix, timeout_s)
         self.node = node_name(node)
-        self._node_store: tuple[Optional[NodeStore], ...] = () if world_size >= NODE_STEP_MIN_RANKS else (None,)
+        self._node_link: tuple[Optional[NodeLink], ...] = () if world_size >= NODE_STEP_MIN_RANKS else (None,)
 
-    def node_store(self) -> Optional[NodeStore]:
-        """This rank's node store, made at the first call (a collective: every rank calls it); None where the job
+    def node_link(self) -> Optional[NodeLink]:
+        """This rank's node link, made at the first call (a collective: every rank calls it); None where the job
         keeps the flat protocol. Later calls read what this communicator found."""
-        if self._node_store:
-            return self._node_store[0]
+        if self._node_link:
+            return self._node_link[0]
         memberships = self._memberships()
         with memberships.lock:
             if self.prefix not in memberships.by_prefix:
                 memberships.by_prefix[self.prefix] = self._join_node()
-            store = memberships.by_prefix[self.prefix]
-        self._node_store = (store,)
-        return store
+            link = memberships.by_prefix[self.prefix]
+        self._node_link = (link,)
+        return link
 
     def _memberships(self) -> _Memberships:
         with _LOCK:
             return _MEMBERSHIPS.setdefault(self.store.store, _Memberships())
 
-    def _join_node(self) -> Optional[NodeStore]:
-        """Gather every rank's node name; open (the node's lowest rank) or find this rank's node store."""
+    def _join_node(self) -> Optional[NodeLink]:
+        """Gather every rank's node name; start (the node's lowest rank) or join this rank's node relay."""
         step = "which node each rank runs on"
         finish = super()._start(wire.pack(self.node), step, wire.pack_shared, MEMBERSHIP)
         names = [wire.unpack(payload, sender, step) for sender, payload in wire.unpack_shared(finish(), self.world_size,
@@ -318,106 +435,123 @@ class NodeStorePlane(StorePlane):
         nodes = Nodes([str(name) for name in names])
         if not nodes.worth_a_step():
             return None
-        store = NodeStore.join(self.store, self._key(MEMBERSHIP, "port", self.node), self.rank, self.node,
-                               nodes.ranks_of(self.rank), len(nodes.members), self.timeout_s)
-        with _LOCK:
-            if not _OPEN:
-                atexit.register(_leave_nodes)
-            _OPEN.append(store)
-        return store
+        return NodeLink.join(self.store, self._key(MEMBERSHIP, "port", self.node), self.rank, self.node,
+                             nodes.ranks_of(self.rank), len(nodes.members), self.timeout_s)
 
     # -- one collective ----------------------------------------------------------------------------------------------
 
     def _start(self, payload: bytes, step: str, combine: Optional[Callable[[list[bytes]], bytes]],
                channel: Optional[str] = None) -> Callable[[], bytes]:
-        """Arrive at the channel's next collective through the node store where there is one (else flat)."""
-        node = self.node_store()
-        if node is None:
+        """Arrive at the channel's next collective through the node's relay where there is one (else flat)."""
+        link = self.node_link()
+        if link is None:
             return super()._start(payload, step, combine, channel)
         channel, seq, retired = self._take_sequence(channel)
-        node_retired = node.take_retired()
-        here = NodeCollective(self.store, node, self._key(channel, "c", seq), self.rank, self.world_size)
-        before = NodeCollective.keys_at(self._key(channel, "c", seq - 1)) if seq else ([], [])
-        try:
-            if not here.arrive(payload):
-                return lambda: self._finish(here, step, leader=False)
-            node.delete_later(node_retired + before[1])  # every rank of the node has left the one before
-            if not here.deliver():
-                return lambda: self._finish(here, step, leader=True)
-        except ControlPlaneLost:
-            standing = self._node_gone(here)
-            return lambda: self._outcome(standing, step)
-        standing = here.settle(self._completed(here.everyone, combine, step))
-        self._shared.delete_later(retired + before[0])
-        return lambda: self._outcome(standing, step)
+        here = NodeCollective(self.store, link, self._key(channel, "c", seq), self.rank, self.world_size)
+        frame = wire.pack_frame(self.rank, payload)
+        if link.relay is None:
+            try:
+                link.send(here.base, frame)
+            except ControlPlaneLost:
+                standing = self._relay_gone(here)
+                return lambda: self._outcome(standing, step)
+            return lambda: self._finish_member(here, step)
+        before = NodeCollective.keys_at(self._key(channel, "c", seq - 1)) if seq else []
 
-    def _finish(self, here: NodeCollective, step: str, leader: bool) -> bytes:
-        """Wait for the collective's outcome (a leader in the rendezvous store, its node's other ranks in the node
-        store); a leader copies it into the node store."""
-        try:
-            value = self._wait_at(here, step, leader)
-        except ControlPlaneLost:
-            value = self._node_gone(here)
-        if leader:
-            here.copy_to_node(value)
+        def deliver(bundle: bytes) -> None:
+            try:
+                if here.deliver(bundle):
+                    here.settle(self._completed(here.everyone, combine, step))
+                    self._shared.delete_later(retired + before)  # every rank has left the one before
+            except ControlPlaneLost:  # the rendezvous store is gone: the host's wait raises it
+                pass
+
+        link.relay.arrive(here.base, frame, deliver)
+        return lambda: self._finish_host(here, step)
+
+    def _finish_host(self, here: NodeCollective, step: str) -> bytes:
+        """The host's wait for the collective's outcome in the rendezvous store; it sends the members what stands."""
+        value = self._wait_at(here, step)
+        here.link.relay.forward(here.base, value)
         return self._outcome(value, step)
 
-    def _node_gone(self, here: NodeCollective) -> bytes:
-        """This rank found its node store gone: end the collective for every rank with that error (unless its
+    def _finish_member(self, here: NodeCollective, step: str) -> bytes:
+        """A member's wait for what its host forwards. Its socket's reads end every :attr:`post_poll_s` to look at the
+        posts, and at :data:`ARRIVAL_REPORT_S` and the deadline, so that it ends even where its host never arrives."""
+        channel, started = self._channel, time.monotonic()
+        deadline = started + self.timeout_s
+        report_at = started + min(ARRIVAL_REPORT_S, self.timeout_s / 4)
+        look_at = started + self.post_poll_s
+        value = None
+        while value is None:
+            try:
+                value = here.link.receive(here.base, min(deadline, look_at, deadline if here.reported else report_at))
+            except ControlPlaneLost:
+                value = self._relay_gone(here)
+                break
+            if value is not None:
+                return self._outcome(value, step)
+            now = time.monotonic()
+            if now >= report_at:
+                here.report()
+            if now >= deadline:
+                value = self._expire_at(here, step)
+            elif now >= look_at:
+                look_at = now + self.post_poll_s
+                if channel is not None and self.peers_posted(channel):
+                    value = here.settle(ending_record(PeerFailed, "posted", self.posters(channel)))
+        here.link.leave(here.base)
+        return self._outcome(value, step)
+
+    def _relay_gone(self, here: NodeCollective) -> bytes:
+        """This member found its node's relay gone: end the collective for every rank with that error (unless its
         result stands already); what stands. Where the rendezvous store is gone too, its error goes up."""
         if self.store.lost.reason is not None:
             raise ControlPlaneLost(self.store.lost.message)
-        return here.everyone.settle(ending_record(ControlPlaneLost, here.node_store.lost.message))
+        return here.settle(ending_record(ControlPlaneLost, here.link.lost_message))
 
-    def _wait_at(self, here: NodeCollective, step: str, leader: bool) -> bytes:
-        """Block in the ``get`` of the collective's result (the rendezvous store's for a leader, else the node
-        store's) on a connection of its own, while the process's watch ends the wait for a post or the deadline."""
-        pool = self._shared.spares if leader else here.node_store.waiters
-        collective = here.everyone if leader else here.node
+    def _wait_at(self, here: NodeCollective, step: str) -> bytes:
+        """The host's wait: block in the ``get`` of the collective's result in the rendezvous store on a connection of
+        its own, while the process's watch reports its arrival, and ends the wait for a post or the deadline."""
         channel, deadline, watch = self._channel, time.monotonic() + self.timeout_s, wait_watch()
-        report_at = None if leader else time.monotonic() + min(ARRIVAL_REPORT_S, self.timeout_s / 4)
+        report_at = time.monotonic() + min(ARRIVAL_REPORT_S, self.timeout_s / 4)
         watched = watch.watch(deadline, lambda: self._look_at(here, channel, report_at),
-                              lambda: self._expire_at(here, step, leader), self.post_poll_s)
-        connection = pool.connection()
+                              lambda: self._expire_at(here, step), self.post_poll_s)
+        spares = self._shared.spares
+        connection = spares.connection()
         try:
             if connection is None:
-                return read_when_set(collective.store, collective.result)
-            return bytes(connection.get(collective.result))
+                return read_when_set(here.everyone.store, here.everyone.result)
+            return bytes(connection.get(here.everyone.result))
         except ControlPlaneLost:
             connection = None  # (a dead connection is not kept for the next wait)
             raise
         finally:
             watch.cancel(watched)
-            pool.release(connection)
+            spares.release(connection)
 
-    def _look_at(self, here: NodeCollective, channel: Optional[str], report_at: Optional[float]) -> bool:
-        """Report this rank's arrival once it has waited until ``report_at`` (None: a leader, whose node's bundle
-        says so); end the collective for every rank if a peer has posted on ``channel`` (one request; five if one
-        has)."""
-        if report_at is not None and time.monotonic() >= report_at:
+    def _look_at(self, here: NodeCollective, channel: Optional[str], report_at: float) -> bool:
+        """Report this rank's arrival once it has waited until ``report_at``; end the collective for every rank if a
+        peer has posted on ``channel`` (one request; four if one has)."""
+        if time.monotonic() >= report_at:
             here.report()
         if channel is None or not self.peers_posted(channel):
             return False
         here.settle(ending_record(PeerFailed, "posted", self.posters(channel)))
         return True
 
-    def _expire_at(self, here: NodeCollective, step: str, leader: bool) -> None:
-        """End the collective for every rank with the deadline's error, naming the ranks that did not arrive."""
-        if not leader:
-            here.report()
+    def _expire_at(self, here: NodeCollective, step: str) -> bytes:
+        """End the collective for every rank with the deadline's error, naming the ranks that did not arrive; what
+        stands."""
+        here.report()
         missing = here.missing()
-        here.settle(ending_record(CollectiveTimeout, str(self._timed_out(step, missing)), missing))
+        return here.settle(ending_record(CollectiveTimeout, str(self._timed_out(step, missing)), missing))
 
     def _retire(self, channel: str) -> None:
-        """Besides the flat protocol's keys, the channel's last two collectives' arrivals and node keys go."""
-        node = self._memberships().by_prefix.get(self.prefix)  # None before the first collective: no keys yet
-        if node is not None:
+        """Besides the flat protocol's keys, the arrivals of the channel's last two collectives go."""
+        if self._memberships().by_prefix.get(self.prefix) is not None:  # (no node step: no arrivals)
             with self._shared.lock:
                 last = self._shared.sequences.get((self.prefix, channel), 0) - 1
-                for seq in (last - 1, last):
-                    if seq >= 0:
-                        everyone, on_node = NodeCollective.keys_at(self._key(channel, "c", seq))
-                        self._shared.retired.append(everyone[-1])
-                        node.retire(on_node)
+                self._shared.retired.extend(f"{self._key(channel, 'c', seq)}/a" for seq in (last - 1, last) if seq >= 0)
         super()._retire(channel)
 

@@ -10,7 +10,8 @@ fixed-layout float64 bytes (:func:`pack_floats`), checked for their length.
 Many ranks' messages travel together as *frames* (:func:`pack_frame`: the sender's rank and the
 length before each payload), so that a collective keeps them all in one store key; a result that
 goes back to every rank keeps each distinct payload once (:func:`pack_shared`), since most ranks
-send the same status or digest.
+send the same status or digest. On a socket between the ranks of a node, each message is named by its
+collective's key (:func:`pack_keyed`, read back by a :class:`KeyedStream`).
 
 JSON has no tuples and only string keys, so two tagged forms keep what the tuner gathers exact:
 a tuple is ``{"__tuple__": [...]}`` and a dict with other keys is ``{"__items__": [[key, value], ...]}``.
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["MalformedMessage", "pack", "unpack", "pack_floats", "unpack_floats", "pack_frame", "unpack_frames",
-           "pack_shared", "unpack_shared"]
+           "pack_shared", "unpack_shared", "pack_keyed", "KeyedStream"]
 
 _TUPLE, _ITEMS = "__tuple__", "__items__"
 _TAGS = (_TUPLE, _ITEMS)
@@ -161,3 +162,36 @@ def unpack_shared(data: bytes, world: int, what: str) -> list[tuple[int, bytes]]
         raise MalformedMessage(f"disttune: the messages for {what} refer to a payload they do not carry; is another "
                                "program writing into this job's rendezvous store?")
     return [distinct[int(i)] for i in table]
+
+
+_KEYED = struct.Struct("<HI")  # the key's length in bytes, then the body's
+
+
+def pack_keyed(key: str, body: bytes) -> bytes:
+    """``body`` named by ``key`` (a collective's), for a byte stream that carries many: :class:`KeyedStream`."""
+    name = key.encode()
+    return _KEYED.pack(len(name), len(body)) + name + body
+
+
+class KeyedStream:
+    """The :func:`pack_keyed` messages of one byte stream, parsed as its reads come (a read may end inside a message
+    or hold several). Costs a copy of each message."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[str, bytes]]:
+        """Add one read; every message it completed, as ``(key, body)`` (a key that is not UTF-8 raises
+        ``UnicodeDecodeError``: the stream is not disttune's)."""
+        self._buffer += data
+        done, offset = [], 0
+        while len(self._buffer) - offset >= _KEYED.size:
+            key_size, body_size = _KEYED.unpack_from(self._buffer, offset)
+            start = offset + _KEYED.size
+            end = start + key_size + body_size
+            if end > len(self._buffer):
+                break
+            done.append((self._buffer[start : start + key_size].decode(), bytes(self._buffer[start + key_size : end])))
+            offset = end
+        del self._buffer[:offset]
+        return done

@@ -1,17 +1,18 @@
 """The node-level step of the control plane at 64 simulated ranks on 8 simulated nodes: threads of this process,
 each with its own TCPStore client of one rendezvous server, each running its own
-:class:`~disttune.nodeplane.NodeStorePlane` told its node; each node's lowest rank opens its node store.
+:class:`~disttune.nodeplane.NodeStorePlane` told its node; each node's lowest rank starts its node's relay.
 
 Protocol, not speed (``bench/control_plane_scale.py --per-node 8`` measures that): every rank gets every value, a
-rank that never arrives is named on every rank (also a node's last rank, and the rank that holds its node's store),
-a post ends every waiting rank, a node store that goes away ends every rank's wait with one clear error, and both
-stores keep a bounded number of keys. Every test joins its rank threads within :data:`simulated_ranks.WALL_S`: a
-hang fails it.
+rank that never arrives is named on every rank (also a node's last rank, and the rank that holds its node's relay),
+a post ends every waiting rank, a relay that goes away ends every rank's wait with one clear error, and the
+rendezvous store keeps a bounded number of keys. Every test joins its rank threads within
+:data:`simulated_ranks.WALL_S`: a hang fails it.
 """
 
 from __future__ import annotations
 
 import functools
+import socket
 import time
 from typing import Any, Callable
 
@@ -20,8 +21,9 @@ import pytest
 
 import plane_cases
 import simulated_ranks
+from disttune import wire
 from disttune.errors import CollectiveTimeout, ControlPlaneLost
-from disttune.nodeplane import NODE_STEP_MIN_RANKS, NodeStorePlane
+from disttune.nodeplane import NODE_STEP_MIN_RANKS, NodeLink, NodeStorePlane
 
 WORLD, PER_NODE = 64, 8
 
@@ -44,15 +46,15 @@ def on_every_rank(cluster, job: Callable[[int, NodeStorePlane], Any], prefix: st
         WORLD, lambda r: job(r, NodeStorePlane(clients[r], r, WORLD, prefix=prefix, timeout_s=timeout_s, node=node(r))))
 
 
-def test_every_rank_gets_every_value_through_its_node_store(cluster):
+def test_every_rank_gets_every_value_through_its_node_relay(cluster):
     def job(r: int, plane: NodeStorePlane):
         floats = plane.all_gather_floats([r, -r / 2], "floats")
         objects = plane.all_gather_objects({"rank": r} if r % 3 else {"same": [1, None]}, "objects")
         combined = plane.combine_floats([r, 1.0], "combined", lambda matrix: matrix.sum(axis=0))
         verdict = plane.combine_objects(r % 5, "verdict", lambda everyone: sorted(set(everyone)))
         plane.barrier("barrier")
-        node = plane.node_store()
-        return floats, objects, combined, verdict, (node.name, node.ranks, node.node_count)
+        link = plane.node_link()
+        return floats, objects, combined, verdict, (link.name, link.ranks, link.node_count, link.relay is not None)
 
     expected_objects = [{"rank": r} if r % 3 else {"same": [1, None]} for r in range(WORLD)]
     for r, result in enumerate(on_every_rank(cluster, job, "values")):
@@ -63,28 +65,31 @@ def test_every_rank_gets_every_value_through_its_node_store(cluster):
         np.testing.assert_array_equal(combined, [sum(range(WORLD)), WORLD])
         assert verdict == [0, 1, 2, 3, 4]
         first = r - r % PER_NODE
-        assert node == (node_of(r), tuple(range(first, first + PER_NODE)), WORLD // PER_NODE)
+        assert node == (node_of(r), tuple(range(first, first + PER_NODE)), WORLD // PER_NODE, r == first)
 
 
 def test_one_node_and_small_jobs_keep_the_flat_protocol(cluster):
     def job(r: int, plane: NodeStorePlane):
         values = plane.all_gather_floats([r], "floats")
-        return plane.node_store(), values
+        return plane.node_link(), values
 
     for r, (node, values) in enumerate(on_every_rank(cluster, job, "one node", node=lambda r: "the host")):
         assert node is None
         np.testing.assert_array_equal(values[:, 0], range(WORLD))
     _, clients = cluster
-    assert NodeStorePlane(clients[0], 0, NODE_STEP_MIN_RANKS - 1, prefix="small", node="node0").node_store() is None
+    assert NodeStorePlane(clients[0], 0, NODE_STEP_MIN_RANKS - 1, prefix="small", node="node0").node_link() is None
 
 
-@pytest.mark.parametrize("absent", [17, 24, 31], ids=["a rank", "the rank holding its node's store",
-                                                      "a node's last rank"])
-def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster, absent):
+@pytest.mark.parametrize("absent, gone", [(17, False), (24, False), (31, False), (42, True)],
+                         ids=["a rank", "the rank holding its node's relay", "a node's last rank",
+                              "a rank whose connection to its relay closed"])
+def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster, absent, gone):
     def job(r: int, plane: NodeStorePlane):
         plane.all_gather_floats([r], "before")
         if r != absent:
             plane.barrier("tuning run 3/9")
+        elif gone:  # its process died: the relay sees its connection close
+            plane.node_link().close()
         return "returned"
 
     results = on_every_rank(cluster, job, f"absent {absent}", timeout_s=2.0)
@@ -96,34 +101,64 @@ def test_a_rank_that_never_arrives_is_named_on_every_rank(cluster, absent):
                                             "within 2 s (a rank died, hung, or skipped the step)"}
 
 
+def test_a_stranger_on_a_relays_port_is_dropped_and_the_node_goes_on(cluster, caplog):
+    def job(r: int, plane: NodeStorePlane):
+        plane.barrier("relays started")
+        link = plane.node_link()
+        if r == 8:  # another program on the host connects to node1's relay and writes into it
+            with socket.create_connection(("127.0.0.1", link.relay.port)) as stranger:
+                stranger.sendall(wire.pack_keyed("hello", b"0") + b"GET / HTTP/1.1\r\n\r\n" * 100)
+                time.sleep(0.2)  # the relay reads it (and drops the connection) before the collective
+        return plane.all_gather_floats([r], "after")
+
+    for result in on_every_rank(cluster, job, "stranger"):
+        assert not isinstance(result, Exception), result
+        np.testing.assert_array_equal(result[:, 0], range(WORLD))
+    assert [record.getMessage() for record in caplog.records] == [
+        "disttune: node 'node1''s relay dropped a connection: a connection that is not a member's ('hello', b'0')"]
+
+
+def test_a_rank_that_cannot_reach_its_relay_says_where_it_looked(cluster):
+    _, clients = cluster
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: a node name shared by ranks of two hosts looks like this
+    clients[0].set("unreachable/port", str(port))
+    with pytest.raises(ControlPlaneLost) as raised:
+        NodeLink.join(clients[1], "unreachable/port", 5, "node0", [4, 5], 2, 2.0)
+    assert str(raised.value).startswith(f"disttune: rank 5 could not reach node 'node0''s relay on loopback port "
+                                        f"{port} (rank 4's): ConnectionRefusedError")
+    assert str(raised.value).endswith("Ranks that share a node name must run on one host: check $DISTTUNE_NODE")
+
+
 def test_a_post_ends_every_waiting_rank(cluster):
     plane_cases.a_post_ends_every_waiting_rank(functools.partial(on_every_rank, cluster))
 
 
-def test_a_node_store_that_goes_away_ends_every_wait_with_one_clear_error(cluster):
-    holder = 16  # node2's lowest rank: its process holds node2's store
+def test_a_relay_that_goes_away_ends_every_wait_with_one_clear_error(cluster):
+    holder = 16  # node2's lowest rank: its process holds node2's relay
 
     def job(r: int, plane: NodeStorePlane):
         plane.all_gather_floats([r], "before")
-        if r == holder:  # its process goes away: the store it held stops, and it never arrives
+        if r == holder:  # its process goes away: the relay it held stops, and it never arrives
             time.sleep(0.5)
-            plane.node_store().close(0.0)
+            plane.node_link().close()
             return "left"
         plane.barrier("tuning run 2/9")
         return "returned"
 
-    results = on_every_rank(cluster, job, "node store gone", timeout_s=600.0)  # only the lost store ends these
+    results = on_every_rank(cluster, job, "relay gone", timeout_s=600.0)  # only the lost relay ends these
     assert results[holder] == "left"
     errors = [result for r, result in enumerate(results) if r != holder]
     assert all(isinstance(err, ControlPlaneLost) for err in errors), errors
-    assert {str(err) for err in errors} == {"disttune: node 'node2''s store is unreachable: the process of rank 16, "
+    assert {str(err) for err in errors} == {"disttune: node 'node2''s relay is unreachable: the process of rank 16, "
                                             "which held it, is gone (it died, or left the job before the other ranks "
                                             "of its node)"}
 
 
-def test_both_stores_keep_a_bounded_number_of_keys(cluster):
+def test_the_rendezvous_store_keeps_a_bounded_number_of_keys(cluster):
     server, _ = cluster
-    node_stores = {}
 
     def job(r: int, plane: NodeStorePlane):
         plane.barrier("first")  # the membership, and its keys
@@ -133,17 +168,13 @@ def test_both_stores_keep_a_bounded_number_of_keys(cluster):
                 plane.all_gather_objects({"status": None}, "status")
                 plane.barrier("run")
             plane.watch(None)
-        plane.barrier("after the calls")  # its leaders and last arriver delete what the calls left
-        if r % PER_NODE == 0:
-            node_stores[r] = plane.node_store().server[0]
+        plane.barrier("after the calls")  # its last node's host deletes what the calls left
 
     before = server.num_keys()
     results = on_every_rank(cluster, job, "bounded")
     assert not any(isinstance(result, Exception) for result in results), results
     # Left: the membership's keys and ports, the posts' counters (read by the waits), the last barrier's 4 keys.
     deadline = time.monotonic() + 10  # deletions run on the watch thread, off the collective's path
-    while time.monotonic() < deadline and (server.num_keys() - before > 3 + WORLD // PER_NODE + 4
-                                           or any(store.num_keys() > 3 for store in node_stores.values())):
+    while time.monotonic() < deadline and server.num_keys() - before > 3 + WORLD // PER_NODE + 4:
         time.sleep(0.05)
     assert server.num_keys() - before <= 3 + WORLD // PER_NODE + 4
-    assert [store.num_keys() for store in node_stores.values()] == [3] * (WORLD // PER_NODE)

@@ -55,3 +55,16 @@ def test_float_vectors_have_a_fixed_layout():
     np.testing.assert_array_equal(wire.unpack_floats(data, 3, 0, "x"), [1.0, math.inf, -2.5])
     with pytest.raises(MalformedMessage, match="rank 2 sent 24 bytes for agreement, where 4 float64"):
         wire.unpack_floats(data, 4, 2, "agreement")
+
+
+def test_keyed_messages_come_back_whole_however_the_stream_is_cut():
+    messages = [("disttune/all/step#0/c/7", b""), ("k", b"\x00" * 3 + b"body"), ("node\u00e9/c/8", bytes(range(256)))]
+    stream = b"".join(wire.pack_keyed(key, body) for key, body in messages)
+    for piece in (1, 2, 7, len(stream)):
+        reader, read = wire.KeyedStream(), []
+        for start in range(0, len(stream), piece):
+            read.extend(reader.feed(stream[start : start + piece]))
+        assert read == messages, piece
+    half = wire.KeyedStream()
+    assert half.feed(stream[:-1]) == messages[:2]  # the last message waits for its last byte
+    assert half.feed(stream[-1:]) == messages[2:]
