@@ -68,6 +68,21 @@ def test_every_rank_gets_every_value_through_its_node_relay(cluster):
         assert node == (node_of(r), tuple(range(first, first + PER_NODE)), WORLD // PER_NODE, r == first)
 
 
+def test_a_gather_started_now_and_finished_later_waits_for_nobody_in_between(cluster):
+    def job(r: int, plane: NodeStorePlane):
+        plane.barrier("relays started")
+        if r % 2:  # odd ranks (members) meet another collective before they start the gather
+            plane.barrier("a tuning run")
+            return plane.start_gather_floats([r], "agreement on new keys", "tuner:new keys")()
+        finish = plane.start_gather_floats([r], "agreement on new keys", "tuner:new keys")  # a host may not wait here
+        plane.barrier("a tuning run")
+        return finish()
+
+    for result in on_every_rank(cluster, job, "later"):
+        assert not isinstance(result, Exception), result
+        np.testing.assert_array_equal(result[:, 0], range(WORLD))
+
+
 def test_one_node_and_small_jobs_keep_the_flat_protocol(cluster):
     def job(r: int, plane: NodeStorePlane):
         values = plane.all_gather_floats([r], "floats")
