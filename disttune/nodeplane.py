@@ -35,7 +35,8 @@ Endings are decided in the rendezvous store: a deadline, a peer's post or a rela
 ``k`` unless the result stands there, and every rank raises what stands: a
 :class:`~disttune.errors.CollectiveTimeout` naming the ranks that did not arrive, a
 :class:`~disttune.errors.PeerFailed`, or a :class:`~disttune.errors.ControlPlaneLost` naming the node whose relay
-went and the rank whose process held it. The host's wait is watched by the process's
+went and the rank whose process held it (where the rendezvous store itself is gone, the host sends its members
+that error). The host's wait is watched by the process's
 :class:`~disttune.storeplane.WaitWatch`; a member watches its own (its socket's reads end every
 :attr:`~disttune.storeplane.StorePosts.post_poll_s` to look at the posts and the deadline), so a member learns an
 ending even where its host never arrives.
@@ -470,8 +471,13 @@ class NodeStorePlane(StorePlane):
         return lambda: self._finish_host(here, step)
 
     def _finish_host(self, here: NodeCollective, step: str) -> bytes:
-        """The host's wait for the collective's outcome in the rendezvous store; it sends the members what stands."""
-        value = self._wait_at(here, step)
+        """The host's wait for the collective's outcome in the rendezvous store; it sends the members what stands (or,
+        where the rendezvous store is gone, that error)."""
+        try:
+            value = self._wait_at(here, step)
+        except ControlPlaneLost as lost:
+            here.link.relay.forward(here.base, ending_record(ControlPlaneLost, str(lost)))
+            raise
         here.link.relay.forward(here.base, value)
         return self._outcome(value, step)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -23,7 +24,8 @@ import plane_cases
 import simulated_ranks
 from disttune import wire
 from disttune.errors import CollectiveTimeout, ControlPlaneLost
-from disttune.nodeplane import NODE_STEP_MIN_RANKS, NodeLink, NodeStorePlane
+from disttune.nodeplane import ARRIVAL_REPORT_S, NODE_STEP_MIN_RANKS, NodeLink, NodeStorePlane
+from disttune.storeplane import StoreLost
 
 WORLD, PER_NODE = 64, 8
 
@@ -170,6 +172,36 @@ def test_a_relay_that_goes_away_ends_every_wait_with_one_clear_error(cluster):
     assert {str(err) for err in errors} == {"disttune: node 'node2''s relay is unreachable: the process of rank 16, "
                                             "which held it, is gone (it died, or left the job before the other ranks "
                                             "of its node)"}
+
+
+def test_a_rendezvous_store_that_goes_away_ends_every_wait_with_one_clear_error():
+    absent = 5  # nobody can complete the barrier: every rank waits there when the store's host goes
+    stores = simulated_ranks.store_and_clients(WORLD)
+    clients = next(stores)[1]  # (no name holds the server: it stops once the generator lets go of it)
+
+    waiting = threading.Semaphore(0)
+
+    def job(r: int, plane: NodeStorePlane):
+        plane.all_gather_floats([r], "before")
+        waiting.release()
+        if r != absent:
+            plane.barrier("first run")  # outside a tuning call: members look at nothing in the store meanwhile
+        return "returned"
+
+    def stop_the_store() -> None:
+        for _ in range(WORLD):
+            waiting.acquire()
+        time.sleep(ARRIVAL_REPORT_S + 0.5)  # every rank waits in the barrier, and has reported its arrival
+        stores.close()
+
+    threading.Thread(target=stop_the_store, daemon=True).start()
+    started = time.monotonic()
+    results = simulated_ranks.on_every_rank(
+        WORLD, lambda r: job(r, NodeStorePlane(clients[r], r, WORLD, prefix="gone", timeout_s=600.0, node=node_of(r))))
+    assert time.monotonic() - started < 30
+    errors = [result for r, result in enumerate(results) if r != absent]
+    assert all(isinstance(err, ControlPlaneLost) for err in errors), errors
+    assert {str(err) for err in errors} == {StoreLost.RENDEZVOUS}
 
 
 def test_the_rendezvous_store_keeps_a_bounded_number_of_keys(cluster):
