@@ -23,6 +23,7 @@ from triton.runtime.autotuner import Autotuner
 from . import triton_launch
 from .handlers import Fast
 from .intercept import triton_run
+from .jit_launch import runner
 from .sites import SiteId
 
 # (FastKernel, key, run, config kwargs, config pre_hook): one planned launch
@@ -65,7 +66,7 @@ class FastKernel:
     def __init__(self, autotuner: Autotuner) -> None:
         self.autotuner = autotuner
         self.name = triton_launch.kernel_name(autotuner)
-        self.run = autotuner.fn.run
+        self.run = runner(autotuner.fn)  # JITFunction.run, cut at a cache hit
         names = list(autotuner.arg_names)
         self.positions = tuple(names.index(k) for k in autotuner.keys if k in names)
         self.arg_names = frozenset(names)

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 from triton.runtime.autotuner import Autotuner
 
+from .jit_launch import runner
+
 
 def has_choice(autotuner: Autotuner) -> bool:
     """Whether the autotuner has configs to choose between; one with a single config is never a site
@@ -119,7 +121,7 @@ def launch_winner(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any) 
     """A launch with a chosen config, exactly as Triton's cached path does it."""
     if config.pre_hook is not None:
         config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
-    return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
+    return runner(autotuner.fn)(*args, **kwargs, **config.all_kwargs())
 
 
 def reset_before_real_launch(autotuner: Autotuner, args: tuple, kwargs: dict, config: Any) -> None:

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from disttune.jit_launch import launch
+
 from .moe_common import INTERPRETED
 
 __all__ = ["silu_and_mul", "silu_and_mul_torch"]
@@ -48,8 +50,8 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, half, dtype=h.dtype, device=h.device)
     if out.numel():
         grid = (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(half, _BLOCK_COLS))
-        _silu_and_mul_kernel[grid](h, out, rows, half, h.stride(0), out.stride(0),
-                                   BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
+        launch(_silu_and_mul_kernel, grid, h, out, rows, half, h.stride(0), out.stride(0),
+               BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
     return out
 
 

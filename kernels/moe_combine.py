@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from disttune.jit_launch import launch
+
 from .moe_common import INTERPRETED, empty_buffer
 
 __all__ = ["topk_sum", "topk_sum_torch"]
@@ -47,8 +49,8 @@ def topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch.
     out = empty_buffer((T, N), dtype, y_flat.device)
     if out.numel():
         grid = (triton.cdiv(T, _BLOCK_TOKENS), triton.cdiv(N, _BLOCK_COLS))
-        _topk_sum_kernel[grid](y_flat, out, T, N, y_flat.stride(0), out.stride(0), TOP_K=k,
-                               BLOCK_TOKENS=_BLOCK_TOKENS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
+        launch(_topk_sum_kernel, grid, y_flat, out, T, N, y_flat.stride(0), out.stride(0), TOP_K=k,
+               BLOCK_TOKENS=_BLOCK_TOKENS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
     return out
 
 

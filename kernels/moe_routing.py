@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from disttune.jit_launch import launch
+
 from .matmul import cdiv
 from .moe_common import INTERPRETED
 from .symm import capturing
@@ -155,9 +157,9 @@ def group_sort(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Optional[S
     memory = torch.empty(at_scratch + programs * bins, dtype=torch.int32, device=device)
     sorted_ids, offs, scratch = memory[:R], memory[at_offs:at_offs + groups + 1], memory[at_scratch:]
     starts = token_starts(tuple(rank_tokens), device) if rank_tokens else offs
-    _group_sort_kernel[(programs,)](topk_ids, starts, sorted_ids, offs, scratch, R, topk_ids.stride(0),
-                                    topk_ids.stride(1), num_experts, groups, TOP_K=k, WORLD=world, BINS=bins,
-                                    BLOCK=block, SCAN=SCAN_ROWS, num_warps=8)
+    launch(_group_sort_kernel, (programs,), topk_ids, starts, sorted_ids, offs, scratch, R, topk_ids.stride(0),
+           topk_ids.stride(1), num_experts, groups, TOP_K=k, WORLD=world, BINS=bins, BLOCK=block, SCAN=SCAN_ROWS,
+           num_warps=8)
     return sorted_ids, offs
 
 

@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "disttune"
 
 LAYERS = [
-    ["env", "errors", "configs", "wire", "files", "phases", "intercept"],
+    ["env", "errors", "configs", "wire", "files", "phases", "intercept", "jit_launch"],
     ["timing", "graphs", "storeplane", "device", "logs", "sites", "space", "triton_launch", "warmup"],
     ["nodeplane"],
     ["comm"],
