@@ -242,3 +242,21 @@ def test_partials_gemm_refuses_pieces_a_tile_could_span_or_more_pieces_than_flag
         partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=2, chunk_rows=160)
     with pytest.raises(ValueError, match="at most chunks=1 pieces"):
         partials_gemm(a, b, partials, signals, (300, 300), 0, chunks=1, chunk_rows=256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_descriptor_scratch_is_one_block_per_stream_and_the_graphs_own_under_capture():
+    from disttune.kernels import shard_gemm
+
+    stream = torch.cuda.current_stream().cuda_stream
+    first = shard_gemm.descriptor_scratch(1024, 128, stream)
+    assert shard_gemm.descriptor_scratch(512, 128, stream) is first
+    bigger = shard_gemm.descriptor_scratch(first.numel() + 1, 128, stream)
+    assert bigger is not first and bigger.numel() > first.numel()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert shard_gemm.descriptor_scratch(512, 128, side.cuda_stream) is not bigger
+    graph, captured = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        captured.append(shard_gemm.descriptor_scratch(512, 128, torch.cuda.current_stream().cuda_stream))
+    assert all(captured[0] is not block for block in shard_gemm._scratch_blocks.values())
