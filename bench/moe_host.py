@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 bench/moe_host.py --profile   # two GPUs, plus cProfiles of ag_moe and moe_gemm
     torchrun --nproc_per_node=2 bench/moe_host.py --out moe_host.jsonl   # also append the rows as JSON lines
     torchrun --nproc_per_node=2 bench/moe_host.py --phases    # plus ag_moe's host µs per phase, on every rank
+    torchrun --nproc_per_node=1 bench/moe_host.py --launch-paths   # plus ag_moe launched disttune's way vs Triton's
 
 A step whose host needs longer per call than its GPU work runs at the host's pace however fast its
 kernels are. Each row calls its function ``--calls`` times back to back and synchronizes once, in
@@ -33,6 +34,12 @@ pushes) are wrapped with timers for
 ``--calls`` calls, best of ``--rounds`` rounds, and every rank's µs per call are printed, with what the
 helpers leave ("the rest": ag_moe's own lines); the wrappers add about 0.5 µs per phase.
 
+``--launch-paths``: ag_moe with its Triton kernels launched disttune's way (``disttune.jit_launch``: the
+binder, one lookup and the launcher; one descriptor scratch block per stream) against Triton's own way
+(``JITFunction.run``; a scratch tensor per launch), the two switched call by call in interleaved rounds:
+host and wall µs per call over ``--calls`` calls, and device ms per call over 10-call windows (median
+[low-high]).
+
 Cost: per shape, (1 + ``--rounds`` x ``--calls``) calls of each of 10 steps, 3 + 50 back-to-back
 calls of 6 of them, two CUDA-graph captures and one contextual tuning of ag_moe (``--phases``:
 ``--rounds`` x ``--calls`` more calls of ag_moe).
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import statistics
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -50,11 +58,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+import triton
+
 import disttune
 import disttune.dist as dt_dist
-from disttune import benchmark
+from disttune import benchmark, jit_launch
 from disttune.benchmark import capture_graph, max_over_ranks
-from disttune.kernels import moe, moe_ag
+from disttune.kernels import moe, moe_ag, shard_gemm
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
 #: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
@@ -117,6 +127,41 @@ def phase_table(ag: Callable[[], Any], rank: int, world: int, calls: int, rounds
             print(f"| {name} | " + " | ".join(f"{per_rank.get(name, 0.0):.1f}" for per_rank in gathered) + " |")
     return [dict(bench="moe_host", step=f"ag_moe phase: {name}", host_us_per_rank=[p.get(name) for p in gathered])
             for name in names]
+
+
+def _scratch_per_launch(size: int, alignment: int, stream: Any) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def launch_paths_table(ag: Callable[[], Any], rank: int, options: argparse.Namespace) -> list[dict]:
+    """ag_moe launched disttune's way against Triton's way, interleaved (see the module doc); rank 0 prints."""
+    def switched(ours: bool) -> Callable[[], Any]:
+        def call() -> Any:
+            jit_launch.enabled = ours
+            triton.set_allocator(shard_gemm.descriptor_scratch if ours else _scratch_per_launch)
+            return ag()
+        return call
+
+    paths = {"disttune.jit_launch": switched(True), "JITFunction.run": switched(False)}
+    try:
+        samples = benchmark.host_and_wall_us(paths, calls=options.calls, rounds=max(options.rounds, 7), warmup=3)
+        windows = benchmark.interleaved(paths, rounds=21, calls=10, warmup=2)
+    finally:
+        switched(True)
+    rows = []
+    if rank == 0:
+        print("\n#### ag_moe's launches, disttune's way or Triton's (interleaved; rank 0's host)\n")
+        print("| launched through | host µs per call, median [low-high] | wall µs | device ms per call in 10-call "
+              "windows | host ms per call there |\n| --- | ---: | ---: | ---: | ---: |")
+    for name, runs in samples.items():
+        host = sorted(run.host_us for run in runs)
+        wall = statistics.median(run.wall_us for run in runs)
+        if rank == 0:
+            print(f"| {name} | {statistics.median(host):.1f} [{host[0]:.1f}-{host[-1]:.1f}] | {wall:.1f} "
+                  f"| {windows[name].text()} | {windows[name].host:.3f} |")
+        rows.append(dict(bench="moe_host", step=f"ag_moe launched through {name}", host_us=statistics.median(host),
+                         wall_us=wall, steady_ms=windows[name].median))
+    return rows
 
 
 def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> list[dict]:
@@ -190,6 +235,8 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
                 print(f"\n#### cProfile of {name}, {options.calls} calls, rank 0: {host_ms:.3f} ms host per call "
                       f"(profiled)\n{table}")
     rows = phase_table(ag, rank, world, options.calls, options.rounds) if options.phases else []
+    if options.launch_paths:
+        rows += launch_paths_table(ag, rank, options)
     for row in rows:
         row["shape"] = s
     if rank == 0:
@@ -212,6 +259,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="64,8", help="expert counts of the shapes to run (64 and/or 8)")
     parser.add_argument("--profile", action="store_true", help="print cProfiles of ag_moe and moe_gemm on rank 0")
     parser.add_argument("--phases", action="store_true", help="print ag_moe's host µs per phase on every rank")
+    parser.add_argument("--launch-paths", action="store_true",
+                        help="print ag_moe launched through disttune.jit_launch against JITFunction.run")
     parser.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
     options = parser.parse_args()
     if not torch.cuda.is_available():
