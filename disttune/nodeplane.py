@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import wire
 from .env import DEFAULT_TIMEOUT_S, node_name
 from .errors import CollectiveTimeout, ControlPlaneLost, PeerFailed
-from .storeplane import Collective, StorePlane, ending_record, read_now, read_when_set, wait_watch
+from .storeplane import Collective, StorePlane, ending_record, read_now
 
 __all__ = ["NODE_STEP_MIN_RANKS", "ARRIVAL_REPORT_S", "MEMBERSHIP", "Nodes", "NodeRelay", "NodeLink",
            "NodeCollective", "NodeStorePlane"]
@@ -519,22 +519,10 @@ class NodeStorePlane(StorePlane):
     def _wait_at(self, here: NodeCollective, step: str) -> bytes:
         """The host's wait: block in the ``get`` of the collective's result in the rendezvous store on a connection of
         its own, while the process's watch reports its arrival, and ends the wait for a post or the deadline."""
-        channel, deadline, watch = self._channel, time.monotonic() + self.timeout_s, wait_watch()
+        channel = self._channel
         report_at = time.monotonic() + min(ARRIVAL_REPORT_S, self.timeout_s / 4)
-        watched = watch.watch(deadline, lambda: self._look_at(here, channel, report_at),
-                              lambda: self._expire_at(here, step), self.post_poll_s)
-        spares = self._shared.spares
-        connection = spares.connection()
-        try:
-            if connection is None:
-                return read_when_set(here.everyone.store, here.everyone.result)
-            return bytes(connection.get(here.everyone.result))
-        except ControlPlaneLost:
-            connection = None  # (a dead connection is not kept for the next wait)
-            raise
-        finally:
-            watch.cancel(watched)
-            spares.release(connection)
+        return self._watched_get(here.everyone.store, here.everyone.result,
+                                 lambda: self._look_at(here, channel, report_at), lambda: self._expire_at(here, step))
 
     def _look_at(self, here: NodeCollective, channel: Optional[str], report_at: float) -> bool:
         """Report this rank's arrival once it has waited until ``report_at``; end the collective for every rank if a

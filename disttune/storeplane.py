@@ -644,22 +644,28 @@ class StorePlane(StorePosts):
     def _wait(self, collective: Collective, step: str) -> bytes:
         """Block in the store's ``get`` of ``collective``'s result, on a connection of its own, while the
         :class:`WaitWatch` ends the wait (sets an ending there) for a peer's post or the deadline."""
-        channel, deadline = self._channel, time.monotonic() + self.timeout_s
-        shared, watch = self._shared, wait_watch()
-        watched = watch.watch(deadline, lambda: self._look(collective, channel), lambda: self._expire(collective, step),
-                              self.post_poll_s)
+        channel = self._channel
+        return self._watched_get(self.store, collective.result, lambda: self._look(collective, channel),
+                                 lambda: self._expire(collective, step))
+
+    def _watched_get(self, store: Any, key: str, look: Callable[[], bool], expire: Callable[[], object]) -> bytes:
+        """Block in ``store``'s ``get`` of ``key`` on a spare connection (else the store's own), while the process's
+        :class:`WaitWatch` calls ``look`` every ``post_poll_s`` and ``expire`` at the deadline; either ends the wait
+        by setting ``key``."""
+        watch, spares = wait_watch(), self._shared.spares
+        watched = watch.watch(time.monotonic() + self.timeout_s, look, expire, self.post_poll_s)
         connection = None
         try:
-            connection = shared.spares.connection()
+            connection = spares.connection()
             if connection is None:
-                return read_when_set(self.store, collective.result)
-            return bytes(connection.get(collective.result))
+                return read_when_set(store, key)
+            return bytes(connection.get(key))
         except ControlPlaneLost:  # the store's host is gone: no wait can end any more
             connection = None  # (a dead connection is not kept for the next wait)
             raise
         finally:
             watch.cancel(watched)
-            shared.spares.release(connection)
+            spares.release(connection)
 
     def _look(self, collective: Collective, channel: Optional[str]) -> bool:
         """End ``collective`` for every rank if a peer has posted on ``channel`` (one request; three if one has)."""
