@@ -1,7 +1,7 @@
 """MoE benchmark: the Triton grouped GEMM vs torch, AG-MoE / MoE-RS vs sequential, contextual vs alone.
 
     torchrun --nproc_per_node=2 bench/moe.py [--out moe.jsonl]   # GPUs: all three parts at world size 2
-    torchrun --nproc_per_node=1 bench/moe.py --parts a [--tile-order grouped]
+    torchrun --nproc_per_node=1 bench/moe.py --parts a [--tile-order grouped] [--split-columns 2]
     python bench/moe.py --smoke                                   # CPU, interpreter, tiny shapes: code paths only
 
 Parts (``--parts``, default ``abc``):
@@ -16,7 +16,8 @@ a. Up projection only, bf16, on every rank's own GPU (rank 0 reported): the Trit
    "GEMM only" rows time grouped_mm and Triton "sorted" on a pre-permuted A as well. "K-major W"
    rows give grouped_mm and Triton the same weights stored as ``[E, N, K]`` (``w.transpose(1, 2)``
    of a contiguous copy), the layout tensor-descriptor loads favour. ``--tile-order`` chooses the
-   order in which the Triton kernel walks its tiles (``moe.TILE_ORDERS``). Each contender's host µs per
+   order in which the Triton kernel walks its tiles (``moe.TILE_ORDERS``); ``--split-columns N`` times the
+   GEMM one rank of an N-rank layer runs (every token, I / N columns). Each contender's host µs per
    call (the time to issue it, 50 calls back to back, best of 3 rounds) is printed beside its GPU µs
    (back to back) and its one call from idle, which is at least the larger of the two.
 b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert columns I/w):
@@ -86,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", default="0,1", help="indices into the shape list")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--split-columns", type=int, default=1, metavar="N",
+                   help="part a: the GEMM one rank of N runs in the layer (every token, I / N columns)")
     p.add_argument("--tile-order", default="expert_bands", choices=moe.TILE_ORDERS,
                    help="part a: the order in which the Triton grouped GEMM walks its tiles")
     p.add_argument("--out", default=None, help="append the rows as JSON lines to this file (rank 0)")
@@ -153,6 +156,9 @@ class Bench:
     def part_a(self) -> None:
         for s in self.shapes:
             T, E, k, H, I = s["T"], s["E"], s["k"], s["H"], s["I"]
+            if I % self.o.split_columns:
+                raise SystemExit(f"I={I} is not a multiple of --split-columns {self.o.split_columns}")
+            I //= self.o.split_columns
             x, ids, _ = self.problem(s, T, seed=1)
             w = self.weights(E, H, I, seed=2)
             rt = moe.moe_align(ids, E)
@@ -218,12 +224,14 @@ class Bench:
                                    if key[moe.MOE_KEY.index("A_MODE")] == (0 if "gather" in name else 2)
                                    and key[moe.MOE_KEY.index("B_TMA")] == b_tma), None)
                 self.record("a", s, name, ms, one_call_ms=one_call, host_us=host_us[name], tflops=flops / ms / 1e9,
+                            split_columns=self.o.split_columns,
                             rel_err=errors.get(name),
                             winner=winner, tile_order=self.o.tile_order if name.startswith("triton") else None)
             if self.rank == 0:
                 loop_ms = results["torch per-expert loop (+perm)"]
                 gm_ms = results["torch._grouped_mm (+perm)"]
-                print(f"\n### (a) up projection T={T} E={E} top-{k} H={H} I={I} {self.meta['device']} "
+                split = "" if self.o.split_columns == 1 else f" (one rank's columns of {self.o.split_columns})"
+                print(f"\n### (a) up projection T={T} E={E} top-{k} H={H} I={I}{split} {self.meta['device']} "
                       f"({str(self.dtype).split('.')[-1]}, tile order {self.o.tile_order})\n")
                 print("| contender | ms back to back | ms one call | host µs | GPU µs | TFLOP/s | vs loop "
                       "| vs grouped_mm (+perm) | one call vs grouped_mm (+perm) | rel. err vs grouped_mm | winner |")
