@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import triton
 from triton import knobs
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 __all__ = ["enabled", "launch", "runner"]
@@ -63,19 +64,18 @@ def _knob_state(jit: JITFunction) -> tuple:
 class _Runner:
     """``JITFunction.run`` for one kernel, with the hit path described in the module doc."""
 
-    __slots__ = ("jit", "kernels", "driver")
+    __slots__ = ("jit", "kernels")
 
     def __init__(self, jit: JITFunction) -> None:
         self.jit = jit
         self.kernels: dict = {}  # (device, specialization, options, knobs) -> compiled kernel
-        self.driver = triton.runtime.driver
 
     def __call__(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         jit = self.jit
         if (not enabled or warmup or jit.pre_run_hooks or _hooks_installed()
                 or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None):
             return jit.run(*args, grid=grid, warmup=warmup, **kwargs)
-        active = self.driver.active
+        active = driver.active
         device = active.get_current_device()
         bound, specialization, options = jit.device_caches[device][4](*args, **kwargs)
         try:
