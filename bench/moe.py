@@ -25,7 +25,7 @@ b. AG-MoE and MoE-RS at the launched world size (tokens T/w per rank, expert col
    all_gather of tokens and routing, then routing + permutation + ``torch._grouped_mm``; ``torch._grouped_mm`` +
    weighting + un-permute + top-k sum, then ``reduce_scatter_tensor``). Max over ranks. On 2 GPUs or
    more a third AG-MoE contender is ``ag_moe(graph_safe=True)`` called eagerly (the tokens pushed on the
-   copy engines while the routing is sorted, instead of packed in one all-gather). On GPUs
+   copy engines while the routing is sorted, instead of all-gathered). On GPUs
    a second table times the same steps captured in CUDA graphs and replayed (``ag_moe`` with
    ``graph_safe=True``): a few µs of host per call, so the GPU work and the overlap decide.
 c. The TP layer (``moe.tp_moe_layer``: AG-MoE gate-up, SiLU-gating, MoE-RS down) with the

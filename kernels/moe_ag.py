@@ -3,14 +3,14 @@
 :func:`ag_moe` is the first half of the tensor-parallel MoE layer (each rank holds a slice of every
 expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
 by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
-launching rank's own tokens first. A call without ``graph_safe`` (and any call on gloo) gathers tokens
-and routing packed in one all-gather: an eager call is host-bound at these sizes, and this is its cheapest
-gather. A ``graph_safe=True`` call on NCCL GPUs (made to be captured in a CUDA graph, whose host operations
-cost nothing on replay) gathers the routing first, then pushes the tokens on the copy engines into the peers'
-symmetric memory while the routing is sorted, and tiles of another rank's tokens wait for its arrival
-flag (grouped per expert: the GEMM waits for every rank's tokens once, on the stream). Cost: one
-all-gather (eager) or one small routing all-gather and the pushes (graph-safe), one sort and one GEMM
-launch, plus one host sync for
+launching rank's own tokens first. Every call gathers the routing first (one small all-gather). A call
+without ``graph_safe`` (and any call on gloo) then all-gathers the tokens, which NCCL runs on its own stream
+while the routing is sorted: an eager call is host-bound at these sizes, and two plain collectives are its
+cheapest gather. A ``graph_safe=True`` call on NCCL GPUs (made to be captured in a CUDA graph, whose host
+operations cost nothing on replay) pushes the tokens on the copy engines into the peers' symmetric memory
+instead, and tiles of another rank's tokens wait for its arrival flag (grouped per expert: the GEMM waits for
+every rank's tokens once, on the stream). Cost: two all-gathers (eager) or one small routing all-gather and
+the pushes (graph-safe), one sort and one GEMM launch, plus one host sync for
 the token counts and one for the id range check unless ``tokens_per_rank`` / ``check_ids=False``
 are given. ``graph_safe=True`` makes it capturable in a CUDA graph (fixed-value flags, no host sync).
 """
@@ -33,8 +33,8 @@ from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, mo
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
 
-__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_packed", "gather_routing",
-           "layout_for", "token_pusher"]
+__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "PendingRows", "ag_moe", "ag_moe_for_caller", "gather_routing",
+           "layout_for", "start_gather", "token_pusher"]
 
 #: How ag_moe groups the gathered rows: per (source rank, expert), per expert over every rank, or
 #: whichever :func:`layout_for` picks for the token counts.
@@ -134,12 +134,12 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
     expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
-    tiles from the launching rank's own tokens on. A call without ``graph_safe`` gathers every rank's tokens
-    and routing in one all-gather, packed in one row per token (:func:`gather_packed`), then sorts and
-    multiplies: at these sizes an eager call is host-bound, and the pushes below cost its host three times
-    the operations (docs/moe.md, "Where an eager call's host time goes"). A graph-safe call on NCCL GPUs
-    all-gathers the routing first (one small collective: ids bit-cast into a float32 row next to the
-    weights), then the tokens travel by copy-engine pushes into the peers' symmetric memory
+    tiles from the launching rank's own tokens on. Every call all-gathers the routing first (one small
+    collective: ids bit-cast into a float32 row next to the weights, :func:`gather_routing`). A call without
+    ``graph_safe`` then all-gathers the tokens, left under way on NCCL's stream while the routing is sorted,
+    and multiplies: at these sizes an eager call is host-bound, and the pushes below cost its host three times
+    the operations (docs/moe.md, "Where an eager call's host time goes"). In a graph-safe call on NCCL GPUs
+    the tokens travel by copy-engine pushes into the peers' symmetric memory
     (``kernels.symm.ShardPusher``: no SM taken from the GEMM, no barrier) while the routing is sorted;
     grouped by rank, tiles of another rank's tokens spin on that rank's arrival flag, so the GEMM computes
     the local tokens while the rest arrive.
@@ -219,20 +219,23 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
 
     by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
-    pusher = None
+    pusher = tokens = None
+    # 1. every rank's routing first (one small collective: the sort waits for it, not for the tokens)
+    ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
     if _pushes_tokens(x, group, graph_safe):
-        # 1. every rank's routing first (one small collective: the sort waits for it, not for the tokens);
-        # no id check (a graph-safe call must not sync with the host)
-        ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
-        # 2. the tokens, pushed on the copy engines while the routing travels and is sorted
+        # 2. the tokens, pushed on the copy engines while the routing is sorted (no id check: a graph-safe
+        # call must not sync with the host)
         pusher = token_pusher(group, graph_safe)
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
-    else:  # tokens and routing in one all-gather: the fewest host operations (see gather_packed)
-        x_all, ids_all, weights_all = gather_packed(x, topk_ids, topk_weights, tpr, group)
+    else:
         if check_ids:
             _check_gathered_ids(where, ids_all, E, tpr)
+        # 2. the tokens' all-gather, left under way: NCCL runs it on its own stream while the routing is sorted
+        tokens = start_gather(x, tpr, group)
     try:
         routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
+        if tokens is not None:
+            x_all = tokens.wait()
         # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
         # rank's tokens waits for their arrival flag; grouped by expert, nearly every tile reads several ranks'
         # tokens, so the stream waits for all of them once and the GEMM runs without flags
@@ -245,17 +248,19 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
             moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
                      rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)
     finally:
+        if tokens is not None:  # also after an error: the gather writes into memory that must not be freed under it
+            tokens.wait()
         if pusher is not None:  # also after an error: the flags must pair up with the peers' next call
             pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
 
 
 def _pushes_tokens(x: torch.Tensor, group, graph_safe: bool) -> bool:
-    """Whether the tokens travel by copy-engine pushes (else packed with the routing in one all-gather): for a
-    ``graph_safe`` call (made to be captured in a CUDA graph) on NCCL GPUs. Replayed, host operations cost
-    nothing and the pushes overlap the sort (and, grouped by rank, the GEMM); eager, the pushes' host
-    operations cost more than they hide (on 2 x H200, ``bench/moe.py`` part b's shapes: 0.57x against
-    0.69x of the sequential form at 64 experts, 0.79x against 0.88x at 8)."""
+    """Whether the tokens travel by copy-engine pushes (else by one all-gather): for a ``graph_safe`` call
+    (made to be captured in a CUDA graph) on NCCL GPUs. Replayed, host operations cost nothing and the pushes
+    overlap the sort (and, grouped by rank, the GEMM); eager, the pushes' host operations cost more than they
+    hide (on 2 x H200, ``bench/moe.py`` part b's shapes, against a gather of tokens and routing packed in one
+    all-gather: 0.57x against 0.69x of the sequential form at 64 experts, 0.79x against 0.88x at 8)."""
     return graph_safe and x.is_cuda and uses_nccl(group)
 
 
@@ -333,63 +338,39 @@ def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple) -
                      "check the router's output and num_experts (every rank raises this)")
 
 
-def gather_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], tpr: tuple,
-                  group) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Every rank's tokens, ``topk_ids`` (int32) and ``topk_weights`` in rank order, in one all-gather: each
-    token's row of bytes holds its hidden state, then its ids and its weights (float32), then padding.
-    Returns the tokens as a strided view into the gathered rows (in ``x``'s dtype, the row stride a multiple
-    of 16 elements, as Triton needs to vectorize the GEMM's loads) and the routing as views of a copy of its
-    columns (so a kept routing does not keep every rank's tokens alive). One pack (a copy of ``x``), one
-    collective (padded to the largest rank), one small copy and views: the host's cheapest gather. Where the
-    tokens' bytes do not end on a 4-byte boundary (an odd H in 16-bit floats), two collectives instead."""
-    T, H = x.shape
-    k = topk_ids.shape[1]
-    x_bytes = H * x.element_size()
-    if x_bytes % 4:
-        ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
-        return _gather_padded(x, tpr, group), ids_all, weights_all
-    parts = [_bytes_of(x, x.dtype), _bytes_of(topk_ids, torch.int32)]
-    if topk_weights is not None:
-        parts.append(_bytes_of(topk_weights, torch.float32))
-    used = x_bytes + 4 * k * (len(parts) - 1)
-    # a row a multiple of 16 elements of x: the GEMM's loads are vectorized only for such a row stride
-    row_bytes = -(-used // (16 * x.element_size())) * 16 * x.element_size()
-    if row_bytes > used:
-        parts.append(_filler(T, row_bytes - used, torch.uint8, x.device))
-    word = _widest_word(parts)  # a byte-wise cat moves one byte per element: 3-4x slower on an H200
-    rows = _gather_padded(torch.cat([part.view(word) for part in parts], dim=1), tpr, group).view(torch.uint8)
-    routing = rows[:, x_bytes:used].clone()
-    ids_all = routing[:, :4 * k].view(torch.int32)
-    weights_all = None
-    if topk_weights is not None:
-        weights_all = routing[:, 4 * k:].view(torch.float32)
-        if topk_weights.dtype != torch.float32:
-            weights_all = weights_all.to(topk_weights.dtype)
-    return rows[:, :x_bytes].view(x.dtype), ids_all, weights_all
+class PendingRows:
+    """Every rank's rows of an all-gather that may still be under way (on NCCL's own stream): :meth:`wait` makes
+    the current stream wait for them (once) and returns them in rank order, each rank's padding dropped."""
+
+    __slots__ = ("_work", "_gathered", "_tpr")
+
+    def __init__(self, work, gathered: torch.Tensor, tpr: tuple) -> None:
+        self._work, self._gathered, self._tpr = work, gathered, tpr
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        tpr, gathered = self._tpr, self._gathered
+        max_t = max(tpr)
+        if all(t == max_t for t in tpr):
+            return gathered
+        return torch.cat([gathered[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
 
 
-def _widest_word(parts: Sequence[torch.Tensor]) -> torch.dtype:
-    """The widest integer type (8, 4, 2 or 1 bytes) that every byte tensor of ``parts`` can be viewed as: its
-    row width, row stride and offset in storage all multiples of that size."""
-    for word in (torch.int64, torch.int32, torch.int16):
-        size = word.itemsize
-        if all(p.shape[1] % size == 0 and p.stride(0) % size == 0 and p.storage_offset() % size == 0 for p in parts):
-            return word
-    return torch.uint8
+def start_gather(local: torch.Tensor, tpr: tuple, group, async_op: bool = True) -> PendingRows:
+    """Every rank's rows of ``local`` (``[T_r, W]``, ``T_r = tpr[rank]``): one all-gather with each rank's rows
+    padded to the largest rank's count, left under way with ``async_op`` (NCCL runs it on its own stream, beside
+    what the current stream does until :meth:`PendingRows.wait`)."""
+    max_t = max(tpr)
+    if local.shape[0] != max_t:
+        local = torch.cat([local, _filler(max_t - local.shape[0], local.shape[1], local.dtype, local.device)])
+    gathered = torch.empty(len(tpr) * max_t, local.shape[1], dtype=local.dtype, device=local.device)
+    return PendingRows(_all_gather(gathered, local.contiguous(), group, async_op=async_op), gathered, tpr)
 
 
-def _bytes_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype`` with unit-stride rows, seen as bytes (no copy where it already is). ``is_contiguous``
-    alone does not do: torch calls a tensor with an empty or one-long dimension contiguous whatever its strides,
-    and a byte view needs the last stride to be 1."""
-    t = t if t.dtype == dtype else t.to(dtype)
-    if not (t.is_contiguous() and t.stride(-1) == 1):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t.view(torch.uint8)
-
-
-#: A block per (width, dtype, device) that fills packed rows or pads a rank's rows, grown to the most rows
-#: asked: never read, so one uninitialized block serves every call.
+#: A block per (width, dtype, device) that pads a rank's rows to the largest rank's count, grown to the most
+#: rows asked: never read, so one uninitialized block serves every call.
 _fillers: dict = {}
 
 
@@ -400,31 +381,21 @@ def _filler(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> 
     return block[:rows]
 
 
-def _gather_padded(local: torch.Tensor, tpr: tuple, group) -> torch.Tensor:
-    """Every rank's rows of ``local`` (``[T_r, W]``, ``T_r = tpr[rank]``), concatenated in rank order: one
-    all-gather with each rank's rows padded to the largest rank's count, the padding dropped after it."""
-    max_t = max(tpr)
-    if local.shape[0] != max_t:
-        local = torch.cat([local, _filler(max_t - local.shape[0], local.shape[1], local.dtype, local.device)])
-    gathered = torch.empty(len(tpr) * max_t, local.shape[1], dtype=local.dtype, device=local.device)
-    _all_gather(gathered, local.contiguous(), group)
-    if all(t == max_t for t in tpr):
-        return gathered
-    return torch.cat([gathered[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
-
-
 def gather_routing(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], tpr: tuple,
-                    group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Every rank's ``topk_ids`` (int32) and ``topk_weights``, in rank order: one all-gather of float32
-    rows (ids bit-cast, then the weights), padded to the largest rank."""
+    rows (ids bit-cast, then the weights), padded to the largest rank. The results are views of one
+    gathered block (the ids strided: the sorts read them as they are)."""
     k = topk_ids.shape[1]
-    parts = [topk_ids.to(torch.int32).view(torch.float32)]
-    if topk_weights is not None:
-        parts.append(topk_weights.float())
-    metas = _gather_padded(torch.cat(parts, dim=1), tpr, group)
-    ids_all = metas[:, :k].view(torch.int32)  # a strided view: moe_align_stacked reads it as it is
-    weights_all = metas[:, k:].to(topk_weights.dtype) if topk_weights is not None else None
-    return ids_all, weights_all
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    if topk_weights is None:
+        return start_gather(ids, tpr, group, async_op=False).wait(), None
+    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+    rows = start_gather(torch.cat((ids.view(torch.float32), weights), dim=1), tpr, group, async_op=False).wait()
+    weights_all = rows.narrow(1, k, k)
+    if topk_weights.dtype != torch.float32:
+        weights_all = weights_all.to(topk_weights.dtype)
+    return rows.narrow(1, 0, k).view(torch.int32), weights_all
 
 
 def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:

@@ -119,13 +119,12 @@ def case_layer(ctx: Ranks) -> dict:
 
 
 @cases.case
-def case_packed_gather(ctx: Ranks) -> dict:
-    """gather_packed alone: every rank's tokens, ids and weights back bit for bit, in rank order, for uneven
-    counts with one rank holding none, with and without weights, in float32 and float16 (one packed
-    collective; int64 ids and float16 weights converted and back; column-strided tokens and top-1 routing
-    transposed from a row, the empty rank's too, which torch calls contiguous though a byte view needs unit
-    strides), and in float16 with an odd hidden size (its bytes end off a 4-byte boundary: two collectives).
-    The routing returned must not share the gathered tokens' memory (a kept routing would keep them alive)."""
+def case_eager_gather(ctx: Ranks) -> dict:
+    """The gather of a call without graph_safe alone (gather_routing, then the tokens' all-gather left under way):
+    every rank's tokens, ids and weights back bit for bit, in rank order, for uneven counts with one rank holding
+    none, with and without weights, in float32 and float16 (int64 ids and float16 weights converted and back;
+    column-strided tokens and top-1 routing transposed from a row, the empty rank's too), and in float16 with an
+    odd hidden size. The tokens come back as one block of rows of their own, apart from the routing's."""
     tokens = [0 if r == 1 else 3 + 2 * r for r in range(ctx.world)]
     mine = slice(sum(tokens[:ctx.rank]), sum(tokens[:ctx.rank + 1]))
     checks = []
@@ -141,13 +140,16 @@ def case_packed_gather(ctx: Ranks) -> dict:
         if strided:  # every other column of a wider tensor; [T, 1] routing as the transpose of a [1, T] row
             x_r = torch.stack([x_r, torch.zeros_like(x_r)], dim=2).flatten(1)[:, ::2]
             ids_r, wts_r = ids_r.t().contiguous().t(), wts_r.t().contiguous().t()
-        x_all, ids_all, wts_all = moe_ag.gather_packed(x_r, ids_r, wts_r if weights else None, tuple(tokens), None)
+        ids_all, wts_all = moe_ag.gather_routing(ids_r, wts_r if weights else None, tuple(tokens), None)
+        pending = moe_ag.start_gather(x_r, tuple(tokens), None)
+        x_all = pending.wait()
         checks.append({"dtype": str(dtype), "H": H, "weights": str(weights), "strided": strided,
                        "given_strides": [x_r.stride(), ids_r.stride()],
                        "x": torch.equal(x_all.cpu(), x), "ids": torch.equal(ids_all.cpu(), ids.to(torch.int32)),
+                       "ids_dtype": str(ids_all.dtype),
                        "weights_back": torch.equal(wts_all.cpu(), wts) if weights else wts_all is None,
-                       "x_dtype": str(x_all.dtype), "one_row": x_all.stride(0) != H,
-                       "stride16": x_all.stride(0) % 16 == 0,
+                       "x_dtype": str(x_all.dtype), "x_contiguous": x_all.is_contiguous(),
+                       "waited_twice": pending.wait() is x_all or torch.equal(pending.wait(), x_all),
                        "routing_apart": ids_all.untyped_storage().data_ptr() != x_all.untyped_storage().data_ptr()})
     return {"checks": checks}
 
@@ -330,7 +332,7 @@ def case_keys_differ(ctx: Ranks) -> dict:
 def case_graph(ctx: Ranks) -> dict:
     """``graph_safe=True``: the host-sync arguments are refused; eagerly it gives the default path's
     result; on NCCL GPUs ag_moe and the whole TP layer (tuned in context first) are captured in CUDA
-    graphs and replayed on fresh inputs copied into the captured ones, with default-path (eager, packed) calls
+    graphs and replayed on fresh inputs copied into the captured ones, with default-path (eager) calls
     in between, each replay checked against the per-expert reference."""
     tokens = [12 + 4 * r for r in range(ctx.world)]
     E, k, H, I = 8, 2, 32, 16 * ctx.world
@@ -379,7 +381,7 @@ def case_graph(ctx: Ranks) -> dict:
     with torch.cuda.graph(ag_graph):
         ag_out = ag(True)
     errors = []
-    for replay in range(6):  # fresh routing and tokens each replay, an eager (packed) call in between
+    for replay in range(6):  # fresh routing and tokens each replay, an eager call in between
         q = full_problem(ctx, tokens, E, k, H, I, seed=1300 + 10 * replay)
         x.copy_(q["x"][q["mine"]]), ids.copy_(q["ids"][q["mine"]]), wts.copy_(q["weights"][q["mine"]])
         layer_graph.replay()

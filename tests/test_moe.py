@@ -369,23 +369,6 @@ def test_host_errors():
             moe.moe_gemm_with_config(x.bfloat16(), w.bfloat16(), rt, cfg)
 
 
-def test_packed_rows_are_copied_in_the_widest_word_every_part_allows():
-    """The packed gather's rows are joined as int64 where every part's width, row stride and offset allow it, else
-    in narrower words, down to bytes; viewed back as bytes they are the same rows."""
-    from disttune.kernels.moe_ag import _widest_word
-
-    block = torch.arange(8 * 48, dtype=torch.uint8).view(8, 48)
-    assert _widest_word([block[:, :16], block[:, 16:40]]) == torch.int64
-    assert _widest_word([block[:, :16], block[:, 16:28]]) == torch.int32  # a width of 12 bytes
-    assert _widest_word([block[:, 4:12]]) == torch.int32  # an offset of 4 bytes
-    assert _widest_word([block[:, 2:4]]) == torch.int16
-    assert _widest_word([block[1:, 1:2]]) == torch.uint8
-    parts = [block[:, :16], block[:, 16:28]]
-    word = _widest_word(parts)
-    joined = torch.cat([part.view(word) for part in parts], dim=1).view(torch.uint8)
-    assert torch.equal(joined, torch.cat(parts, dim=1))
-
-
 def test_default_configs_and_pruning():
     if INTERPRET or not torch.cuda.is_available():
         assert moe.default_moe_configs() == moe.CPU_MOE_CONFIGS
@@ -415,7 +398,7 @@ def _launch(out: Path, nproc: int, cases: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("moe2"), 2, ["layer", "agree_dp", "agree_tp", "keys_differ", "graph",
-                                                        "inconsistent", "cached_checks", "recover", "packed_gather"])
+                                                        "inconsistent", "cached_checks", "recover", "eager_gather"])
 
 
 @pytest.fixture(scope="module")
@@ -457,21 +440,20 @@ def _check_layer(per_rank):
         assert {c["layer_layout"] for c in value["checks"]} == {"expert"}
 
 
-def test_one_all_gather_carries_every_ranks_tokens_and_routing(gloo2):
-    """The packed gather every call without graph_safe uses: tokens, ids and weights back bit for bit on every
-    rank, uneven counts with an empty rank, without weights, converted ids and weights, strided inputs, the
-    two-collective form where a token's bytes cannot be followed by int32 ids (odd H in float16), and a
-    routing that does not keep the gathered tokens alive."""
-    for rank, value in enumerate(_values(gloo2["packed_gather"])):
+def test_the_eager_gather_returns_every_ranks_tokens_and_routing(gloo2):
+    """The gather every call without graph_safe uses (the routing's all-gather, then the tokens' left under way):
+    tokens, ids and weights back bit for bit on every rank, uneven counts with an empty rank, without weights,
+    converted ids and weights, strided inputs, an odd hidden size in float16; the tokens one contiguous block
+    apart from the routing, the same block however often it is waited for."""
+    for rank, value in enumerate(_values(gloo2["eager_gather"])):
         assert [(c["dtype"], c["H"], c["weights"], c["strided"]) for c in value["checks"]] == [
             ("torch.float32", 12, "torch.float32", False), ("torch.float32", 12, "None", False),
             ("torch.float16", 8, "torch.float16", True), ("torch.float16", 7, "torch.float32", False)]
         for check in value["checks"]:
             assert check["x"] and check["ids"] and check["weights_back"], f"rank {rank}: {check}"
-            assert check["x_dtype"] == check["dtype"], f"rank {rank}: {check}"
-            assert check["stride16"] or not check["one_row"], f"rank {rank}: a row stride the GEMM cannot vectorize"
+            assert check["x_dtype"] == check["dtype"] and check["ids_dtype"] == "torch.int32", f"rank {rank}: {check}"
+            assert check["x_contiguous"] and check["waited_twice"], f"rank {rank}: {check}"
             assert check["routing_apart"], f"rank {rank}: the routing shares the gathered tokens' memory"
-        assert [c["one_row"] for c in value["checks"]] == [True, True, True, False], f"rank {rank}: {value}"
         strided = value["checks"][2]["given_strides"]
         assert strided[0][1] != 1 and strided[1][0] == 1, f"rank {rank}: the strided inputs were not strided: {strided}"
 
