@@ -340,22 +340,23 @@ def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple) -
 
 class PendingRows:
     """Every rank's rows of an all-gather that may still be under way (on NCCL's own stream): :meth:`wait` makes
-    the current stream wait for them (once) and returns them in rank order, each rank's padding dropped."""
+    the current stream wait for them and returns them in rank order, each rank's padding dropped (the first
+    call does the work; later calls return the same tensor)."""
 
-    __slots__ = ("_work", "_gathered", "_tpr")
+    __slots__ = ("_work", "_rows", "_tpr")
 
     def __init__(self, work, gathered: torch.Tensor, tpr: tuple) -> None:
-        self._work, self._gathered, self._tpr = work, gathered, tpr
+        self._work, self._rows, self._tpr = work, gathered, tpr
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-            self._work = None
-        tpr, gathered = self._tpr, self._gathered
-        max_t = max(tpr)
-        if all(t == max_t for t in tpr):
-            return gathered
-        return torch.cat([gathered[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+        if self._tpr is not None:
+            tpr, max_t = self._tpr, max(self._tpr)
+            if any(t != max_t for t in tpr):
+                self._rows = torch.cat([self._rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+        self._work = self._tpr = None
+        return self._rows
 
 
 def start_gather(local: torch.Tensor, tpr: tuple, group, async_op: bool = True) -> PendingRows:
