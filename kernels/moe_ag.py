@@ -343,19 +343,20 @@ class PendingRows:
     the current stream wait for them and returns them in rank order, each rank's padding dropped (the first
     call does the work; later calls return the same tensor)."""
 
-    __slots__ = ("_work", "_rows", "_tpr")
+    __slots__ = ("_work", "_rows", "_padded")
 
-    def __init__(self, work, gathered: torch.Tensor, tpr: tuple) -> None:
-        self._work, self._rows, self._tpr = work, gathered, tpr
+    def __init__(self, work, gathered: torch.Tensor, padded: Optional[tuple]) -> None:
+        """``padded``: the ranks' row counts where some rank's rows were padded (its padding dropped at the
+        first wait), None where every rank sent as many."""
+        self._work, self._rows, self._padded = work, gathered, padded
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-        if self._tpr is not None:
-            tpr, max_t = self._tpr, max(self._tpr)
-            if any(t != max_t for t in tpr):
-                self._rows = torch.cat([self._rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
-        self._work = self._tpr = None
+        if self._padded is not None:
+            tpr, max_t = self._padded, max(self._padded)
+            self._rows = torch.cat([self._rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
+        self._work = self._padded = None
         return self._rows
 
 
@@ -367,7 +368,8 @@ def start_gather(local: torch.Tensor, tpr: tuple, group, async_op: bool = True) 
     if local.shape[0] != max_t:
         local = torch.cat([local, _filler(max_t - local.shape[0], local.shape[1], local.dtype, local.device)])
     gathered = torch.empty(len(tpr) * max_t, local.shape[1], dtype=local.dtype, device=local.device)
-    return PendingRows(_all_gather(gathered, local.contiguous(), group, async_op=async_op), gathered, tpr)
+    padded = tpr if any(t != max_t for t in tpr) else None
+    return PendingRows(_all_gather(gathered, local.contiguous(), group, async_op=async_op), gathered, padded)
 
 
 #: A block per (width, dtype, device) that pads a rank's rows to the largest rank's count, grown to the most
