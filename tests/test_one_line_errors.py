@@ -139,7 +139,7 @@ def settled(monkeypatch, texts: dict[int, str], world: int, late: dict[int, floa
 
     from disttune import startup
 
-    monkeypatch.setattr(startup, "SETTLE_S", 0.5)
+    monkeypatch.setattr(startup, "SETTLE_S", 1.5)  # room for the threads to connect on a busy host
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     printed: dict[int, list[str]] = {}
 
@@ -164,5 +164,5 @@ def test_the_lowest_rank_that_failed_prints_each_distinct_line_once_with_its_ran
                        1: [], 2: []}
     printed = settled(monkeypatch, {1: "TuningError: A", 2: "TuningError: A"}, 3)  # rank 0 carries on elsewhere
     assert printed == {1: ["disttune: ranks 1, 2: TuningError: A" + hint], 2: []}
-    printed = settled(monkeypatch, {0: "TuningError: A", 1: "TuningError: C"}, 2, late={1: 2.0})
+    printed = settled(monkeypatch, {0: "TuningError: A", 1: "TuningError: C"}, 2, late={1: 3.5})
     assert printed == {0: ["disttune: rank 0: TuningError: A" + hint], 1: ["disttune: rank 1: TuningError: C" + hint]}

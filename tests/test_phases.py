@@ -20,18 +20,19 @@ def test_nested_spans_count_each_second_once_and_the_breakdown_sums_to_the_wall_
     phases = Phases()
     started = time.perf_counter()
     with phases.span("tuning runs"):
-        time.sleep(0.02)
+        time.sleep(0.05)
         with phases.span("collectives"):
-            time.sleep(0.03)
+            time.sleep(0.1)
         with phases.span("first launches"):
-            time.sleep(0.01)
-    time.sleep(0.01)
+            time.sleep(0.05)
+    time.sleep(0.05)
     wall = time.perf_counter() - started
     parts = phases.breakdown(wall)
     assert list(parts) == ["first launches", "tuning runs", "collectives", OTHER], "SPANS order, the rest last"
-    assert 0.03 <= parts["collectives"] < 0.06
-    assert 0.02 <= parts["tuning runs"] < 0.05, "the nested spans are not counted in the outer one"
-    assert 0.01 <= parts[OTHER] < 0.04
+    # upper bounds 0.1 s above the sleeps: a busy host's late wake-ups fit, a nested span counted twice does not
+    assert 0.1 <= parts["collectives"] < 0.2
+    assert 0.05 <= parts["tuning runs"] < 0.15, "the nested spans are not counted in the outer one"
+    assert 0.05 <= parts[OTHER] < 0.15
     assert sum(parts.values()) == pytest.approx(wall)
     assert phases.first("a") and not phases.first("a") and phases.first("b")
 
