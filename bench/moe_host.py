@@ -19,8 +19,7 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
   ag_moe, CUDA graph     ``ag_moe(graph_safe=True)`` captured once in a CUDA graph, the graph replayed
   sequential             all_gather of tokens and ids, routing, permutation, ``torch._grouped_mm``
   sequential, CUDA graph the same captured and replayed
-  gather_routing         the routing's all-gather and its unpacking (what every ag_moe call gathers first)
-  start_gather, waited   the tokens' all-gather (what an eager ag_moe gathers its tokens with), waited for
+  gather_tokens_and_routing  tokens, ids and weights in one collective (what an eager ag_moe gathers)
   moe_align_stacked      the rank-stacked sort
   moe_gemm               the grouped GEMM launch, arrival flags already set
   pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
@@ -28,9 +27,9 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
 GPU only (NCCL, symmetric memory). Rank 0 prints one table per shape and, with ``--out FILE``,
 appends one JSON line per row (with device, versions and date) to FILE.
 
-``--phases``: where an eager ``ag_moe`` call's host time goes. ag_moe's helpers (the checks, the routing's
-gather, the tokens' gather and its wait, the sort, the GEMM launch; the pusher's gather / wait / finish where
-a call pushes) are wrapped with timers for
+``--phases``: where an eager ``ag_moe`` call's host time goes. ag_moe's helpers (the checks, the gather of
+tokens and routing, the sort, the GEMM launch; the routing's gather and the pusher's gather / wait / finish
+where a call pushes) are wrapped with timers for
 ``--calls`` calls, best of ``--rounds`` rounds, and every rank's µs per call are printed, with what the
 helpers leave ("the rest": ag_moe's own lines); the wrappers add about 0.5 µs per phase.
 
@@ -68,8 +67,8 @@ from disttune.kernels import moe, moe_ag, shard_gemm
 
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
 #: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
-AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_routing", "start_gather",
-                 "token_pusher", "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
+AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_tokens_and_routing",
+                 "gather_routing", "token_pusher", "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
 PUSHER_PHASES = ("gather", "wait_all", "finish")
 
 
@@ -88,7 +87,6 @@ def timed_phases(seconds: dict) -> Iterator[None]:
 
     targets = [(moe_ag, name, name) for name in AG_MOE_PHASES]
     targets += [(moe_ag.ShardPusher, name, f"pusher.{name}") for name in PUSHER_PHASES]
-    targets += [(moe_ag.PendingRows, "wait", "tokens.wait")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:
         for owner, name, label in targets:
@@ -213,8 +211,7 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "ag_moe, CUDA graph": ag_graph.replay,
         "sequential": sequential,
         "sequential, CUDA graph": seq_graph.replay,
-        "gather_routing": lambda: moe_ag.gather_routing(ids, weights, tuple(tpr), None),
-        "start_gather, waited": lambda: moe_ag.start_gather(x, tuple(tpr), None).wait(),
+        "gather_tokens_and_routing": lambda: moe_ag.gather_tokens_and_routing(x, ids, weights, tuple(tpr), None),
         "moe_align_stacked": lambda: moe.moe_align_stacked(result.topk_ids, E, tpr),
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
                                          kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),

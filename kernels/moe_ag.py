@@ -33,8 +33,8 @@ from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, mo
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
 
-__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "PendingRows", "ag_moe", "ag_moe_for_caller", "gather_routing",
-           "layout_for", "start_gather", "token_pusher"]
+__all__ = ["AG_MOE_LAYOUTS", "AgMoeResult", "ag_moe", "ag_moe_for_caller", "gather_routing", "gather_rows",
+           "gather_tokens_and_routing", "layout_for", "token_pusher"]
 
 #: How ag_moe groups the gathered rows: per (source rank, expert), per expert over every rank, or
 #: whichever :func:`layout_for` picks for the token counts.
@@ -134,15 +134,15 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
 
     One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
     expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
-    tiles from the launching rank's own tokens on. Every call all-gathers the routing first (one small
-    collective: ids bit-cast into a float32 row next to the weights, :func:`gather_routing`). A call without
-    ``graph_safe`` then all-gathers the tokens, left under way on NCCL's stream while the routing is sorted,
-    and multiplies: at these sizes an eager call is host-bound, and the pushes below cost its host three times
-    the operations (docs/moe.md, "Where an eager call's host time goes"). In a graph-safe call on NCCL GPUs
-    the tokens travel by copy-engine pushes into the peers' symmetric memory
-    (``kernels.symm.ShardPusher``: no SM taken from the GEMM, no barrier) while the routing is sorted;
-    grouped by rank, tiles of another rank's tokens spin on that rank's arrival flag, so the GEMM computes
-    the local tokens while the rest arrive.
+    tiles from the launching rank's own tokens on. A call without ``graph_safe`` gathers every rank's tokens,
+    ids and weights in one collective (:func:`gather_rows`: on NCCL one grouped all-gather, one c10d call),
+    then sorts and multiplies: at these sizes an eager call is host-bound, its host time set by the number of
+    library calls, and one grouped gather costs the host less than the routing's gather followed by the
+    tokens' (docs/moe.md, "Where an eager call's host time goes"). A graph-safe call gathers the routing
+    first (:func:`gather_routing`); on NCCL GPUs its tokens travel by copy-engine pushes into the peers'
+    symmetric memory (``kernels.symm.ShardPusher``: no SM taken from the GEMM, no barrier) while the routing
+    is sorted; grouped by rank, tiles of another rank's tokens spin on that rank's arrival flag, so the GEMM
+    computes the local tokens while the rest arrive.
     The tuning key holds the bucket of the *global* row count, the same on every rank.
     Host syncs: the token counts (unless ``tokens_per_rank``) and the id range check on every
     rank's ids (unless ``check_ids=False``).
@@ -219,26 +219,23 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
 
     by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
-    pusher = tokens = None
-    # 1. every rank's routing first (one small collective: the sort waits for it, not for the tokens)
-    ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
+    pusher = None
     if _pushes_tokens(x, group, graph_safe):
-        # 2. the tokens, pushed on the copy engines while the routing is sorted (no id check: a graph-safe
-        # call must not sync with the host)
+        # 1. every rank's routing (one small collective: the sort waits for it), 2. the tokens, pushed on the copy
+        # engines while the routing is sorted (no id check: a graph-safe call must not sync with the host)
+        ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
         pusher = token_pusher(group, graph_safe)
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
     else:
+        # 1. every rank's tokens and routing, in one collective
+        x_all, ids_all, weights_all = gather_tokens_and_routing(x, topk_ids, topk_weights, tpr, group)
         if check_ids:
             _check_gathered_ids(where, ids_all, E, tpr)
-        # 2. the tokens' all-gather, left under way: NCCL runs it on its own stream while the routing is sorted
-        tokens = start_gather(x, tpr, group)
     try:
         routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
-        if tokens is not None:
-            x_all = tokens.wait()
         # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
-        # rank's tokens waits for their arrival flag; grouped by expert, nearly every tile reads several ranks'
-        # tokens, so the stream waits for all of them once and the GEMM runs without flags
+        # rank's pushed tokens waits for their arrival flag; grouped by expert, nearly every tile reads several
+        # ranks' tokens, so the stream waits for all of them once and the GEMM runs without flags
         wait = None
         if pusher is not None and by_rank:
             wait = (pusher.arrival_flags, pusher.epoch)
@@ -248,8 +245,6 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
             moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
                      rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)
     finally:
-        if tokens is not None:  # also after an error: the gather writes into memory that must not be freed under it
-            tokens.wait()
         if pusher is not None:  # also after an error: the flags must pair up with the peers' next call
             pusher.finish()
     return AgMoeResult(out, routing, tpr, row_offsets, ids_all, weights_all)
@@ -338,38 +333,32 @@ def _check_gathered_ids(where: str, ids_all: torch.Tensor, E: int, tpr: tuple) -
                      "check the router's output and num_experts (every rank raises this)")
 
 
-class PendingRows:
-    """Every rank's rows of an all-gather that may still be under way (on NCCL's own stream): :meth:`wait` makes
-    the current stream wait for them and returns them in rank order, each rank's padding dropped (the first
-    call does the work; later calls return the same tensor)."""
+def gather_rows(tensors: Sequence[torch.Tensor], tpr: tuple, group) -> list[torch.Tensor]:
+    """Every rank's rows of each of ``tensors`` (each ``[T_r, W_i]``, ``T_r = tpr[rank]``), in rank order. On NCCL
+    one grouped all-gather moves them all (one c10d call and one NCCL launch; an eager call's host time is set by
+    its number of library calls), elsewhere one all-gather each (gloo's grouped all-gather mixes up tensors of
+    different dtypes). Each rank's rows travel padded to the largest rank's count; where counts differ, the
+    padding is dropped (one copy per tensor). Returns contiguous tensors; waits (the current stream) for them."""
+    max_t, world = max(tpr), len(tpr)
+    inputs = [_padded(t.contiguous(), max_t) for t in tensors]
+    outputs = [torch.empty(world * max_t, t.shape[1], dtype=t.dtype, device=t.device) for t in inputs]
+    if max_t == 0:  # every rank knows the counts: all skip the collective alike
+        return outputs
+    if outputs[0].is_cuda and uses_nccl(group):
+        (group if group is not None else dist.group.WORLD).allgather_into_tensor_coalesced(outputs, inputs).wait()
+    else:
+        for gathered, local in zip(outputs, inputs):
+            _all_gather(gathered, local, group)
+    if any(t != max_t for t in tpr):
+        outputs = [torch.cat([o[r * max_t: r * max_t + t] for r, t in enumerate(tpr)]) for o in outputs]
+    return outputs
 
-    __slots__ = ("_work", "_rows", "_padded")
 
-    def __init__(self, work, gathered: torch.Tensor, padded: Optional[tuple]) -> None:
-        """``padded``: the ranks' row counts where some rank's rows were padded (its padding dropped at the
-        first wait), None where every rank sent as many."""
-        self._work, self._rows, self._padded = work, gathered, padded
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-        if self._padded is not None:
-            tpr, max_t = self._padded, max(self._padded)
-            self._rows = torch.cat([self._rows[r * max_t: r * max_t + t] for r, t in enumerate(tpr)])
-        self._work = self._padded = None
-        return self._rows
-
-
-def start_gather(local: torch.Tensor, tpr: tuple, group, async_op: bool = True) -> PendingRows:
-    """Every rank's rows of ``local`` (``[T_r, W]``, ``T_r = tpr[rank]``): one all-gather with each rank's rows
-    padded to the largest rank's count, left under way with ``async_op`` (NCCL runs it on its own stream, beside
-    what the current stream does until :meth:`PendingRows.wait`)."""
-    max_t = max(tpr)
-    if local.shape[0] != max_t:
-        local = torch.cat([local, _filler(max_t - local.shape[0], local.shape[1], local.dtype, local.device)])
-    gathered = torch.empty(len(tpr) * max_t, local.shape[1], dtype=local.dtype, device=local.device)
-    padded = tpr if any(t != max_t for t in tpr) else None
-    return PendingRows(_all_gather(gathered, local.contiguous(), group, async_op=async_op), gathered, padded)
+def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``rows`` with uninitialized rows appended up to ``count`` (a rank with fewer tokens than the largest)."""
+    if rows.shape[0] == count:
+        return rows
+    return torch.cat([rows, _filler(count - rows.shape[0], rows.shape[1], rows.dtype, rows.device)])
 
 
 #: A block per (width, dtype, device) that pads a rank's rows to the largest rank's count, grown to the most
@@ -384,21 +373,26 @@ def _filler(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> 
     return block[:rows]
 
 
+def _routing_rows(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """What travels of the routing: the ids as int32 (what the sorts read), and the weights where given."""
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    return [ids] if topk_weights is None else [ids, topk_weights]
+
+
 def gather_routing(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], tpr: tuple,
                    group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Every rank's ``topk_ids`` (int32) and ``topk_weights``, in rank order: one all-gather of float32
-    rows (ids bit-cast, then the weights), padded to the largest rank. The results are views of one
-    gathered block (the ids strided: the sorts read them as they are)."""
-    k = topk_ids.shape[1]
-    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-    if topk_weights is None:
-        return start_gather(ids, tpr, group, async_op=False).wait(), None
-    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-    rows = start_gather(torch.cat((ids.view(torch.float32), weights), dim=1), tpr, group, async_op=False).wait()
-    weights_all = rows.narrow(1, k, k)
-    if topk_weights.dtype != torch.float32:
-        weights_all = weights_all.to(topk_weights.dtype)
-    return rows.narrow(1, 0, k).view(torch.int32), weights_all
+    """Every rank's ``topk_ids`` (as int32) and ``topk_weights`` (in their dtype), in rank order: one collective
+    (:func:`gather_rows`)."""
+    ids_all, *weights_all = gather_rows(_routing_rows(topk_ids, topk_weights), tpr, group)
+    return ids_all, (weights_all[0] if weights_all else None)
+
+
+def gather_tokens_and_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                              tpr: tuple, group) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Every rank's tokens, ``topk_ids`` (as int32) and ``topk_weights`` (in their dtype), in rank order: one
+    collective (:func:`gather_rows`), what an ag_moe call without ``graph_safe`` gathers."""
+    x_all, ids_all, *weights_all = gather_rows([x, *_routing_rows(topk_ids, topk_weights)], tpr, group)
+    return x_all, ids_all, (weights_all[0] if weights_all else None)
 
 
 def _check_graph_safe(where: str, graph_safe: bool, tokens_per_rank, check_ids: bool) -> None:

@@ -120,11 +120,12 @@ def case_layer(ctx: Ranks) -> dict:
 
 @cases.case
 def case_eager_gather(ctx: Ranks) -> dict:
-    """The gather of a call without graph_safe alone (gather_routing, then the tokens' all-gather left under way):
-    every rank's tokens, ids and weights back bit for bit, in rank order, for uneven counts with one rank holding
-    none, with and without weights, in float32 and float16 (int64 ids and float16 weights converted and back;
-    column-strided tokens and top-1 routing transposed from a row, the empty rank's too), and in float16 with an
-    odd hidden size. The tokens come back as one block of rows of their own, apart from the routing's."""
+    """The gather of a call without graph_safe alone (tokens, ids and weights in one collective): every rank's
+    tokens, ids and weights back bit for bit, in rank order, for uneven counts with one rank holding none, with
+    and without weights, in float32 and float16 (int64 ids converted to int32, float16 weights kept; column-strided
+    tokens and top-1 routing transposed from a row, the empty rank's too), and in float16 with an odd hidden
+    size. The tokens come back as one block of rows of their own, apart from the routing's; the routing's own
+    gather (what a graph-safe call uses) returns the same ids and weights."""
     tokens = [0 if r == 1 else 3 + 2 * r for r in range(ctx.world)]
     mine = slice(sum(tokens[:ctx.rank]), sum(tokens[:ctx.rank + 1]))
     checks = []
@@ -140,16 +141,18 @@ def case_eager_gather(ctx: Ranks) -> dict:
         if strided:  # every other column of a wider tensor; [T, 1] routing as the transpose of a [1, T] row
             x_r = torch.stack([x_r, torch.zeros_like(x_r)], dim=2).flatten(1)[:, ::2]
             ids_r, wts_r = ids_r.t().contiguous().t(), wts_r.t().contiguous().t()
-        ids_all, wts_all = moe_ag.gather_routing(ids_r, wts_r if weights else None, tuple(tokens), None)
-        pending = moe_ag.start_gather(x_r, tuple(tokens), None)
-        x_all = pending.wait()
+        x_all, ids_all, wts_all = moe_ag.gather_tokens_and_routing(x_r, ids_r, wts_r if weights else None,
+                                                                   tuple(tokens), None)
+        ids_alone, wts_alone = moe_ag.gather_routing(ids_r, wts_r if weights else None, tuple(tokens), None)
         checks.append({"dtype": str(dtype), "H": H, "weights": str(weights), "strided": strided,
                        "given_strides": [x_r.stride(), ids_r.stride()],
                        "x": torch.equal(x_all.cpu(), x), "ids": torch.equal(ids_all.cpu(), ids.to(torch.int32)),
                        "ids_dtype": str(ids_all.dtype),
                        "weights_back": torch.equal(wts_all.cpu(), wts) if weights else wts_all is None,
                        "x_dtype": str(x_all.dtype), "x_contiguous": x_all.is_contiguous(),
-                       "waited_twice": pending.wait() is x_all,
+                       "weights_dtype": str(wts_all.dtype) if weights else None,
+                       "routing_alone_same": torch.equal(ids_alone, ids_all) and (
+                           torch.equal(wts_alone, wts_all) if weights else wts_alone is None),
                        "routing_apart": ids_all.untyped_storage().data_ptr() != x_all.untyped_storage().data_ptr()})
     return {"checks": checks}
 

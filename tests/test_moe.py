@@ -415,7 +415,7 @@ def gloo4(tmp_path_factory):
 def nccl1(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("CUDA graph capture needs a GPU (one rank under NCCL)")
-    return _launch(tmp_path_factory.mktemp("moe1"), 1, ["graph", "recover"])
+    return _launch(tmp_path_factory.mktemp("moe1"), 1, ["graph", "recover", "eager_gather"])
 
 
 def _values(per_rank: list[dict]) -> list[dict]:
@@ -440,22 +440,32 @@ def _check_layer(per_rank):
         assert {c["layer_layout"] for c in value["checks"]} == {"expert"}
 
 
-def test_the_eager_gather_returns_every_ranks_tokens_and_routing(gloo2):
-    """The gather every call without graph_safe uses (the routing's all-gather, then the tokens' left under way):
-    tokens, ids and weights back bit for bit on every rank, uneven counts with an empty rank, without weights,
-    converted ids and weights, strided inputs, an odd hidden size in float16; the tokens one contiguous block
-    apart from the routing, the same block however often it is waited for."""
-    for rank, value in enumerate(_values(gloo2["eager_gather"])):
+def _check_eager_gather(per_rank: list[dict]) -> None:
+    for rank, value in enumerate(_values(per_rank)):
         assert [(c["dtype"], c["H"], c["weights"], c["strided"]) for c in value["checks"]] == [
             ("torch.float32", 12, "torch.float32", False), ("torch.float32", 12, "None", False),
             ("torch.float16", 8, "torch.float16", True), ("torch.float16", 7, "torch.float32", False)]
         for check in value["checks"]:
             assert check["x"] and check["ids"] and check["weights_back"], f"rank {rank}: {check}"
             assert check["x_dtype"] == check["dtype"] and check["ids_dtype"] == "torch.int32", f"rank {rank}: {check}"
-            assert check["x_contiguous"] and check["waited_twice"], f"rank {rank}: {check}"
+            assert check["weights_dtype"] == (None if check["weights"] == "None" else check["weights"]), check
+            assert check["x_contiguous"] and check["routing_alone_same"], f"rank {rank}: {check}"
             assert check["routing_apart"], f"rank {rank}: the routing shares the gathered tokens' memory"
         strided = value["checks"][2]["given_strides"]
         assert strided[0][1] != 1 and strided[1][0] == 1, f"rank {rank}: the strided inputs were not strided: {strided}"
+
+
+def test_the_eager_gather_returns_every_ranks_tokens_and_routing(gloo2):
+    """The gather every call without graph_safe uses (tokens, ids and weights in one collective): tokens, ids and
+    weights back bit for bit on every rank, uneven counts with an empty rank, without weights, int64 ids and
+    float16 weights, strided inputs, an odd hidden size in float16; the tokens one contiguous block apart from
+    the routing; the routing's own gather agrees."""
+    _check_eager_gather(gloo2["eager_gather"])
+
+
+def test_the_eager_gather_under_nccl_on_one_gpu(nccl1):
+    """The same under NCCL, where the tokens, ids and weights (three dtypes) travel in one grouped all-gather."""
+    _check_eager_gather(nccl1["eager_gather"])
 
 
 @pytest.mark.slow
