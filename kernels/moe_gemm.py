@@ -21,7 +21,9 @@ padding). W is read through a 3-D tensor descriptor (TMA) when its rows are 16-b
 (its rows past an expert's end are loaded and never stored); gathered A and unaligned layouts use
 pointer loads. C is stored with a mask (a tile must not write the next expert's rows). Cost:
 ``2 * R * K * N`` flops plus one tile's padding per non-empty expert, and about 10 µs of host
-Python per launch.
+Python per launch. :func:`moe_gemm_sorting` sorts the routing in the same launch (``SORT``): the first
+programs run the counting sort's chunks (``moe_routing.sort_chunk``) and every program waits until all
+are sorted before its tiles, one launch where sort and GEMM take two.
 
 Tuning key (:data:`MOE_KEY`): ``N, K, E, TOP_K, ROWS_BUCKET`` and the A/C/weight modes (plus dtypes,
 as Triton adds them). ``ROWS_BUCKET`` is the total number of routed rows rounded up to a power of
@@ -53,7 +55,8 @@ from .matmul import (
     prune_by_shared_memory,
 )
 from .moe_common import INTERPRETED, PassedChecks, check_device, check_float_tensor, empty_buffer, tensor_layout
-from .moe_routing import MoeRouting, check_routing, token_starts
+from .moe_routing import (MAX_GROUPS, MoeRouting, SortPlan, check_rank_ids, check_routing, check_topk_ids, moe_align,
+                          moe_align_gathered, moe_align_stacked, sort_chunk, token_starts)
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 
 __all__ = [
@@ -72,6 +75,7 @@ __all__ = [
     "moe_gemm_kernel",
     "prepare_launch",
     "moe_gemm",
+    "moe_gemm_sorting",
     "moe_gemm_with_config",
 ]
 
@@ -147,6 +151,7 @@ def _moe_gemm_body(
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
+    sort_ids_ptr, sort_starts_ptr, sort_scratch_ptr, sort_sync_ptr, sort_stride_t, sort_stride_k,
     E_POW2: tl.constexpr,       # E rounded up: E groups in expert_offs, group g multiplies W[g % B_EXPERTS]
     WAIT: tl.constexpr,         # True: a tile of group g first spins until flags[g // B_EXPERTS] >= epoch;
                                 # 2: until flags[r] >= epoch for every rank r whose tokens the tile reads
@@ -162,7 +167,28 @@ def _moe_gemm_body(
     EXPERT_BANDS: tl.constexpr,  # tile order: GROUP_M bands inside each group (else across all M-tiles)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SORT: tl.constexpr = False,  # sort the routing first (moe_routing.sort_chunk's counting sort of the ids at
+                                 # sort_ids_ptr into sorted_ids and expert_offs), then multiply: one launch
+    SORT_WORLD: tl.constexpr = 1, SORT_BINS: tl.constexpr = 2, SORT_BLOCK: tl.constexpr = 256,
+    SORT_SCAN: tl.constexpr = 256,
 ):
+    if SORT:
+        # the programs sort the routing's chunks (each chunk independent of the others), count them done, and
+        # every program waits until all are: the tiles below read rows that other programs sorted. Waiting only
+        # on chunk programs, which never wait before counting, cannot deadlock: the grid fits on the GPU at once
+        chunks = tl.cdiv(R, SORT_BLOCK)
+        for chunk in range(tl.program_id(0), chunks, tl.num_programs(0)):
+            sort_chunk(sort_ids_ptr, sort_starts_ptr, sorted_ids_ptr, expert_offs_ptr, sort_scratch_ptr, chunk, R,
+                       sort_stride_t, sort_stride_k, B_EXPERTS, E, TOP_K, SORT_WORLD, SORT_BINS, SORT_BLOCK, SORT_SCAN)
+            tl.debug_barrier()  # every thread's stores of the chunk precede the count
+            tl.atomic_add(sort_sync_ptr, 1, sem="release", scope="gpu")
+        while tl.atomic_add(sort_sync_ptr, 0, sem="acquire", scope="gpu") < chunks:
+            pass
+        tl.debug_barrier()
+        # the last program through resets the counts, so a launch run again (a tuner's repeats) waits again
+        if tl.atomic_add(sort_sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(sort_sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sort_sync_ptr + 1, 0, sem="relaxed", scope="gpu")
     # The group table, once per program: group e owns cdiv(count_e, BLOCK_M) consecutive M-tiles.
     # A rank-stacked routing has one group per (source rank, expert); tiles are walked from
     # group first_group on (the launching rank's own tokens first).
@@ -481,7 +507,64 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
 
     ``tile_order`` (one of :data:`TILE_ORDERS`) chooses the order in which programs walk the tiles.
     """
-    out, args, strides, meta = prepare_launch(a, w, routing, a_order, out, out_order, weights, "moe_gemm", wait,
+    return _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait, first_group,
+                   tile_order, None, "moe_gemm")
+
+
+def moe_gemm_sorting(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, rank_tokens: Sequence[int] = (), *,
+                     by_rank: bool = True, a_order: str = "token", out: Optional[torch.Tensor] = None,
+                     out_order: str = "sorted", weights: Optional[torch.Tensor] = None, kernel=None,
+                     rows_bucket: Optional[int] = None, bucket: Callable[[int], int] = next_power_of_2,
+                     wait: Optional[tuple[torch.Tensor, int]] = None, first_group: int = 0,
+                     tile_order: str = "expert_bands") -> tuple[torch.Tensor, MoeRouting]:
+    """Sort the routing of ``topk_ids [T, top_k]`` by expert and run :func:`moe_gemm` over it, in one launch:
+    returns ``(out, routing)``, what :func:`moe_align` (no range check), or with ``rank_tokens``
+    :func:`moe_align_stacked` (``by_rank``) or :func:`moe_align_gathered`, followed by :func:`moe_gemm` give.
+
+    The grouped GEMM's programs first run the routing's counting sort (``moe_routing.sort_chunk``, chunk by
+    chunk, as :func:`~.moe_routing.group_sort` does) and wait for every chunk before their tiles: one launch
+    where the two steps take two, which is what an eager host-bound step saves (a Triton launch costs the host
+    tens of µs). Under the interpreter one program sorts and multiplies. Where the sort kernel cannot run (more
+    than ``MAX_GROUPS`` groups, no rows, ``K`` or ``N`` zero) the two steps run. Same results, bit for bit, as
+    the two steps with the same config. ``topk_ids`` are not range-checked: rows with ids outside
+    ``[0, E)`` go after every group and are not computed."""
+    where = "moe_gemm_sorting"
+    check_float_tensor(where, "w", w)
+    if w.dim() != 3:
+        raise ValueError(f"{where}: w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
+    num_experts = w.shape[0]
+    if rank_tokens:
+        rank_tokens = check_rank_ids(topk_ids, num_experts, rank_tokens, where)
+    else:
+        check_topk_ids(topk_ids, num_experts, where, check_range=False)
+        rank_tokens = ()
+    groups = num_experts * (len(rank_tokens) if rank_tokens and by_rank else 1)
+    T, k = topk_ids.shape
+    if not (T and w.shape[1] and w.shape[2] and groups <= MAX_GROUPS and isinstance(a, torch.Tensor)
+            and topk_ids.device == a.device and (a.is_cuda or INTERPRETED)):
+        if not rank_tokens:
+            routing = moe_align(topk_ids, num_experts, check_range=False)
+        elif by_rank:
+            routing = moe_align_stacked(topk_ids, num_experts, rank_tokens)
+        else:
+            routing = moe_align_gathered(topk_ids, num_experts, rank_tokens)
+        return _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait,
+                       first_group, tile_order, None, where), routing
+    plan = SortPlan.make(topk_ids, num_experts, rank_tokens, by_rank, counted=True)
+    routing = MoeRouting(plan.sorted_ids, plan.offs, T, k, num_experts, rank_tokens, by_rank or not rank_tokens)
+    return _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait, first_group,
+                   tile_order, plan, where), routing
+
+
+#: Rows each program of a sorting launch counts per step of its scan over the ids (fewer than group_sort's own
+#: launch: a GEMM config may run 4 warps).
+SORT_SCAN_ROWS = 4096
+
+
+def _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait, first_group,
+            tile_order, plan: Optional[SortPlan], where: str) -> torch.Tensor:
+    """:func:`moe_gemm`'s launch; with ``plan`` the programs sort the routing first (:func:`moe_gemm_sorting`)."""
+    out, args, strides, meta = prepare_launch(a, w, routing, a_order, out, out_order, weights, where, wait,
                                               tile_order)
     R, N = out.shape
     if R == 0 or N == 0:
@@ -491,9 +574,24 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, *, a_order: 
     rb = int(rows_bucket) if rows_bucket is not None else int(bucket(R))
     kern = kernel if kernel is not None else moe_gemm_kernel
     first_group = first_group if routing.by_rank else 0
+    if plan is not None:
+        meta.update(SORT=True, SORT_WORLD=plan.world, SORT_BINS=plan.bins, SORT_BLOCK=plan.block,
+                    SORT_SCAN=SORT_SCAN_ROWS)
+        if INTERPRETED:  # programs run one after another there: one program sorts every chunk, then multiplies
+            meta["NUM_SMS"] = 1
     cached_launch.launch(kern, _grid(R, N, routing, meta["NUM_SMS"]),
-                         (*args, rb, first_group, 0 if wait is None else wait[1], *strides), meta)
+                         (*args, rb, first_group, 0 if wait is None else wait[1], *strides,
+                          *_sort_args(routing, plan)), meta)
     return out
+
+
+def _sort_args(routing: MoeRouting, plan: Optional[SortPlan]) -> tuple:
+    """The kernel's sort arguments: the plan's ids, token starts, scratch, counts and id strides, or
+    placeholders where the launch does not sort."""
+    if plan is None:
+        offs = routing.expert_offs
+        return routing.sorted_ids, offs, offs, offs, 0, 0
+    return plan.ids, plan.starts, plan.scratch, plan.sync, plan.ids.stride(0), plan.ids.stride(1)
 
 
 def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, config: triton.Config, *,
@@ -510,6 +608,6 @@ def moe_gemm_with_config(a: torch.Tensor, w: torch.Tensor, routing: MoeRouting, 
         return out.zero_()
     kw = config.kwargs
     grid = _grid(R, N, routing, meta["NUM_SMS"])({**kw, **meta})
-    moe_gemm_jit[grid](*args, next_power_of_2(R), 0, 0, *strides, **meta, **kw,
+    moe_gemm_jit[grid](*args, next_power_of_2(R), 0, 0, *strides, *_sort_args(routing, None), **meta, **kw,
                        num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -24,6 +24,9 @@ one group in row order) and scatters each row's flat index to ``start[group] + r
 in earlier chunks + rank in its chunk``. So the result equals
 a stable sort's, and every rank that sorts the same ids gets the same order.
 
+A kernel can run these chunks itself (:func:`sort_chunk`, with a :class:`SortPlan`'s buffers): the grouped
+GEMM does, in ``moe_gemm.moe_gemm_sorting``.
+
 Cost on the GPU: two histograms per ``SCAN_ROWS`` rows in every program and one sort of ``BLOCK``
 keys. Up to 131072 rows there are at most 32 programs (``BLOCK`` grows with ``R``); beyond, the
 program count grows with ``R``, so the total work grows as ``R**2 / 4096``.
@@ -45,9 +48,9 @@ from .moe_common import INTERPRETED
 from .symm import capturing
 from .tp_common import row_starts
 
-__all__ = ["MAX_GROUPS", "group_sort", "group_sort_block", "MoeRouting", "moe_align", "moe_align_stacked",
-           "moe_align_gathered", "moe_align_block_size", "token_starts", "check_topk_ids", "check_routing",
-           "check_token_routing"]
+__all__ = ["MAX_GROUPS", "SortPlan", "group_sort", "group_sort_block", "sort_chunk", "MoeRouting", "moe_align",
+           "moe_align_stacked", "moe_align_gathered", "moe_align_block_size", "token_starts", "check_rank_ids",
+           "check_topk_ids", "check_routing", "check_token_routing"]
 
 #: Group counts above this fall back to torch's sort (the kernel keeps one histogram bin per group).
 MAX_GROUPS = 4095
@@ -71,13 +74,12 @@ def _keys(ids_ptr, token_starts_ptr, f, valid, stride_t, stride_k, E, dump,
 
 
 @triton.jit
-def _group_sort_kernel(
-    ids_ptr, token_starts_ptr, sorted_ids_ptr, offs_ptr, scratch_ptr,
-    R, stride_t, stride_k, E, GROUPS,
-    TOP_K: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    first = pid * BLOCK
+def sort_chunk(ids_ptr, token_starts_ptr, sorted_ids_ptr, offs_ptr, scratch_ptr, chunk,
+               R, stride_t, stride_k, E, GROUPS,
+               TOP_K: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr):
+    """The counting sort's work for rows ``chunk * BLOCK ..`` (:func:`group_sort`'s program ``chunk``): every
+    row's group counted, then this chunk's rows scattered to their sorted places; chunk 0 writes the starts."""
+    first = chunk * BLOCK
     dump = BINS - 1
     # every row's group, SCAN rows at a time: per-group totals, and counts of the rows before this chunk
     before = tl.zeros((BINS,), dtype=tl.int32)
@@ -96,14 +98,24 @@ def _group_sort_kernel(
     own_counts = tl.histogram(own, BINS, mask=valid)
     bins = tl.arange(0, BINS)
     base = starts + before - (tl.cumsum(own_counts, axis=0) - own_counts)
-    tl.store(scratch_ptr + pid * BINS + bins, base)
+    tl.store(scratch_ptr + chunk * BINS + bins, base)
     tl.debug_barrier()
     order = tl.sort(own * BLOCK + lanes)
     row = order % BLOCK
-    dest = tl.load(scratch_ptr + pid * BINS + order // BLOCK) + lanes
+    dest = tl.load(scratch_ptr + chunk * BINS + order // BLOCK) + lanes
     tl.store(sorted_ids_ptr + dest, first + row, mask=first + row < R)
-    if pid == 0:
+    if chunk == 0:
         tl.store(offs_ptr + bins, starts, mask=bins <= GROUPS)
+
+
+@triton.jit
+def _group_sort_kernel(
+    ids_ptr, token_starts_ptr, sorted_ids_ptr, offs_ptr, scratch_ptr,
+    R, stride_t, stride_k, E, GROUPS,
+    TOP_K: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
+):
+    sort_chunk(ids_ptr, token_starts_ptr, sorted_ids_ptr, offs_ptr, scratch_ptr, tl.program_id(0), R, stride_t,
+               stride_k, E, GROUPS, TOP_K, WORLD, BINS, BLOCK, SCAN)
 
 
 def group_sort_block(rows: int) -> int:
@@ -142,25 +154,56 @@ def group_sort(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Optional[S
     if groups > MAX_GROUPS:
         raise ValueError(f"group_sort: {groups} groups exceed {MAX_GROUPS}; sort with torch instead (moe.moe_align "
                          "and moe.moe_align_stacked fall back to it by themselves)")
-    device = topk_ids.device
-    R = T * k
-    if R == 0:
-        return torch.empty(0, dtype=torch.int32, device=device), torch.zeros(groups + 1, dtype=torch.int32,
-                                                                             device=device)
-    block = group_sort_block(R)
-    programs = cdiv(R, block)
-    bins = triton.next_power_of_2(groups + 1)
-    # one allocation for the results and the per-program counts (a host operation saved per call), each
-    # part 16-byte aligned as a buffer of its own would be (the kernels specialize on pointer alignment)
-    at_offs = -(-R // 4) * 4
-    at_scratch = -(-(at_offs + groups + 1) // 4) * 4
-    memory = torch.empty(at_scratch + programs * bins, dtype=torch.int32, device=device)
-    sorted_ids, offs, scratch = memory[:R], memory[at_offs:at_offs + groups + 1], memory[at_scratch:]
-    starts = token_starts(tuple(rank_tokens), device) if rank_tokens else offs
-    launch(_group_sort_kernel, (programs,), topk_ids, starts, sorted_ids, offs, scratch, R, topk_ids.stride(0),
-           topk_ids.stride(1), num_experts, groups, TOP_K=k, WORLD=world, BINS=bins, BLOCK=block, SCAN=SCAN_ROWS,
-           num_warps=8)
-    return sorted_ids, offs
+    if T * k == 0:
+        return (torch.empty(0, dtype=torch.int32, device=topk_ids.device),
+                torch.zeros(groups + 1, dtype=torch.int32, device=topk_ids.device))
+    plan = SortPlan.make(topk_ids, num_experts, tuple(rank_tokens) if rank_tokens else (), True)
+    launch(_group_sort_kernel, (plan.chunks,), *plan.args(), **plan.meta(SCAN_ROWS), num_warps=8)
+    return plan.sorted_ids, plan.offs
+
+
+class SortPlan:
+    """:func:`group_sort`'s buffers and launch parameters, for a kernel that runs the sort's chunks itself
+    (:func:`sort_chunk`): ``sorted_ids`` and ``offs`` are filled by the launch. One allocation holds them
+    and the per-chunk scratch, each part 16-byte aligned as a buffer of its own would be (the kernels
+    specialize on pointer alignment)."""
+
+    __slots__ = ("ids", "starts", "sorted_ids", "offs", "scratch", "sync", "num_experts", "groups", "world", "bins",
+                 "block", "chunks")
+
+    @classmethod
+    def make(cls, topk_ids: torch.Tensor, num_experts: int, rank_tokens: tuple, by_rank: bool,
+             counted: bool = False) -> "SortPlan":
+        """The plan for ``topk_ids [T, top_k]`` (``T * top_k > 0``): groups per (rank, expert) for a rank-stacked
+        sort (``rank_tokens`` and ``by_rank``), else per expert. ``counted``: the block is zeroed and ends in
+        ``sync``, two int32 counts for a kernel whose programs wait for every chunk to be sorted."""
+        plan = cls()
+        world = len(rank_tokens) if rank_tokens and by_rank else 1
+        R = topk_ids.shape[0] * topk_ids.shape[1]
+        plan.ids, plan.num_experts, plan.world = topk_ids, num_experts, world
+        plan.groups = num_experts * world
+        plan.block = group_sort_block(R)
+        plan.chunks = cdiv(R, plan.block)
+        plan.bins = triton.next_power_of_2(plan.groups + 1)
+        at_offs = -(-R // 4) * 4
+        at_scratch = -(-(at_offs + plan.groups + 1) // 4) * 4
+        at_sync = at_scratch + plan.chunks * plan.bins
+        memory = (torch.zeros if counted else torch.empty)(at_sync + 2 * counted, dtype=torch.int32,
+                                                           device=topk_ids.device)
+        plan.sorted_ids, plan.offs = memory[:R], memory[at_offs:at_offs + plan.groups + 1]
+        plan.scratch, plan.sync = memory[at_scratch:at_sync], memory[at_sync:]
+        plan.starts = token_starts(rank_tokens, topk_ids.device) if world > 1 else plan.offs
+        return plan
+
+    def args(self) -> tuple:
+        """The sort's runtime arguments, in :func:`sort_chunk`'s order (without the chunk)."""
+        ids = self.ids
+        return (ids, self.starts, self.sorted_ids, self.offs, self.scratch, ids.shape[0] * ids.shape[1],
+                ids.stride(0), ids.stride(1), self.num_experts, self.groups)
+
+    def meta(self, scan: int) -> dict:
+        """The sort's constexprs (``scan``: rows counted per step)."""
+        return dict(TOP_K=self.ids.shape[1], WORLD=self.world, BINS=self.bins, BLOCK=self.block, SCAN=scan)
 
 
 @dataclass(frozen=True)
@@ -273,6 +316,16 @@ def _sorted_by_expert(topk_ids: torch.Tensor, num_experts: int, routing_kernel: 
     return _sort_by_group(topk_ids.reshape(-1).to(_key_dtype(num_experts)), num_experts)
 
 
+def check_rank_ids(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int], where: str) -> tuple:
+    """TypeError/ValueError unless ``topk_ids`` are every rank's ids (``sum(rank_tokens)`` rows; ids not
+    range-checked); returns ``rank_tokens`` as a tuple of ints."""
+    check_topk_ids(topk_ids, num_experts, where, check_range=False)
+    rank_tokens = tuple(int(t) for t in rank_tokens)
+    if sum(rank_tokens) != topk_ids.shape[0]:
+        raise ValueError(f"{where}: {topk_ids.shape[0]} rows of ids but rank_tokens sum to {sum(rank_tokens)}")
+    return rank_tokens
+
+
 def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int], *,
                       routing_kernel: bool = True) -> MoeRouting:
     """The rank-stacked routing of ``topk_ids [sum(rank_tokens), top_k]`` (every rank's ids, in rank
@@ -280,11 +333,7 @@ def moe_align_stacked(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Seq
     rank checks its own before they are gathered). Cost: as :func:`moe_align` (one Triton launch on
     GPUs unless ``routing_kernel=False``; else one add, written in the narrow key type, and the torch
     sort, cast and search)."""
-    check_topk_ids(topk_ids, num_experts, "moe_align_stacked", check_range=False)
-    rank_tokens = tuple(int(t) for t in rank_tokens)
-    if sum(rank_tokens) != topk_ids.shape[0]:
-        raise ValueError(f"moe_align_stacked: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
-                         f"{sum(rank_tokens)}")
+    rank_tokens = check_rank_ids(topk_ids, num_experts, rank_tokens, "moe_align_stacked")
     T, k = topk_ids.shape
     groups = num_experts * len(rank_tokens)
     if routing_kernel and _routing_kernel_fits(topk_ids, groups):
@@ -303,11 +352,7 @@ def moe_align_gathered(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Se
     expert, recording ``rank_tokens``: fewer, fuller M-tiles than :func:`moe_align_stacked`'s group per
     (rank, expert) when a rank sends an expert few rows, at the price of tiles that read several ranks'
     tokens. Expert ids are not range-checked. Cost: as :func:`moe_align`."""
-    check_topk_ids(topk_ids, num_experts, "moe_align_gathered", check_range=False)
-    rank_tokens = tuple(int(t) for t in rank_tokens)
-    if sum(rank_tokens) != topk_ids.shape[0]:
-        raise ValueError(f"moe_align_gathered: {topk_ids.shape[0]} rows of ids but rank_tokens sum to "
-                         f"{sum(rank_tokens)}")
+    rank_tokens = check_rank_ids(topk_ids, num_experts, rank_tokens, "moe_align_gathered")
     T, k = topk_ids.shape
     return MoeRouting(*_sorted_by_expert(topk_ids, num_experts), int(T), int(k), int(num_experts), rank_tokens,
                       by_rank=False)
@@ -389,7 +434,6 @@ def check_routing(where: str, routing: MoeRouting, device: torch.device) -> None
         raise TypeError(f"{where}: routing must be a MoeRouting (from moe_align), got {type(routing).__name__}")
     if routing.sorted_ids.device != device:
         raise ValueError(f"{where}: routing is on {routing.sorted_ids.device} but the input is on {device}")
-
 
 
 def check_token_routing(where: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],

@@ -91,11 +91,13 @@ def test_routing_sorts_like_a_stable_argsort_for_every_key_width(groups):
 
 
 @pytest.mark.parametrize("T,k,E,rank_tokens", [(301, 3, 8, None), (90, 6, 64, (40, 0, 50)), (1, 1, 1, None),
-                                                (0, 2, 4, None), (40, 2, 1365, (10, 20, 10))])
+                                                (0, 2, 4, None), (40, 2, 1365, (10, 20, 10)),
+                                                pytest.param(1400, 6, 64, (500, 0, 900), marks=pytest.mark.slow)])
 def test_group_sort_kernel_is_a_stable_argsort(T, k, E, rank_tokens):
     """The routing kernel GPUs use (run here in the interpreter, which moe_align itself does not use):
-    several chunks, a rank without tokens, a strided int64 view, and three ids out of range (one in
-    range after a wrap to int32), which go after every group and leave the groups' starts as they are."""
+    several chunks, more rows than one step of the scan counts, a rank without tokens, a strided int64 view,
+    and three ids out of range (one in range after a wrap to int32), which go after every group and leave the
+    groups' starts as they are."""
     from disttune.kernels.moe_routing import group_sort
 
     g = torch.Generator().manual_seed(T + E)
@@ -171,6 +173,38 @@ def test_moe_gemm_with_config_matches_reference(E, k, a_order, out_order, weight
     got = out if out_order == "flat" else rt.unsort(out)
     ref = moe.moe_gemm_reference(x, ids, w, wts if weighted else None)
     assert rel_error(got, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("rank_tokens,by_rank,E,k", [((), True, 8, 2), ((61, 0, 39), True, 4, 3),
+                                                     ((61, 0, 39), False, 4, 3), ((24,), True, 64, 6)])
+def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_rank, E, k):
+    """moe_gemm_sorting (one launch: the programs sort the routing, wait for every chunk, then multiply) gives
+    the routing and the rows that the sort and moe_gemm give, bit for bit with one config: a plain routing,
+    every rank's ids stacked by rank (a rank without tokens) or grouped by expert, 300 rows in two chunks of
+    the sort; the ids a strided int64 view. Launched twice, the second on fresh counts."""
+    T = sum(rank_tokens) or 150
+    H, N = 40, 48
+    x, w = _tensors(T, H, N, E, torch.float16, seed=T + E)
+    ids, _ = _routing(T, E, k, seed=k, empty=1)
+    ids = torch.stack([ids.long(), ids.long()], dim=2).flatten(1)[:, ::2]  # int64, column stride 2
+    kernel = moe.make_moe_kernel([moe.gemm_config(32, 32, 32, 2, 1, 1)])
+    if not rank_tokens:
+        routing = moe.moe_align(ids, E, check_range=False)
+    elif by_rank:
+        routing = moe.moe_align_stacked(ids, E, rank_tokens)
+    else:
+        routing = moe.moe_align_gathered(ids, E, rank_tokens)
+    want = moe.moe_gemm(x, w, routing, kernel=kernel)
+    for _ in range(2):
+        out = torch.full((T * k, N), float("nan"), dtype=torch.float16, device=DEVICE)
+        got, got_routing = moe.moe_gemm_sorting(x, w, ids, rank_tokens, by_rank=by_rank, out=out, kernel=kernel)
+        assert got is out
+        assert torch.equal(got_routing.sorted_ids, routing.sorted_ids)
+        assert torch.equal(got_routing.expert_offs, routing.expert_offs)
+        assert (got_routing.rank_tokens, got_routing.by_rank, got_routing.groups) == (
+            routing.rank_tokens, routing.by_rank, routing.groups)
+        assert torch.equal(got, want)
+    assert rel_error(routing.unsort(want), moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("tile_order", moe.TILE_ORDERS)
