@@ -22,6 +22,7 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
   gather_tokens_and_routing  tokens, ids and weights in one collective (what an eager ag_moe gathers)
   moe_align_stacked      the rank-stacked sort
   moe_gemm               the grouped GEMM launch, arrival flags already set
+  moe_gemm_sorting       the sort and the grouped GEMM in one launch (what an eager ag_moe runs)
   pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
 
 GPU only (NCCL, symmetric memory). Rank 0 prints one table per shape and, with ``--out FILE``,
@@ -68,7 +69,8 @@ from disttune.kernels import moe, moe_ag, shard_gemm
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
 #: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
 AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_tokens_and_routing",
-                 "gather_routing", "token_pusher", "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm")
+                 "gather_routing", "token_pusher", "layout_for", "moe_align_stacked", "moe_align_gathered", "moe_gemm",
+                 "moe_gemm_sorting")
 PUSHER_PHASES = ("gather", "wait_all", "finish")
 
 
@@ -216,13 +218,16 @@ def bench_shape(s: dict, rank: int, world: int, options: argparse.Namespace) -> 
         "moe_gemm": lambda: moe.moe_gemm(x_gathered, w, result.routing, a_order="token", out=result.out,
                                          kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),
                                          first_group=rank * E, wait=arrived),
+        "moe_gemm_sorting": lambda: moe.moe_gemm_sorting(x_gathered, w, result.topk_ids, tpr, out=result.out,
+                                                         kernel=kernel, rows_bucket=moe.next_power_of_2(T * k),
+                                                         first_group=rank * E),
         "pusher": push,
     }
     samples = benchmark.host_and_wall_us(fns, calls=options.calls, rounds=options.rounds)
     best = {name: min(runs, key=lambda run: run.wall_us) for name, runs in samples.items()}
     gpu_max = {name: max_over_ranks(benchmark.steady_ms(fns[name], calls=10, runs=5))
                for name in ("ag_moe", "ag_moe, contextual", "ag_moe, CUDA graph", "sequential", "sequential, CUDA graph",
-                            "moe_gemm")}
+                            "moe_gemm", "moe_gemm_sorting")}
     names = list(fns)
     host = max_over_ranks([best[n].host_us for n in names])
     wall = max_over_ranks([best[n].wall_us for n in names])

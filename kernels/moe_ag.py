@@ -3,15 +3,15 @@
 :func:`ag_moe` is the first half of the tensor-parallel MoE layer (each rank holds a slice of every
 expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
 by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
-launching rank's own tokens first. Every call gathers the routing first (one small all-gather). A call
-without ``graph_safe`` (and any call on gloo) then all-gathers the tokens, which NCCL runs on its own stream
-while the routing is sorted: an eager call is host-bound at these sizes, and two plain collectives are its
-cheapest gather. A ``graph_safe=True`` call on NCCL GPUs (made to be captured in a CUDA graph, whose host
-operations cost nothing on replay) pushes the tokens on the copy engines into the peers' symmetric memory
-instead, and tiles of another rank's tokens wait for its arrival flag (grouped per expert: the GEMM waits for
-every rank's tokens once, on the stream). Cost: two all-gathers (eager) or one small routing all-gather and
-the pushes (graph-safe), one sort and one GEMM launch, plus one host sync for
-the token counts and one for the id range check unless ``tokens_per_rank`` / ``check_ids=False``
+launching rank's own tokens first. A call without ``graph_safe`` (and any call on gloo) gathers every
+rank's tokens, ids and weights in one collective and sorts and multiplies in one launch: an eager call is
+host-bound at these sizes, and its host time is set by how many library calls it makes. A ``graph_safe=True``
+call gathers the routing first (one small all-gather); on NCCL GPUs (made to be captured in a CUDA graph, whose
+host operations cost nothing on replay) it pushes the tokens on the copy engines into the peers' symmetric
+memory while the routing is sorted, and tiles of another rank's tokens wait for its arrival flag (grouped per
+expert: the GEMM waits for every rank's tokens once, on the stream). Cost: one grouped all-gather and one
+launch (eager), or one small routing all-gather, the pushes, one sort and one GEMM launch (graph-safe), plus
+one host sync for the token counts and one for the id range check unless ``tokens_per_rank`` / ``check_ids=False``
 are given. ``graph_safe=True`` makes it capturable in a CUDA graph (fixed-value flags, no host sync).
 """
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .moe_common import (PassedChecks, check_device, check_float_tensor, dtype_code, empty_buffer, shape_of,
                           tensor_layout)
-from .moe_gemm import moe_gemm, next_power_of_2
+from .moe_gemm import moe_gemm, moe_gemm_sorting, next_power_of_2
 from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, moe_align_stacked
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
@@ -136,9 +136,9 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
     tiles from the launching rank's own tokens on. A call without ``graph_safe`` gathers every rank's tokens,
     ids and weights in one collective (:func:`gather_rows`: on NCCL one grouped all-gather, one c10d call),
-    then sorts and multiplies: at these sizes an eager call is host-bound, its host time set by the number of
-    library calls, and one grouped gather costs the host less than the routing's gather followed by the
-    tokens' (docs/moe.md, "Where an eager call's host time goes"). A graph-safe call gathers the routing
+    then sorts and multiplies in one launch (:func:`~.moe_gemm.moe_gemm_sorting`): at these sizes an eager
+    call is host-bound, its host time set by the number of library calls (docs/moe.md, "Where an eager
+    call's host time goes"). A graph-safe call gathers the routing
     first (:func:`gather_routing`); on NCCL GPUs its tokens travel by copy-engine pushes into the peers'
     symmetric memory (``kernels.symm.ShardPusher``: no SM taken from the GEMM, no barrier) while the routing
     is sorted; grouped by rank, tiles of another rank's tokens spin on that rank's arrival flag, so the GEMM
@@ -231,19 +231,27 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         x_all, ids_all, weights_all = gather_tokens_and_routing(x, topk_ids, topk_weights, tpr, group)
         if check_ids:
             _check_gathered_ids(where, ids_all, E, tpr)
+    rows_bucket = int(bucket(row_offsets[-1]))
     try:
-        routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
-        # 3. one GEMM over all ranks' tokens. Grouped by rank, it starts on the own tokens and a tile of another
-        # rank's pushed tokens waits for their arrival flag; grouped by expert, nearly every tile reads several
-        # ranks' tokens, so the stream waits for all of them once and the GEMM runs without flags
-        wait = None
-        if pusher is not None and by_rank:
-            wait = (pusher.arrival_flags, pusher.epoch)
-        elif pusher is not None:  # graph-safe, grouped by expert
-            pusher.wait_all()
-        if row_offsets[-1]:
-            moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
-                     rows_bucket=int(bucket(row_offsets[-1])), first_group=rank * E, wait=wait)
+        if pusher is None:
+            # 2. the sort and one GEMM over all ranks' tokens, in one launch (moe_gemm_sorting)
+            _, routing = moe_gemm_sorting(x_all, w, ids_all, tpr, by_rank=by_rank, a_order="token", out=out,
+                                          out_order="sorted", kernel=kernel, rows_bucket=rows_bucket,
+                                          first_group=rank * E)
+        else:
+            # 3. the sort (beside the pushes), then one GEMM over all ranks' tokens. Grouped by rank, it starts on
+            # the own tokens and a tile of another rank's tokens waits for their arrival flag; grouped by expert,
+            # nearly every tile reads several ranks' tokens, so the stream waits for all of them once and the
+            # GEMM runs without flags
+            routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
+            wait = None
+            if by_rank:
+                wait = (pusher.arrival_flags, pusher.epoch)
+            else:
+                pusher.wait_all()
+            if row_offsets[-1]:
+                moe_gemm(x_all, w, routing, a_order="token", out=out, out_order="sorted", kernel=kernel,
+                         rows_bucket=rows_bucket, first_group=rank * E, wait=wait)
     finally:
         if pusher is not None:  # also after an error: the flags must pair up with the peers' next call
             pusher.finish()
@@ -254,8 +262,8 @@ def _pushes_tokens(x: torch.Tensor, group, graph_safe: bool) -> bool:
     """Whether the tokens travel by copy-engine pushes (else by one all-gather): for a ``graph_safe`` call
     (made to be captured in a CUDA graph) on NCCL GPUs. Replayed, host operations cost nothing and the pushes
     overlap the sort (and, grouped by rank, the GEMM); eager, the pushes' host operations cost more than they
-    hide (on 2 x H200, ``bench/moe.py`` part b's shapes, against a gather of tokens and routing packed in one
-    all-gather: 0.57x against 0.69x of the sequential form at 64 experts, 0.79x against 0.88x at 8)."""
+    hide (on 2 x H200, ``bench/moe.py`` part b's shapes, against the routing's and the tokens' all-gathers:
+    0.61x against 0.66x of the sequential form at 64 experts, 0.74x against 0.80x at 8)."""
     return graph_safe and x.is_cuda and uses_nccl(group)
 
 
