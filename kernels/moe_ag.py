@@ -4,7 +4,7 @@
 expert's intermediate dimension and its own tokens, possibly uneven). The gathered ids are sorted
 by (source rank, expert), so one routing and one GEMM launch cover every rank, walking the
 launching rank's own tokens first. A call without ``graph_safe`` (and any call on gloo) gathers every
-rank's tokens, ids and weights in one collective and sorts and multiplies in one launch: an eager call is
+rank's tokens, ids and weights (in one collective on NCCL) and sorts and multiplies in one launch: an eager call is
 host-bound at these sizes, and its host time is set by how many library calls it makes. A ``graph_safe=True``
 call gathers the routing first (one small all-gather); on NCCL GPUs (made to be captured in a CUDA graph, whose
 host operations cost nothing on replay) it pushes the tokens on the copy engines into the peers' symmetric
@@ -98,8 +98,8 @@ class AgMoeResult:
     routing of all of them (one group per source rank and expert); ``routings`` its per-rank views,
     built on first use. With ``layout="expert"``: one group per expert over every rank's tokens
     (``routing.unsort(out)`` gives flat order); ``routings`` and :meth:`chunk` raise.
-    ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order
-    (``topk_ids`` a strided view into the gathered rows).
+    ``topk_ids`` / ``topk_weights`` are the gathered routing ``[sum_r T_r, top_k]`` in rank order (``topk_ids``
+    as int32, the weights in their own dtype).
     """
 
     out: torch.Tensor
@@ -133,7 +133,7 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     (``tokens_per_rank`` skips one small all-gather + host sync).
 
     One routing and one GEMM launch for all ranks: the gathered ids are sorted by (source rank,
-    expert) (:func:`moe_align_stacked`), so each rank's rows stay contiguous and the GEMM walks its
+    expert) (as :func:`moe_align_stacked` sorts them), so each rank's rows stay contiguous and the GEMM walks its
     tiles from the launching rank's own tokens on. A call without ``graph_safe`` gathers every rank's tokens,
     ids and weights in one collective (:func:`gather_rows`: on NCCL one grouped all-gather, one c10d call),
     then sorts and multiplies in one launch (:func:`~.moe_gemm.moe_gemm_sorting`): at these sizes an eager
@@ -219,6 +219,7 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
 
     by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
+    rows_bucket = int(bucket(row_offsets[-1]))
     pusher = None
     if _pushes_tokens(x, group, graph_safe):
         # 1. every rank's routing (one small collective: the sort waits for it), 2. the tokens, pushed on the copy
@@ -231,7 +232,6 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
         x_all, ids_all, weights_all = gather_tokens_and_routing(x, topk_ids, topk_weights, tpr, group)
         if check_ids:
             _check_gathered_ids(where, ids_all, E, tpr)
-    rows_bucket = int(bucket(row_offsets[-1]))
     try:
         if pusher is None:
             # 2. the sort and one GEMM over all ranks' tokens, in one launch (moe_gemm_sorting)
@@ -262,8 +262,8 @@ def _pushes_tokens(x: torch.Tensor, group, graph_safe: bool) -> bool:
     """Whether the tokens travel by copy-engine pushes (else by one all-gather): for a ``graph_safe`` call
     (made to be captured in a CUDA graph) on NCCL GPUs. Replayed, host operations cost nothing and the pushes
     overlap the sort (and, grouped by rank, the GEMM); eager, the pushes' host operations cost more than they
-    hide (on 2 x H200, ``bench/moe.py`` part b's shapes, against the routing's and the tokens' all-gathers:
-    0.61x against 0.66x of the sequential form at 64 experts, 0.74x against 0.80x at 8)."""
+    hide (on 2 x H200, ``bench/moe.py`` part b's shapes, against the eager form that all-gathered the routing,
+    then the tokens: 0.61x against 0.66x of the sequential form at 64 experts, 0.74x against 0.80x at 8)."""
     return graph_safe and x.is_cuda and uses_nccl(group)
 
 

@@ -25,8 +25,9 @@ Python per launch. :func:`moe_gemm_sorting` sorts the routing in the same launch
 programs run the counting sort's chunks (``moe_routing.sort_chunk``) and every program waits until all
 are sorted before its tiles, one launch where sort and GEMM take two.
 
-Tuning key (:data:`MOE_KEY`): ``N, K, E, TOP_K, ROWS_BUCKET`` and the A/C/weight modes (plus dtypes,
-as Triton adds them). ``ROWS_BUCKET`` is the total number of routed rows rounded up to a power of
+Tuning key (:data:`MOE_KEY`): ``N, K, E, TOP_K, ROWS_BUCKET``, the A/C/weight modes and ``SORT`` (plus dtypes,
+as Triton adds them); a launch that sorts its routing tunes apart, as its programs also need the sort's
+registers and shared memory. ``ROWS_BUCKET`` is the total number of routed rows rounded up to a power of
 two (``bucket=`` changes that); per-expert counts are never in the key, so ranks with different
 routings tune the same sites and agree on one winner.
 
@@ -55,8 +56,8 @@ from .matmul import (
     prune_by_shared_memory,
 )
 from .moe_common import INTERPRETED, PassedChecks, check_device, check_float_tensor, empty_buffer, tensor_layout
-from .moe_routing import (MAX_GROUPS, MoeRouting, SortPlan, check_rank_ids, check_routing, check_topk_ids, moe_align,
-                          moe_align_gathered, moe_align_stacked, sort_chunk, token_starts)
+from .moe_routing import (MAX_GROUPS, MoeRouting, SortPlan, check_rank_ids, check_routing, check_topk_ids,
+                          group_sort_block, moe_align, moe_align_gathered, moe_align_stacked, sort_chunk, token_starts)
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 
 __all__ = [
@@ -174,8 +175,8 @@ def _moe_gemm_body(
 ):
     if SORT:
         # the programs sort the routing's chunks (each chunk independent of the others), count them done, and
-        # every program waits until all are: the tiles below read rows that other programs sorted. Waiting only
-        # on chunk programs, which never wait before counting, cannot deadlock: the grid fits on the GPU at once
+        # every program waits until all are: the tiles below read rows that other programs sorted. Only the chunk
+        # programs (the grid's first, at most 32) are waited for, and they never wait before counting
         chunks = tl.cdiv(R, SORT_BLOCK)
         for chunk in range(tl.program_id(0), chunks, tl.num_programs(0)):
             sort_chunk(sort_ids_ptr, sort_starts_ptr, sorted_ids_ptr, expert_offs_ptr, sort_scratch_ptr, chunk, R,
@@ -311,9 +312,9 @@ def _moe_gemm_body(
 #: The jitted kernel without a tuner (an InterpretedFunction under TRITON_INTERPRET=1).
 moe_gemm_jit = triton.jit(_moe_gemm_body, do_not_specialize=["first_group", "epoch"])
 
-#: Tuning key: shapes, expert count, top-k, bucketed total rows and the load/store modes.
+#: Tuning key: shapes, expert count, top-k, bucketed total rows, the load/store modes and whether it sorts.
 MOE_KEY = ["N", "K", "E", "B_EXPERTS", "TOP_K", "ROWS_BUCKET", "WAIT", "A_MODE", "C_FLAT", "MUL_WEIGHT", "A_TMA",
-           "B_TMA"]
+           "B_TMA", "SORT"]
 
 
 def make_moe_kernel(configs: Optional[Sequence[triton.Config]] = None, do_bench: Optional[Callable] = None,
@@ -447,7 +448,7 @@ def _check_layout(a, w, routing, a_order, out, out_order, weights, where, wait, 
                 WORLD=len(routing.rank_tokens) if waits == 2 else 1, A_MODE=a_mode,
                 C_FLAT=out_order == "flat", MUL_WEIGHT=weights is not None, A_TMA=a_tma, B_TMA=b_tma,
                 NUM_SMS=num_sms(a.device), PERSISTENT=True, FLATTEN=True,
-                EXPERT_BANDS=tile_order == "expert_bands")
+                EXPERT_BANDS=tile_order == "expert_bands", SORT=False)
 
 
 def _descriptor_ready(t: torch.Tensor, stride: Sequence[int], inner: int, elem: int) -> bool:
@@ -526,9 +527,19 @@ def moe_gemm_sorting(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, r
     where the two steps take two, which is what an eager host-bound step saves (a Triton launch costs the host
     tens of µs). Under the interpreter one program sorts and multiplies. Where the sort kernel cannot run (more
     than ``MAX_GROUPS`` groups, no rows, ``K`` or ``N`` zero) the two steps run. Same results, bit for bit, as
-    the two steps with the same config. ``topk_ids`` are not range-checked: rows with ids outside
-    ``[0, E)`` go after every group and are not computed."""
+    the two steps with the same config. ``topk_ids`` are not range-checked (in one launch, rows with ids
+    outside ``[0, E)`` go after every group and are not computed; the two steps' torch sort may file them
+    under another group): check them first where they may be wrong. ``a_order="sorted"`` is refused (A cannot
+    be in an order that the launch computes). Cost: besides the GEMM, one zero fill of the sort's block and,
+    in the launch, the sort's chunks in the first programs (every program waits for the last chunk).
+
+    Fused only for up to 32 chunks (131,072 rows): the chunk programs, the grid's first, then need no more
+    SMs than a GPU shared with other work still offers."""
     where = "moe_gemm_sorting"
+    if a_order == "sorted":
+        raise ValueError(f"{where}: a_order='sorted' needs the routing before the launch; sort with moe_align "
+                         "(or moe_align_stacked / moe_align_gathered) and call moe_gemm, or pass a in 'token' or "
+                         "'flat' order")
     check_float_tensor(where, "w", w)
     if w.dim() != 3:
         raise ValueError(f"{where}: w must be 3-D [E, K, N], got shape {tuple(w.shape)}")
@@ -541,7 +552,8 @@ def moe_gemm_sorting(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, r
     groups = num_experts * (len(rank_tokens) if rank_tokens and by_rank else 1)
     T, k = topk_ids.shape
     if not (T and w.shape[1] and w.shape[2] and groups <= MAX_GROUPS and isinstance(a, torch.Tensor)
-            and topk_ids.device == a.device and (a.is_cuda or INTERPRETED)):
+            and topk_ids.device == a.device and (a.is_cuda or INTERPRETED)
+            and cdiv(T * k, group_sort_block(T * k)) <= MAX_SORT_CHUNKS):
         if not rank_tokens:
             routing = moe_align(topk_ids, num_experts, check_range=False)
         elif by_rank:
@@ -559,6 +571,8 @@ def moe_gemm_sorting(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, r
 #: Rows each program of a sorting launch counts per step of its scan over the ids (fewer than group_sort's own
 #: launch: a GEMM config may run 4 warps).
 SORT_SCAN_ROWS = 4096
+#: The most sort chunks a launch runs in its GEMM's programs (more rows: the sort and the GEMM launch apart).
+MAX_SORT_CHUNKS = 32
 
 
 def _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait, first_group,

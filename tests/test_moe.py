@@ -175,17 +175,24 @@ def test_moe_gemm_with_config_matches_reference(E, k, a_order, out_order, weight
     assert rel_error(got, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("rank_tokens,by_rank,E,k", [((), True, 8, 2), ((61, 0, 39), True, 4, 3),
-                                                     ((61, 0, 39), False, 4, 3), ((24,), True, 64, 6)])
-def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_rank, E, k):
+@pytest.mark.parametrize("rank_tokens,by_rank,E,k,modes", [
+    ((), True, 8, 2, False), ((61, 0, 39), True, 4, 3, False), ((61, 0, 39), False, 4, 3, False),
+    ((24,), True, 64, 6, False), ((61, 0, 39), True, 4, 3, True),
+    pytest.param((2048, 0, 2048), True, 64, 6, False,  # 24,576 rows: 24 chunks, a grid of every SM
+                 marks=pytest.mark.skipif(INTERPRET, reason="GPU only: many programs wait on each other there"))])
+def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_rank, E, k, modes):
     """moe_gemm_sorting (one launch: the programs sort the routing, wait for every chunk, then multiply) gives
     the routing and the rows that the sort and moe_gemm give, bit for bit with one config: a plain routing,
     every rank's ids stacked by rank (a rank without tokens) or grouped by expert, 300 rows in two chunks of
-    the sort; the ids a strided int64 view. Launched twice, the second on fresh counts."""
+    the sort; the ids a strided int64 view; A in flat order, routing weights and rows stored in flat order.
+    Launched twice; the chunk count and the programs' count are back at zero after each launch (the last
+    program through resets them, so a launch repeated as is waits again). A in sorted order is refused (it
+    needs the routing first). On a GPU, a full-size case: many chunk programs and many waiting ones."""
     T = sum(rank_tokens) or 150
     H, N = 40, 48
     x, w = _tensors(T, H, N, E, torch.float16, seed=T + E)
-    ids, _ = _routing(T, E, k, seed=k, empty=1)
+    ids, wts = _routing(T, E, k, seed=k, empty=1)
+    a, orders = (x.repeat_interleave(k, 0), dict(a_order="flat", out_order="flat", weights=wts)) if modes else (x, {})
     ids = torch.stack([ids.long(), ids.long()], dim=2).flatten(1)[:, ::2]  # int64, column stride 2
     kernel = moe.make_moe_kernel([moe.gemm_config(32, 32, 32, 2, 1, 1)])
     if not rank_tokens:
@@ -194,17 +201,23 @@ def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_
         routing = moe.moe_align_stacked(ids, E, rank_tokens)
     else:
         routing = moe.moe_align_gathered(ids, E, rank_tokens)
-    want = moe.moe_gemm(x, w, routing, kernel=kernel)
+    want = moe.moe_gemm(a, w, routing, kernel=kernel, **orders)
     for _ in range(2):
         out = torch.full((T * k, N), float("nan"), dtype=torch.float16, device=DEVICE)
-        got, got_routing = moe.moe_gemm_sorting(x, w, ids, rank_tokens, by_rank=by_rank, out=out, kernel=kernel)
+        got, got_routing = moe.moe_gemm_sorting(a, w, ids, rank_tokens, by_rank=by_rank, out=out, kernel=kernel,
+                                                **orders)
         assert got is out
         assert torch.equal(got_routing.sorted_ids, routing.sorted_ids)
         assert torch.equal(got_routing.expert_offs, routing.expert_offs)
         assert (got_routing.rank_tokens, got_routing.by_rank, got_routing.groups) == (
             routing.rank_tokens, routing.by_rank, routing.groups)
         assert torch.equal(got, want)
-    assert rel_error(routing.unsort(want), moe.moe_gemm_reference(x, ids, w)) < TOL[torch.float16]
+        block = torch.empty(0, dtype=torch.int32, device=DEVICE).set_(got_routing.sorted_ids.untyped_storage())
+        assert block[-2:].tolist() == [0, 0], "the sort's counts were not reset"
+    flat = want if modes else routing.unsort(want)
+    assert rel_error(flat, moe.moe_gemm_reference(x, ids, w, wts if modes else None)) < TOL[torch.float16]
+    with pytest.raises(ValueError, match="a_order='sorted' needs the routing before the launch"):
+        moe.moe_gemm_sorting(routing.permute(x), w, ids, rank_tokens, by_rank=by_rank, a_order="sorted")
 
 
 @pytest.mark.parametrize("tile_order", moe.TILE_ORDERS)
@@ -484,7 +497,6 @@ def _check_eager_gather(per_rank: list[dict]) -> None:
             assert check["x_dtype"] == check["dtype"] and check["ids_dtype"] == "torch.int32", f"rank {rank}: {check}"
             assert check["weights_dtype"] == (None if check["weights"] == "None" else check["weights"]), check
             assert check["x_contiguous"] and check["routing_alone_same"], f"rank {rank}: {check}"
-            assert check["routing_apart"], f"rank {rank}: the routing shares the gathered tokens' memory"
         strided = value["checks"][2]["given_strides"]
         assert strided[0][1] != 1 and strided[1][0] == 1, f"rank {rank}: the strided inputs were not strided: {strided}"
 
@@ -492,13 +504,14 @@ def _check_eager_gather(per_rank: list[dict]) -> None:
 def test_the_eager_gather_returns_every_ranks_tokens_and_routing(gloo2):
     """The gather every call without graph_safe uses (tokens, ids and weights in one collective): tokens, ids and
     weights back bit for bit on every rank, uneven counts with an empty rank, without weights, int64 ids and
-    float16 weights, strided inputs, an odd hidden size in float16; the tokens one contiguous block apart from
-    the routing; the routing's own gather agrees."""
+    float16 weights, strided inputs, an odd hidden size in float16; the tokens contiguous; the routing's own
+    gather agrees. On two GPUs the ranks run NCCL, where the three travel in one grouped all-gather."""
     _check_eager_gather(gloo2["eager_gather"])
 
 
 def test_the_eager_gather_under_nccl_on_one_gpu(nccl1):
-    """The same under NCCL, where the tokens, ids and weights (three dtypes) travel in one grouped all-gather."""
+    """One rank under NCCL: the tokens, ids and weights (three dtypes, strided and converted inputs) in one
+    grouped all-gather (uneven counts under NCCL: the 2-rank case on two GPUs)."""
     _check_eager_gather(nccl1["eager_gather"])
 
 
