@@ -530,8 +530,8 @@ def moe_gemm_sorting(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, r
     the two steps with the same config. ``topk_ids`` are not range-checked (in one launch, rows with ids
     outside ``[0, E)`` go after every group and are not computed; the two steps' torch sort may file them
     under another group): check them first where they may be wrong. ``a_order="sorted"`` is refused (A cannot
-    be in an order that the launch computes). Cost: besides the GEMM, one zero fill of the sort's block and,
-    in the launch, the sort's chunks in the first programs (every program waits for the last chunk).
+    be in an order that the launch computes). Cost: besides the GEMM, one allocation for the routing and, in
+    the launch, the sort's chunks in the first programs (every program waits for the last chunk).
 
     Fused only for up to 32 chunks (131,072 rows): the chunk programs, the grid's first, then need no more
     SMs than a GPU shared with other work still offers."""

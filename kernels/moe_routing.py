@@ -45,12 +45,12 @@ from disttune.jit_launch import launch
 
 from .matmul import cdiv
 from .moe_common import INTERPRETED
-from .symm import capturing
+from .symm import capturing, raw_current_stream
 from .tp_common import row_starts
 
-__all__ = ["MAX_GROUPS", "SortPlan", "group_sort", "group_sort_block", "sort_chunk", "MoeRouting", "moe_align",
-           "moe_align_stacked", "moe_align_gathered", "moe_align_block_size", "token_starts", "check_rank_ids",
-           "check_topk_ids", "check_routing", "check_token_routing"]
+__all__ = ["MAX_GROUPS", "SortPlan", "sort_counters", "group_sort", "group_sort_block", "sort_chunk", "MoeRouting",
+           "moe_align", "moe_align_stacked", "moe_align_gathered", "moe_align_block_size", "token_starts",
+           "check_rank_ids", "check_topk_ids", "check_routing", "check_token_routing"]
 
 #: Group counts above this fall back to torch's sort (the kernel keeps one histogram bin per group).
 MAX_GROUPS = 4095
@@ -175,8 +175,8 @@ class SortPlan:
     def make(cls, topk_ids: torch.Tensor, num_experts: int, rank_tokens: tuple, by_rank: bool,
              counted: bool = False) -> "SortPlan":
         """The plan for ``topk_ids [T, top_k]`` (``T * top_k > 0``): groups per (rank, expert) for a rank-stacked
-        sort (``rank_tokens`` and ``by_rank``), else per expert. ``counted``: the block is zeroed and ends in
-        ``sync``, two int32 counts for a kernel whose programs wait for every chunk to be sorted."""
+        sort (``rank_tokens`` and ``by_rank``), else per expert. ``counted``: ``sync`` holds the
+        two int32 counts of a kernel whose programs wait for every chunk to be sorted (:func:`sort_counters`)."""
         plan = cls()
         world = len(rank_tokens) if rank_tokens and by_rank else 1
         R = topk_ids.shape[0] * topk_ids.shape[1]
@@ -187,11 +187,10 @@ class SortPlan:
         plan.bins = triton.next_power_of_2(plan.groups + 1)
         at_offs = -(-R // 4) * 4
         at_scratch = -(-(at_offs + plan.groups + 1) // 4) * 4
-        at_sync = at_scratch + plan.chunks * plan.bins
-        memory = (torch.zeros if counted else torch.empty)(at_sync + 2 * counted, dtype=torch.int32,
-                                                           device=topk_ids.device)
+        memory = torch.empty(at_scratch + plan.chunks * plan.bins, dtype=torch.int32, device=topk_ids.device)
         plan.sorted_ids, plan.offs = memory[:R], memory[at_offs:at_offs + plan.groups + 1]
-        plan.scratch, plan.sync = memory[at_scratch:at_sync], memory[at_sync:]
+        plan.scratch = memory[at_scratch:]
+        plan.sync = sort_counters(topk_ids.device) if counted else None
         plan.starts = token_starts(rank_tokens, topk_ids.device) if world > 1 else plan.offs
         return plan
 
@@ -204,6 +203,28 @@ class SortPlan:
     def meta(self, scan: int) -> dict:
         """The sort's constexprs (``scan``: rows counted per step)."""
         return dict(TOP_K=self.ids.shape[1], WORLD=self.world, BINS=self.bins, BLOCK=self.block, SCAN=scan)
+
+
+#: Each stream's two counts for launches that sort in their own programs (see :func:`sort_counters`).
+_counters: dict = {}
+
+
+def sort_counters(device: torch.device) -> torch.Tensor:
+    """Two int32 counts, zero, for a launch on ``device``'s current stream whose programs sort the routing and wait
+    for every chunk (``moe_gemm_sorting``): chunks sorted, programs past the wait. The launch's last program sets
+    both back to zero, so the launches on one stream, which run one after another, share one pair made once (a
+    dictionary lookup per call, where a fresh pair cost a zero fill); launches on other streams, which may run at
+    the same time, have pairs of their own. A launch being captured into a CUDA graph gets a new pair, zeroed by
+    every replay."""
+    if capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device, raw_current_stream(device.index) if device.type == "cuda" else 0)
+    pair = _counters.get(key)
+    if pair is None:
+        if len(_counters) >= 64:  # streams made and dropped call after call: start over (a dropped pair's
+            _counters.clear()     # memory is reused in stream order, after the launches that use it)
+        pair = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return pair
 
 
 @dataclass(frozen=True)

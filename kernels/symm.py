@@ -53,7 +53,7 @@ def flag_writer_available() -> tuple[bool, str]:
 _CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds of torch
 
 
-def _raw_current_stream(device_index: int) -> int:
+def raw_current_stream(device_index: int) -> int:
     """The ``cudaStream_t`` of ``device_index``'s current stream, as an int (one C call)."""
     if _CURRENT_RAW_STREAM is not None:
         return _CURRENT_RAW_STREAM(device_index)
@@ -374,7 +374,7 @@ class ShardPusher:
         """The current stream of the pusher's device as (torch stream, ``CUstream``). Torch is asked for the raw
         handle only (one C call, where ``torch.cuda.current_stream`` builds a Python object through several
         layers: 5-8 µs on a busy host); the objects are made again when the current stream changes."""
-        raw = _raw_current_stream(self._device_index)
+        raw = raw_current_stream(self._device_index)
         cached = self._current_stream
         if cached is None or cached[0] != raw:
             stream = torch.cuda.current_stream(self._device_index)

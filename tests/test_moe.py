@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
-from disttune.kernels import moe, moe_activation, moe_combine, moe_common, moe_gemm  # noqa: E402
+from disttune.kernels import moe, moe_activation, moe_combine, moe_common, moe_gemm, moe_routing  # noqa: E402
 from helpers import failure, run_cases  # noqa: E402
 from numerics import rel_error  # noqa: E402
 
@@ -185,9 +185,10 @@ def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_
     the routing and the rows that the sort and moe_gemm give, bit for bit with one config: a plain routing,
     every rank's ids stacked by rank (a rank without tokens) or grouped by expert, 300 rows in two chunks of
     the sort; the ids a strided int64 view; A in flat order, routing weights and rows stored in flat order.
-    Launched twice; the chunk count and the programs' count are back at zero after each launch (the last
-    program through resets them, so a launch repeated as is waits again). A in sorted order is refused (it
-    needs the routing first). On a GPU, a full-size case: many chunk programs and many waiting ones."""
+    Launched twice; the chunk count and the programs' count, one pair for every launch on the stream, are back
+    at zero after each launch (the last program through resets them, so the next launch waits again). A in
+    sorted order is refused (it needs the routing first). On a GPU, a full-size case: many chunk programs and
+    many waiting ones."""
     T = sum(rank_tokens) or 150
     H, N = 40, 48
     x, w = _tensors(T, H, N, E, torch.float16, seed=T + E)
@@ -212,8 +213,9 @@ def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_
         assert (got_routing.rank_tokens, got_routing.by_rank, got_routing.groups) == (
             routing.rank_tokens, routing.by_rank, routing.groups)
         assert torch.equal(got, want)
-        block = torch.empty(0, dtype=torch.int32, device=DEVICE).set_(got_routing.sorted_ids.untyped_storage())
-        assert block[-2:].tolist() == [0, 0], "the sort's counts were not reset"
+        counters = moe_routing.sort_counters(x.device)
+        assert counters is moe_routing.sort_counters(x.device), "one pair of counts per stream"
+        assert counters.tolist() == [0, 0], "the sort's counts were not reset"
     flat = want if modes else routing.unsort(want)
     assert rel_error(flat, moe.moe_gemm_reference(x, ids, w, wts if modes else None)) < TOL[torch.float16]
     with pytest.raises(ValueError, match="a_order='sorted' needs the routing before the launch"):

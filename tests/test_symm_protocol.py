@@ -120,7 +120,7 @@ def simulated_driver(monkeypatch):
     monkeypatch.setattr(symm, "copy_async", lambda s, d, src, n: s.ops.append(("copy", d, src, n)))
     monkeypatch.setattr(symm, "stream_handle", lambda s: s)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["gpu"].current[state["rank"]])
-    monkeypatch.setattr(symm, "_raw_current_stream", lambda device: id(state["gpu"].current[state["rank"]]))
+    monkeypatch.setattr(symm, "raw_current_stream", lambda device: id(state["gpu"].current[state["rank"]]))
     return state
 
 
