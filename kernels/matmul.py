@@ -87,6 +87,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), for host integers (``triton.next_power_of_2`` is a constexpr
+    function too: about 2 µs per host call)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
 def gemm_config(bm: int, bn: int, bk: int, gm: int, stages: int, warps: int) -> triton.Config:
     """A ``triton.Config`` of the tiled GEMMs' meta-parameters (BLOCK_M/N/K, GROUP_M), stages and warps."""
     return triton.Config(

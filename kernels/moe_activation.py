@@ -15,6 +15,7 @@ import triton.language as tl
 
 from disttune.jit_launch import launch
 
+from .matmul import cdiv
 from .moe_common import INTERPRETED
 
 __all__ = ["silu_and_mul", "silu_and_mul_torch"]
@@ -49,7 +50,7 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
         h = h.contiguous()
     out = torch.empty(rows, half, dtype=h.dtype, device=h.device)
     if out.numel():
-        grid = (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(half, _BLOCK_COLS))
+        grid = (cdiv(rows, _BLOCK_ROWS), cdiv(half, _BLOCK_COLS))
         launch(_silu_and_mul_kernel, grid, h, out, rows, half, h.stride(0), out.stride(0),
                BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
     return out

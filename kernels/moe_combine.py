@@ -14,6 +14,7 @@ import triton.language as tl
 
 from disttune.jit_launch import launch
 
+from .matmul import cdiv
 from .moe_common import INTERPRETED, empty_buffer
 
 __all__ = ["topk_sum", "topk_sum_torch"]
@@ -48,7 +49,7 @@ def topk_sum(y_flat: torch.Tensor, T: int, k: int, dtype: torch.dtype) -> torch.
     N = y_flat.shape[1]
     out = empty_buffer((T, N), dtype, y_flat.device)
     if out.numel():
-        grid = (triton.cdiv(T, _BLOCK_TOKENS), triton.cdiv(N, _BLOCK_COLS))
+        grid = (cdiv(T, _BLOCK_TOKENS), cdiv(N, _BLOCK_COLS))
         launch(_topk_sum_kernel, grid, y_flat, out, T, N, y_flat.stride(0), out.stride(0), TOP_K=k,
                BLOCK_TOKENS=_BLOCK_TOKENS, BLOCK_COLS=_BLOCK_COLS, num_warps=4)
     return out

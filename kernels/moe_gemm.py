@@ -53,6 +53,7 @@ from .matmul import (
     gemm_config,
     interpreting,
     make_autotuner,
+    next_power_of_2,
     prune_by_shared_memory,
 )
 from .moe_common import INTERPRETED, PassedChecks, check_device, check_float_tensor, empty_buffer, tensor_layout
@@ -115,11 +116,6 @@ def default_moe_configs() -> list:
     if torch.cuda.is_available() and not interpreting():
         return list(HOPPER_MOE_CONFIGS)
     return list(CPU_MOE_CONFIGS)
-
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1): the default row bucket of the tuning key."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 # --------------------------------------------------------------------------- constraints

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from disttune.jit_launch import launch
 
-from .matmul import cdiv
+from .matmul import cdiv, next_power_of_2
 from .moe_common import INTERPRETED
 from .symm import capturing, raw_current_stream
 from .tp_common import row_starts
@@ -120,7 +120,7 @@ def _group_sort_kernel(
 
 def group_sort_block(rows: int) -> int:
     """Rows per program: at most about 32 chunks (each program counts them all), 256 to 4096 rows."""
-    return max(256, min(4096, triton.next_power_of_2(max(1, cdiv(rows, 32)))))
+    return max(256, min(4096, next_power_of_2(max(1, cdiv(rows, 32)))))
 
 
 _starts_cache: dict = {}
@@ -184,7 +184,7 @@ class SortPlan:
         plan.groups = num_experts * world
         plan.block = group_sort_block(R)
         plan.chunks = cdiv(R, plan.block)
-        plan.bins = triton.next_power_of_2(plan.groups + 1)
+        plan.bins = next_power_of_2(plan.groups + 1)
         at_offs = -(-R // 4) * 4
         at_scratch = -(-(at_offs + plan.groups + 1) // 4) * 4
         memory = torch.empty(at_scratch + plan.chunks * plan.bins, dtype=torch.int32, device=topk_ids.device)
