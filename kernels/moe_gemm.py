@@ -182,7 +182,7 @@ def _moe_gemm_body(
         while tl.atomic_add(sort_sync_ptr, 0, sem="acquire", scope="gpu") < chunks:
             pass
         tl.debug_barrier()
-        # the last program through resets the counts, so a launch run again (a tuner's repeats) waits again
+        # the last program through resets the counts, so the next launch on the stream (which shares them) waits
         if tl.atomic_add(sort_sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             tl.atomic_xchg(sort_sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sort_sync_ptr + 1, 0, sem="relaxed", scope="gpu")

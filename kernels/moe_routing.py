@@ -34,6 +34,7 @@ program count grows with ``R``, so the total work grows as ``R**2 / 4096``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -214,15 +215,21 @@ def sort_counters(device: torch.device) -> torch.Tensor:
     for every chunk (``moe_gemm_sorting``): chunks sorted, programs past the wait. The launch's last program sets
     both back to zero, so the launches on one stream, which run one after another, share one pair made once (a
     dictionary lookup per call, where a fresh pair cost a zero fill); launches on other streams, which may run at
-    the same time, have pairs of their own. A launch being captured into a CUDA graph gets a new pair, zeroed by
-    every replay."""
+    the same time, have pairs of their own, and so have the threads of an interpreted run (``TRITON_INTERPRET=1``).
+    A launch being captured into a CUDA graph gets a new pair, zeroed by every replay. A tuner that times a
+    sorting launch on a stream of its own without waiting for the caller's (``triton.testing.do_bench_cudagraph``)
+    would share the caller's pair with a launch still running there: tune these kernels with the default timing."""
     if capturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device, raw_current_stream(device.index) if device.type == "cuda" else 0)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, raw_current_stream(index))
+    else:  # the interpreter runs a launch's programs on the launching thread, one after another
+        key = (str(device), threading.get_ident())
     pair = _counters.get(key)
     if pair is None:
-        if len(_counters) >= 64:  # streams made and dropped call after call: start over (a dropped pair's
-            _counters.clear()     # memory is reused in stream order, after the launches that use it)
+        if len(_counters) >= 64:  # streams (or threads) made and dropped call after call: start over (a dropped
+            _counters.clear()     # pair's memory is reused in stream order, after the launches that use it)
         pair = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return pair
 

@@ -215,6 +215,7 @@ def test_the_gemm_that_sorts_its_routing_matches_sort_then_gemm(rank_tokens, by_
         assert torch.equal(got, want)
         counters = moe_routing.sort_counters(x.device)
         assert counters is moe_routing.sort_counters(x.device), "one pair of counts per stream"
+        assert moe_routing.SortPlan.make(ids, E, rank_tokens, by_rank, counted=True).sync is counters
         assert counters.tolist() == [0, 0], "the sort's counts were not reset"
     flat = want if modes else routing.unsort(want)
     assert rel_error(flat, moe.moe_gemm_reference(x, ids, w, wts if modes else None)) < TOL[torch.float16]
