@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .moe_common import (PassedChecks, check_device, check_float_tensor, dtype_code, empty_buffer, shape_of,
                           tensor_layout)
 from .moe_gemm import moe_gemm, moe_gemm_sorting, next_power_of_2
-from .moe_routing import MoeRouting, check_token_routing, moe_align_gathered, moe_align_stacked
+from .moe_routing import MoeRouting, check_token_routing, moe_align_ranks
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
 
@@ -243,7 +243,7 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
             # the own tokens and a tile of another rank's tokens waits for their arrival flag; grouped by expert,
             # nearly every tile reads several ranks' tokens, so the stream waits for all of them once and the
             # GEMM runs without flags
-            routing = moe_align_stacked(ids_all, E, tpr) if by_rank else moe_align_gathered(ids_all, E, tpr)
+            routing = moe_align_ranks(ids_all, E, tpr, by_rank)
             wait = None
             if by_rank:
                 wait = (pusher.arrival_flags, pusher.epoch)

@@ -58,7 +58,7 @@ from .matmul import (
 )
 from .moe_common import INTERPRETED, PassedChecks, check_device, check_float_tensor, empty_buffer, tensor_layout
 from .moe_routing import (MAX_GROUPS, MoeRouting, SortPlan, check_rank_ids, check_routing, check_topk_ids,
-                          group_sort_block, moe_align, moe_align_gathered, moe_align_stacked, sort_chunk, token_starts)
+                          group_sort_block, moe_align_ranks, sort_chunk, token_starts)
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 
 __all__ = [
@@ -550,12 +550,7 @@ def moe_gemm_sorting(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, r
     if not (T and w.shape[1] and w.shape[2] and groups <= MAX_GROUPS and isinstance(a, torch.Tensor)
             and topk_ids.device == a.device and (a.is_cuda or INTERPRETED)
             and cdiv(T * k, group_sort_block(T * k)) <= MAX_SORT_CHUNKS):
-        if not rank_tokens:
-            routing = moe_align(topk_ids, num_experts, check_range=False)
-        elif by_rank:
-            routing = moe_align_stacked(topk_ids, num_experts, rank_tokens)
-        else:
-            routing = moe_align_gathered(topk_ids, num_experts, rank_tokens)
+        routing = moe_align_ranks(topk_ids, num_experts, rank_tokens, by_rank)
         return _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait,
                        first_group, tile_order, None, where), routing
     plan = SortPlan.make(topk_ids, num_experts, rank_tokens, by_rank, counted=True)

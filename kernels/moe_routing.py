@@ -50,7 +50,8 @@ from .symm import capturing, raw_current_stream
 from .tp_common import row_starts
 
 __all__ = ["MAX_GROUPS", "SortPlan", "sort_counters", "group_sort", "group_sort_block", "sort_chunk", "MoeRouting",
-           "moe_align", "moe_align_stacked", "moe_align_gathered", "moe_align_block_size", "token_starts",
+           "moe_align", "moe_align_stacked", "moe_align_gathered", "moe_align_ranks", "moe_align_block_size",
+           "token_starts",
            "check_rank_ids", "check_topk_ids", "check_routing", "check_token_routing"]
 
 #: Group counts above this fall back to torch's sort (the kernel keeps one histogram bin per group).
@@ -384,6 +385,18 @@ def moe_align_gathered(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Se
     T, k = topk_ids.shape
     return MoeRouting(*_sorted_by_expert(topk_ids, num_experts), int(T), int(k), int(num_experts), rank_tokens,
                       by_rank=False)
+
+
+def moe_align_ranks(topk_ids: torch.Tensor, num_experts: int, rank_tokens: Sequence[int] = (),
+                    by_rank: bool = True) -> MoeRouting:
+    """The routing of ``topk_ids`` in the form a caller names by ``rank_tokens`` and ``by_rank``: one rank's
+    (:func:`moe_align`, no range check) without ``rank_tokens``, else every rank's, grouped per (rank, expert)
+    (:func:`moe_align_stacked`, ``by_rank``) or per expert (:func:`moe_align_gathered`)."""
+    if not rank_tokens:
+        return moe_align(topk_ids, num_experts, check_range=False)
+    if by_rank:
+        return moe_align_stacked(topk_ids, num_experts, rank_tokens)
+    return moe_align_gathered(topk_ids, num_experts, rank_tokens)
 
 
 _aranges: dict = {}
