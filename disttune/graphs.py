@@ -48,8 +48,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .env import interpreting
 
-__all__ = ["CAPTURED", "GRAPHS_PER_STEP", "HOLDS_OBJECTS", "CudaGraphCapture", "StepGraphs", "release_all",
-           "signature", "why_unavailable"]
+__all__ = ["CAPTURED", "GRAPHS_PER_STEP", "HOLDS_OBJECTS", "CudaGraphCapture", "StepGraphs", "capturing",
+           "release_all", "signature", "why_unavailable"]
 
 #: Graphs kept per step (one per signature), least recently used dropped first.
 GRAPHS_PER_STEP = 8
@@ -154,7 +154,7 @@ class StepGraphs:
     def __call__(self, run: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
         """``run(args, kwargs)`` the first time a signature is met, captured the second, replayed after (run as it
         is while the caller captures a graph of its own, which then holds the step's launches)."""
-        if _capturing():
+        if capturing():
             return run(args, kwargs)
         key, leaves, spec = signature(args, kwargs)
         graph = self._graphs.get(key) if key is not None else None
@@ -239,7 +239,9 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (False without CUDA). One C call: the
+    device check is made once (``torch.cuda.is_available()`` costs a few µs, and kernels ask on every launch)."""
     return _has_cuda() and torch.cuda.is_current_stream_capturing()
 
 

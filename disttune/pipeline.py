@@ -41,6 +41,7 @@ from .checks import OutputCheck, blame, scheduled_configs
 from .comm import Communicator
 from .compile import CompilePool
 from .configs import config_text
+from .graphs import capturing
 from .handlers import Final, SiteLaunches, Tune, launch_stand_in
 from .intercept import intercept
 from .logs import RankLog
@@ -227,9 +228,7 @@ def log_settled(log: RankLog, results: Sequence[SiteResult]) -> None:
 def refuse_graph_capture(name: str) -> None:
     """Tuning synchronizes (CUDA events, the peers' agreement), which a CUDA graph capture forbids:
     a clear error instead of an invalidated capture."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise TuningError(f"disttune: {name} is being captured in a CUDA graph but is not tuned: tuning runs the function "
                           "many times and synchronizes with the GPU and the peers. Call it once before the capture "
                           "(the warm-up torch.cuda.graph asks for anyway); the captured call then takes the tuned "

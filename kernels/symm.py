@@ -25,6 +25,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from disttune.graphs import capturing
+
 from .tp_common import group_info, row_starts
 
 __all__ = ["SymmetricBuffer", "ShardPusher", "SignalBoard", "copy_async", "stream_handle", "wait_flag_at",
@@ -104,11 +106,6 @@ def wait_flag_at(stream, address, value: int) -> None:
 #: Why the epoch-flagged GPU paths (AG-GEMM, GEMM-RS, ag_moe without graph_safe) refuse CUDA graph capture.
 EPOCH_FLAGS = ("its arrival flags carry a per-call epoch that every replay would repeat; call it outside the graph "
                "(it has no graph-safe mode yet)")
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def refuse_capture(who: str, why: str) -> None:
