@@ -34,6 +34,7 @@ program count grows with ``R``, so the total work grows as ``R**2 / 4096``.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -120,6 +121,7 @@ def _group_sort_kernel(
                stride_k, E, GROUPS, TOP_K, WORLD, BINS, BLOCK, SCAN)
 
 
+@functools.lru_cache(maxsize=256)
 def group_sort_block(rows: int) -> int:
     """Rows per program: at most about 32 chunks (each program counts them all), 256 to 4096 rows."""
     return max(256, min(4096, next_power_of_2(max(1, cdiv(rows, 32)))))
@@ -183,13 +185,9 @@ class SortPlan:
         world = len(rank_tokens) if rank_tokens and by_rank else 1
         R = topk_ids.shape[0] * topk_ids.shape[1]
         plan.ids, plan.num_experts, plan.world = topk_ids, num_experts, world
-        plan.groups = num_experts * world
-        plan.block = group_sort_block(R)
-        plan.chunks = cdiv(R, plan.block)
-        plan.bins = next_power_of_2(plan.groups + 1)
-        at_offs = -(-R // 4) * 4
-        at_scratch = -(-(at_offs + plan.groups + 1) // 4) * 4
-        memory = torch.empty(at_scratch + plan.chunks * plan.bins, dtype=torch.int32, device=topk_ids.device)
+        plan.groups, plan.block, plan.chunks, plan.bins, at_offs, at_scratch, size = _sort_geometry(R, num_experts,
+                                                                                                     world)
+        memory = torch.empty(size, dtype=torch.int32, device=topk_ids.device)
         plan.sorted_ids, plan.offs = memory[:R], memory[at_offs:at_offs + plan.groups + 1]
         plan.scratch = memory[at_scratch:]
         plan.sync = sort_counters(topk_ids.device) if counted else None
@@ -205,6 +203,19 @@ class SortPlan:
     def meta(self, scan: int) -> dict:
         """The sort's constexprs (``scan``: rows counted per step)."""
         return dict(TOP_K=self.ids.shape[1], WORLD=self.world, BINS=self.bins, BLOCK=self.block, SCAN=scan)
+
+
+@functools.lru_cache(maxsize=256)
+def _sort_geometry(rows: int, num_experts: int, world: int) -> tuple[int, int, int, int, int, int, int]:
+    """A sort plan's sizes for ``rows`` rows: (groups, rows per chunk, chunks, bins, start of the group offsets and of
+    the scratch in the plan's int32 block, the block's size), each part 16-byte aligned."""
+    groups = num_experts * world
+    block = group_sort_block(rows)
+    chunks = cdiv(rows, block)
+    bins = next_power_of_2(groups + 1)
+    at_offs = -(-rows // 4) * 4
+    at_scratch = -(-(at_offs + groups + 1) // 4) * 4
+    return groups, block, chunks, bins, at_offs, at_scratch, at_scratch + chunks * bins
 
 
 #: Each stream's two counts for launches that sort in their own programs (see :func:`sort_counters`).
