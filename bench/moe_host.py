@@ -69,7 +69,7 @@ from disttune.kernels import moe, moe_ag, shard_gemm
 SHAPES = [dict(T=4096, E=64, k=6, H=2048, I=1408), dict(T=4096, E=8, k=2, H=4096, I=7168)]
 #: What ``--phases`` times: ag_moe's helpers (module functions) and the token pusher's methods.
 AG_MOE_PHASES = ("group_info", "_inputs_key", "_agree_on_inputs", "empty_buffer", "gather_tokens_and_routing",
-                 "gather_routing", "token_pusher", "layout_for", "moe_align_ranks", "moe_gemm", "moe_gemm_sorting")
+                 "gather_routing", "token_pusher", "layout_for", "moe_align_ranks", "moe_gemm", "sorting_launch")
 PUSHER_PHASES = ("gather", "wait_all", "finish")
 
 

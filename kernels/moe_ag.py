@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .moe_common import (PassedChecks, check_device, check_float_tensor, dtype_code, empty_buffer, shape_of,
                           tensor_layout)
-from .moe_gemm import moe_gemm, moe_gemm_sorting, next_power_of_2
+from .moe_gemm import moe_gemm, next_power_of_2, sorting_launch
 from .moe_routing import MoeRouting, check_token_routing, moe_align_ranks
 from .symm import ShardPusher, overlap_support, refuse_capture, uses_nccl
 from .tp_common import GroupInfo, check_same_on_all_ranks, group_info
@@ -191,8 +191,10 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     given = None if tokens_per_rank is None else tuple(int(t) for t in tokens_per_rank)
     key = _inputs_key(where, info, x, topk_ids, topk_weights, w, out, given, layout, graph_safe, check_ids,
                       extra_check, extra_inputs)
-    xs, ws, ids_s = shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)
     signature, local_error = _passed_checks.get(key), None
+    # (shapes that are None where an input is not a tensor of its rank: for the signature and error messages)
+    xs, ws, ids_s = ((x.shape, w.shape, topk_ids.shape) if signature is not None
+                     else (shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)))
     if signature is None:
         try:
             _check_locally(where, rank, world, x, topk_ids, topk_weights, w, out, given, layout, extra_check)
@@ -215,15 +217,14 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     E, H, N = w.shape
     dev, k = x.device, topk_ids.shape[1]
     row_offsets = tuple(itertools.accumulate((t * k for t in tpr), initial=0))
-    if out is None:
-        out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
-
     by_rank = (layout if layout != "auto" else layout_for(tpr, k, E)) == "rank"
     rows_bucket = int(bucket(row_offsets[-1]))
     pusher = None
     if _pushes_tokens(x, group, graph_safe):
         # 1. every rank's routing (one small collective: the sort waits for it), 2. the tokens, pushed on the copy
         # engines while the routing is sorted (no id check: a graph-safe call must not sync with the host)
+        if out is None:
+            out = empty_buffer((row_offsets[-1], N), x.dtype, dev)
         ids_all, weights_all = gather_routing(topk_ids, topk_weights, tpr, group)
         pusher = token_pusher(group, graph_safe)
         x_all = pusher.gather(x.contiguous(), tpr, include_own=True)
@@ -234,10 +235,10 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
             _check_gathered_ids(where, ids_all, E, tpr)
     try:
         if pusher is None:
-            # 2. the sort and one GEMM over all ranks' tokens, in one launch (moe_gemm_sorting)
-            _, routing = moe_gemm_sorting(x_all, w, ids_all, tpr, by_rank=by_rank, a_order="token", out=out,
-                                          out_order="sorted", kernel=kernel, rows_bucket=rows_bucket,
-                                          first_group=rank * E)
+            # 2. the sort and one GEMM over all ranks' tokens, in one launch (moe_gemm_sorting; the gathered ids are
+            # what its checks ask for by construction, and out, if not given, is allocated with the launch)
+            out, routing = sorting_launch(x_all, w, ids_all, tpr, by_rank, "token", out, "sorted", None, kernel,
+                                          rows_bucket, bucket, None, rank * E, "expert_bands", where)
         else:
             # 3. the sort (beside the pushes), then one GEMM over all ranks' tokens. Grouped by rank, it starts on
             # the own tokens and a tile of another rank's tokens waits for their arrival flag; grouped by expert,
