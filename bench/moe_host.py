@@ -22,7 +22,7 @@ host-bound; below 1.0 in the *host / GPU* column, the GPU sets the pace. Rows (e
   gather_tokens_and_routing  tokens, ids and weights in one collective (what an eager ag_moe gathers)
   moe_align_stacked      the rank-stacked sort
   moe_gemm               the grouped GEMM launch, arrival flags already set
-  moe_gemm_sorting       the sort and the grouped GEMM in one launch (what an eager ag_moe runs)
+  moe_gemm_sorting       the sort and the grouped GEMM in one launch (an eager ag_moe runs its launch, unchecked)
   pusher                 the token pushes and ``finish`` (symmetric memory, copy engines)
 
 GPU only (NCCL, symmetric memory). Rank 0 prints one table per shape and, with ``--out FILE``,

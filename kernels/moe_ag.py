@@ -136,10 +136,11 @@ def ag_moe(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor, *,
     expert) (as :func:`moe_align_stacked` sorts them), so each rank's rows stay contiguous and the GEMM walks its
     tiles from the launching rank's own tokens on. A call without ``graph_safe`` gathers every rank's tokens,
     ids and weights in one collective (:func:`gather_rows`: on NCCL one grouped all-gather, one c10d call),
-    then sorts and multiplies in one launch (:func:`~.moe_gemm.moe_gemm_sorting`): at these sizes an eager
-    call is host-bound, its host time set by the number of library calls (docs/moe.md, "Where an eager
-    call's host time goes"). A graph-safe call gathers the routing
-    first (:func:`gather_routing`); on NCCL GPUs its tokens travel by copy-engine pushes into the peers'
+    then sorts and multiplies in one launch (:func:`~.moe_gemm.moe_gemm_sorting`'s, through
+    :func:`~.moe_gemm.sorting_launch`, without the checks the gathered routing passes by construction): at
+    these sizes an eager call is host-bound, its host time set by the number of library calls (docs/moe.md,
+    "Where an eager call's host time goes"). A graph-safe call gathers the routing first
+    (:func:`gather_routing`); on NCCL GPUs its tokens travel by copy-engine pushes into the peers'
     symmetric memory (``kernels.symm.ShardPusher``: no SM taken from the GEMM, no barrier) while the routing
     is sorted; grouped by rank, tiles of another rank's tokens spin on that rank's arrival flag, so the GEMM
     computes the local tokens while the rest arrive.
@@ -192,10 +193,8 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
     key = _inputs_key(where, info, x, topk_ids, topk_weights, w, out, given, layout, graph_safe, check_ids,
                       extra_check, extra_inputs)
     signature, local_error = _passed_checks.get(key), None
-    # (shapes that are None where an input is not a tensor of its rank: for the signature and error messages)
-    xs, ws, ids_s = ((x.shape, w.shape, topk_ids.shape) if signature is not None
-                     else (shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)))
     if signature is None:
+        xs, ws, ids_s = shape_of(x, 2), shape_of(w, 3), shape_of(topk_ids, 2)  # None where not a tensor of that rank
         try:
             _check_locally(where, rank, world, x, topk_ids, topk_weights, w, out, given, layout, extra_check)
         except (TypeError, ValueError) as err:
@@ -205,15 +204,18 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
                      int(given is not None), hash(given) & 0x3FFFFFFFFFFF if given is not None else 0)
         if local_error is None:
             _passed_checks.add(key, signature)
+        tokens, top_k = xs[0] if xs else -1, ids_s[1] if ids_s else 1
+    else:  # a layout whose checks passed: the inputs are tensors of the right ranks
+        tokens, top_k = x.shape[0], topk_ids.shape[1]
 
     def described() -> dict:  # for the error message only: not built on every call
-        return {"x": xs, "x dtype": str(getattr(x, "dtype", None)), "w": ws, "topk_ids": ids_s,
+        return {"x": shape_of(x, 2), "x dtype": str(getattr(x, "dtype", None)), "w": shape_of(w, 3),
+                "topk_ids": shape_of(topk_ids, 2),
                 "topk_weights": None if topk_weights is None else str(getattr(topk_weights, "dtype", None)),
                 "tokens_per_rank": given, "graph_safe": graph_safe, "layout": layout}
 
     out_rows = out.shape[0] if isinstance(out, torch.Tensor) and out.dim() == 2 else -1
-    tpr = _agree_on_inputs(where, info, xs[0] if xs else -1, signature, described, local_error, given, out_rows,
-                           ids_s[1] if ids_s else 1)
+    tpr = _agree_on_inputs(where, info, tokens, signature, described, local_error, given, out_rows, top_k)
     E, H, N = w.shape
     dev, k = x.device, topk_ids.shape[1]
     row_offsets = tuple(itertools.accumulate((t * k for t in tpr), initial=0))
@@ -235,8 +237,8 @@ def ag_moe_for_caller(x, topk_ids, w, *, topk_weights, group, tokens_per_rank, k
             _check_gathered_ids(where, ids_all, E, tpr)
     try:
         if pusher is None:
-            # 2. the sort and one GEMM over all ranks' tokens, in one launch (moe_gemm_sorting; the gathered ids are
-            # what its checks ask for by construction, and out, if not given, is allocated with the launch)
+            # 2. the sort and one GEMM over all ranks' tokens, in one launch (moe_gemm_sorting's, without its checks:
+            # the gathered ids are what they ask for by construction; out, if not given, is allocated with the launch)
             out, routing = sorting_launch(x_all, w, ids_all, tpr, by_rank, "token", out, "sorted", None, kernel,
                                           rows_bucket, bucket, None, rank * E, "expert_bands", where)
         else:
@@ -300,6 +302,8 @@ def _check_locally(where: str, rank: int, world: int, x, topk_ids, topk_weights,
         raise ValueError(f"{where}: x must be [T_r, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"{where}: x has H={x.shape[1]} but w is [E, H={w.shape[1]}, N]")
+    if x.dtype != w.dtype:
+        raise TypeError(f"{where}: x and w must have the same dtype, got {x.dtype} and {w.dtype}")
     # expert ids are range-checked after the routing gather, on every rank's ids at once
     check_token_routing(where, x, topk_ids, topk_weights, w.shape[0], check_range=False)
     check_device(where, x, topk_ids=topk_ids, topk_weights=topk_weights, w=w)

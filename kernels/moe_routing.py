@@ -43,11 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
+from disttune.graphs import capturing
 from disttune.jit_launch import launch
 
 from .matmul import cdiv, next_power_of_2
 from .moe_common import INTERPRETED
-from .symm import capturing, raw_current_stream
+from .symm import raw_current_stream
 from .tp_common import row_starts
 
 __all__ = ["MAX_GROUPS", "SortPlan", "sort_counters", "group_sort", "group_sort_block", "sort_chunk", "MoeRouting",

@@ -480,6 +480,7 @@ def case_inconsistent(ctx: Ranks) -> dict:
                                           kernel=kernel),
         "dtype": lambda: moe.ag_moe(x.to(other_dtype) if odd else x, ids, w.to(other_dtype) if odd else w,
                                     topk_weights=wts, kernel=kernel),
+        "x and w dtypes": lambda: moe.ag_moe(x.to(other_dtype) if odd else x, ids, w, topk_weights=wts, kernel=kernel),
         "weights on one rank": lambda: moe.ag_moe(x, ids, w, topk_weights=None if odd else wts, kernel=kernel),
         "experts": lambda: moe.ag_moe(x, ids % 4 if odd else ids, w[:4] if odd else w, kernel=kernel),
         "tokens_per_rank values": lambda: moe.ag_moe(

@@ -626,6 +626,7 @@ def _check_graph(per_rank, must_capture: bool):
 INCONSISTENT = {
     "hidden size": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
     "dtype": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
+    "x and w dtypes": "invalid input on rank(s) [1]:\n  rank 1: TypeError: ag_moe: x and w must have the same dtype",
     "weights on one rank": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
     "experts": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
     "tokens_per_rank values": "ranks were called with inconsistent inputs (ranks [1] differ from rank 0)",
@@ -644,8 +645,8 @@ INCONSISTENT = {
 @pytest.mark.slow
 def test_inputs_inconsistent_across_ranks_are_an_error_on_every_rank(gloo2):
     """Valid on each rank, inconsistent across ranks (hidden size, dtype, weights given or not, expert
-    count, token counts), or bad on one rank only (expert ids, shapes, out buffer, the layer's
-    weights): every rank raises a ValueError saying which rank and what, none hangs, and a valid
+    count, token counts), or bad on one rank only (tokens and weights of two dtypes, expert ids, shapes, out
+    buffer, the layer's weights): every rank raises a ValueError saying which rank and what, none hangs, and a valid
     call afterwards is right."""
     values = _values(gloo2["inconsistent"])
     for rank, value in enumerate(values):
