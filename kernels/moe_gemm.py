@@ -58,7 +58,7 @@ from .matmul import (
 )
 from .moe_common import INTERPRETED, PassedChecks, check_device, check_float_tensor, empty_buffer, tensor_layout
 from .moe_routing import (MAX_GROUPS, MoeRouting, SortPlan, check_rank_ids, check_routing, check_topk_ids,
-                          group_sort_block, moe_align_ranks, sort_chunk, token_starts)
+                          moe_align_ranks, sort_chunk, sort_chunks, token_starts)
 from .shard_gemm import ensure_descriptor_allocator, num_sms
 
 __all__ = [
@@ -561,7 +561,7 @@ def sorting_launch(a, w, topk_ids, rank_tokens: tuple, by_rank, a_order, out, ou
     T, k = topk_ids.shape
     if not (T and w.shape[1] and w.shape[2] and groups <= MAX_GROUPS and isinstance(a, torch.Tensor)
             and topk_ids.device == a.device and (a.is_cuda or INTERPRETED)
-            and cdiv(T * k, group_sort_block(T * k)) <= MAX_SORT_CHUNKS):
+            and sort_chunks(T * k) <= MAX_SORT_CHUNKS):
         routing = moe_align_ranks(topk_ids, num_experts, rank_tokens, by_rank)
         return _launch(a, w, routing, a_order, out, out_order, weights, kernel, rows_bucket, bucket, wait,
                        first_group, tile_order, None, where), routing

@@ -53,8 +53,7 @@ from .tp_common import row_starts
 
 __all__ = ["MAX_GROUPS", "SortPlan", "sort_counters", "group_sort", "group_sort_block", "sort_chunk", "MoeRouting",
            "moe_align", "moe_align_stacked", "moe_align_gathered", "moe_align_ranks", "moe_align_block_size",
-           "token_starts",
-           "check_rank_ids", "check_topk_ids", "check_routing", "check_token_routing"]
+           "sort_chunks", "token_starts", "check_rank_ids", "check_topk_ids", "check_routing", "check_token_routing"]
 
 #: Group counts above this fall back to torch's sort (the kernel keeps one histogram bin per group).
 MAX_GROUPS = 4095
@@ -126,6 +125,11 @@ def _group_sort_kernel(
 def group_sort_block(rows: int) -> int:
     """Rows per program: at most about 32 chunks (each program counts them all), 256 to 4096 rows."""
     return max(256, min(4096, next_power_of_2(max(1, cdiv(rows, 32)))))
+
+
+def sort_chunks(rows: int) -> int:
+    """How many chunks (programs) the sort of ``rows`` rows runs in: ``rows`` over :func:`group_sort_block`."""
+    return cdiv(rows, group_sort_block(rows))
 
 
 _starts_cache: dict = {}
@@ -211,8 +215,7 @@ def _sort_geometry(rows: int, num_experts: int, world: int) -> tuple[int, int, i
     """A sort plan's sizes for ``rows`` rows: (groups, rows per chunk, chunks, bins, start of the group offsets and of
     the scratch in the plan's int32 block, the block's size), each part 16-byte aligned."""
     groups = num_experts * world
-    block = group_sort_block(rows)
-    chunks = cdiv(rows, block)
+    block, chunks = group_sort_block(rows), sort_chunks(rows)
     bins = next_power_of_2(groups + 1)
     at_offs = -(-rows // 4) * 4
     at_scratch = -(-(at_offs + groups + 1) // 4) * 4

@@ -645,7 +645,7 @@ INCONSISTENT = {
 @pytest.mark.slow
 def test_inputs_inconsistent_across_ranks_are_an_error_on_every_rank(gloo2):
     """Valid on each rank, inconsistent across ranks (hidden size, dtype, weights given or not, expert
-    count, token counts), or bad on one rank only (tokens and weights of two dtypes, expert ids, shapes, out
+    count, token counts), or bad on one rank only (tokens and expert weights of two dtypes, expert ids, shapes, out
     buffer, the layer's weights): every rank raises a ValueError saying which rank and what, none hangs, and a valid
     call afterwards is right."""
     values = _values(gloo2["inconsistent"])
