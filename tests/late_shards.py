@@ -127,3 +127,35 @@ def check_scores_out_racy_config(arrivals: Arrivals, waiting: triton.Config, che
     (result,) = step.report.results
     error = rel_error(after.float().cpu(), a.float() @ b.float())
     return {"winner": result.winner, "agreed_ms": list(result.agreed_ms), "right": error < 1e-2}
+
+
+def own_rows_gemm_with_late_partials(arrivals: Arrivals, config: triton.Config, *, rows: int, K: int, N: int,
+                                     dtype: torch.dtype, device: str) -> dict:
+    """GEMM-RS's own rows' GEMM, ``a @ b`` plus every slot of the peers' partials but the skipped one, with the
+    partials landing late, piece by piece (two pieces of 256 rows at most).
+
+    The partials sit in a ``[3, slot_rows, N]`` buffer cut to the own rows (``slot_rows > rows``), as the
+    receive slots of :class:`~disttune.kernels.gemm_rs.GemmReduceScatter` are; every row is NaN until its piece
+    lands, the rows past ``rows`` and the skipped slot stay NaN: a tile that read a piece before its flag, a
+    row of the wrong slot or the skipped slot would carry NaN into the output. Returns whether the output is
+    right and whether it holds NaN. Cost: one GEMM call, at least the arrivals' delay.
+    """
+    g = torch.Generator().manual_seed(11)
+    slots, skip, chunks, step, slot_rows = 3, 1, 2, 256, rows + 40
+    a = torch.randn(rows, K, generator=g).to(dtype)
+    b = torch.randn(K, N, generator=g).to(dtype)
+    partials = torch.randn(slots, rows, N, generator=g).to(dtype)
+    source = partials.pin_memory() if device == "cuda" else partials
+    received = torch.full((slots, slot_rows, N), float("nan"), dtype=dtype, device=device)
+    flags = torch.zeros(slots * chunks, dtype=torch.int32, device=device)
+    out = torch.empty(rows, N, dtype=dtype, device=device)
+    pieces = [(received[s, c * step: min(rows, (c + 1) * step)], source[s, c * step: min(rows, (c + 1) * step)],
+               flags[s * chunks + c]) for s in range(slots) if s != skip for c in range(-(-rows // step))]
+    epoch = 3
+    arrivals.start(pieces, epoch)
+    shard_gemm(a.to(device), b.to(device), out, (rows,), 0, kernel=make_shard_gemm_kernel([config]), chunks=chunks,
+               chunk_rows=step, epoch=epoch, addend=received[:, :rows], addend_flags=flags, addend_skip=skip)
+    arrivals.join()
+    want = a.float() @ b.float() + partials[0].float() + partials[2].float()
+    got = out.float().cpu()
+    return {"right": rel_error(got, want) < 1e-2, "nan": bool(got.isnan().any())}

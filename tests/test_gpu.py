@@ -155,6 +155,20 @@ def test_check_scores_out_a_shard_gemm_config_that_reads_shards_a_side_stream_st
         assert found["winner"] == 1 and not found["right"], found
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [40, 300], ids=str)
+def test_the_own_rows_gemm_adds_each_peers_partial_only_once_a_side_stream_delivered_it(rows):
+    """One GPU: GEMM-RS's reduction (its flag waits in inline PTX on sm_90) with the peers' partials landing
+    about 25 ms late from a side stream into NaN-poisoned slots (see ``late_shards``)."""
+    from disttune.kernels.matmul import gemm_config
+    from late_shards import SideStreamArrivals, own_rows_gemm_with_late_partials
+
+    found = own_rows_gemm_with_late_partials(SideStreamArrivals(), gemm_config(64, 64, 32, 8, 3, 4), rows=rows,
+                                             K=256, N=192, dtype=torch.float16, device="cuda")
+    assert found == {"right": True, "nan": False}, found
+
+
 def _gemm(n: int = 8192):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
