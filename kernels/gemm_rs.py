@@ -60,19 +60,30 @@ from .symm import (
 )
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
-__all__ = ["DESIGNS", "FUSED_FROM_WORLD", "GemmReduceScatter", "auto_design", "gemm_rs", "gemm_rs_reference"]
+__all__ = ["DESIGNS", "FUSED_FROM_WORLD", "GemmReduceScatter", "auto_design", "default_pieces", "gemm_rs",
+           "gemm_rs_reference"]
 
 DESIGNS = ("auto", "fused", "decomposed")
 
-#: ``"auto"`` runs the fused design on GPUs from this many ranks on: below, the partials are long enough that
-#: a GEMM launch per partial keeps the GPU busy while the host issues the next.
-FUSED_FROM_WORLD = 3
+#: ``"auto"`` runs the fused design on GPUs from this many ranks on (``bench/ag_gemm.py``, 8192^3 bf16: on
+#: 2 x H200 fused in 2 pieces 0.873 ms, decomposed 0.887, and from an idle GPU 1.052 against 1.138; at 4 ranks
+#: the decomposed design is host-bound).
+FUSED_FROM_WORLD = 2
 
 
 def auto_design(world_size: int, device: torch.device) -> str:
     """The design ``"auto"`` runs for ``world_size`` ranks on ``device``: fused on GPUs from
     :data:`FUSED_FROM_WORLD` ranks on, else decomposed."""
     return "fused" if device.type == "cuda" and world_size >= FUSED_FROM_WORLD else "decomposed"
+
+
+def default_pieces(world_size: int, fused: bool) -> int:
+    """Flagged pieces per pushed partial when ``chunks`` is not given (``bench/ag_gemm.py --rs-chunks``, 8192^3
+    bf16): the fused design in 2 up to 2 ranks (2 x H200: 0.873 ms; 0.885 in 4, 0.996 in 1) and whole partials
+    from 3 (4 x H200: 0.64 ms; 0.71 in 4); the decomposed design in 4."""
+    if not fused:
+        return 4
+    return 2 if world_size <= 2 else 1
 
 
 class GemmReduceScatter:
@@ -82,10 +93,8 @@ class GemmReduceScatter:
     collective on GPUs) and checks that all ranks agree on the shapes.
 
     ``design``: one of :data:`DESIGNS` (see the module doc). ``chunks``: flagged pieces per pushed partial
-    (at least ``streams``; default: 1 at 3 ranks or more unless ``design="decomposed"``, else 4; on 2 x H200
-    the fused design ran 0.87 ms in 4 pieces and 1.00 in 1, on 4 x H200 0.64 ms in 1 piece and 0.71 in 4,
-    ``bench/ag_gemm.py``). ``streams``: copy streams. ``last_launches``: the decomposed design's GEMMs for
-    the last partial.
+    (at least ``streams``; default: :func:`default_pieces`).
+    ``streams``: copy streams. ``last_launches``: the decomposed design's GEMMs for the last partial.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, kernel=None, chunks: Optional[int] = None,
@@ -95,8 +104,9 @@ class GemmReduceScatter:
         self.requested_design = design
         self.info = group_info(group, max_world=MAX_WORLD)
         self.kernel = kernel if kernel is not None else make_shard_gemm_kernel()
-        if chunks is None:  # measured with bench/ag_gemm.py (8192^3): whole partials where the fused design runs
-            chunks = 1 if design != "decomposed" and self.info.world_size >= FUSED_FROM_WORLD else 4
+        if chunks is None:
+            fused = design == "fused" or (design == "auto" and self.info.world_size >= FUSED_FROM_WORLD)
+            chunks = default_pieces(self.info.world_size, fused)
         if int(chunks) < 1 or int(streams) < 1:
             raise ValueError(f"GemmReduceScatter: chunks and streams must be >= 1, got {chunks} and {streams}")
         # each partial travels in ``chunks`` flagged pieces (at least one per copy stream) spread over ``streams``

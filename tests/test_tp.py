@@ -141,12 +141,14 @@ def test_auto_runs_one_persistent_gemm_on_gpus_from_three_ranks_and_a_launch_per
     assert {auto_design(world, cpu) for world in (1, 2, 4, 8)} == {"decomposed"}  # both designs gather first there
 
 
-def test_gemm_rs_auto_computes_the_partials_in_one_launch_on_gpus_from_three_ranks():
-    from disttune.kernels.gemm_rs import auto_design
+def test_gemm_rs_auto_computes_the_partials_in_one_launch_on_gpus_from_two_ranks():
+    from disttune.kernels.gemm_rs import auto_design, default_pieces
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert [auto_design(world, gpu) for world in (1, 2, 3, 4, 8)] == ["decomposed"] * 2 + ["fused"] * 3
+    assert [auto_design(world, gpu) for world in (1, 2, 3, 4, 8)] == ["decomposed"] + ["fused"] * 4
     assert {auto_design(world, cpu) for world in (1, 2, 4, 8)} == {"decomposed"}
+    assert [default_pieces(world, fused=True) for world in (1, 2, 3, 4, 8)] == [2, 2, 1, 1, 1]
+    assert {default_pieces(world, fused=False) for world in (1, 2, 4, 8)} == {4}
 
 
 @pytest.mark.slow
