@@ -77,6 +77,13 @@ def auto_design(world_size: int, device: torch.device) -> str:
     return "fused" if device.type == "cuda" and world_size >= FUSED_FROM_WORLD else "decomposed"
 
 
+def padded_width(columns: int, dtype: torch.dtype) -> int:
+    """Elements per row of a buffer of ``columns`` that rounds each row up to whole 16 bytes (tensor descriptors'
+    stride rule)."""
+    per_16_bytes = max(1, 16 // dtype.itemsize)
+    return -(-columns // per_16_bytes) * per_16_bytes
+
+
 def default_pieces(world_size: int, fused: bool) -> int:
     """Flagged pieces per pushed partial when ``chunks`` is not given (``bench/ag_gemm.py --rs-chunks``, 8192^3
     bf16): the fused design in 2 up to 2 ranks (2 x H200: 0.873 ms; 0.885 in 4, 0.996 in 1) and whole partials
@@ -188,8 +195,9 @@ class GemmReduceScatter:
                 self._board.buffer.barrier()
                 torch.cuda.synchronize(device)
             world, capacity = self.info.world_size, 1 << max(0, max(rows) - 1).bit_length()
-            recv = SymmetricBuffer((2, world, capacity, N), dtype, self.info.group, device)
-            staging = torch.empty(world, capacity, N, dtype=dtype, device=device)
+            width = padded_width(N, dtype)  # rows of whole 16 bytes, as the reduction's descriptor reads them
+            recv = SymmetricBuffer((2, world, capacity, width), dtype, self.info.group, device)
+            staging = torch.empty(world, capacity, width, dtype=dtype, device=device)[..., :N]
             bufs = self._buffers[key] = (recv, staging)
             self._plans = {plan_key: plan for plan_key, plan in self._plans.items() if plan_key[1:3] != key}
         return bufs
@@ -281,7 +289,7 @@ class GemmReduceScatter:
         if mine:
             start = row_starts(rows)[rank]
             shard_gemm(a_local[start: start + mine], b_local, out, (mine,), 0, kernel=self.kernel, chunks=self.chunks,
-                       chunk_rows=plan.step_rows, epoch=epoch, addend=received[:, :mine],
+                       chunk_rows=plan.step_rows, epoch=epoch, addend=received[:, :mine, : out.shape[1]],
                        addend_flags=self._board.arrived, addend_skip=rank)
             if self.timeline is not None:
                 self.timeline.mark("own rows' GEMM (with the peers' partials) done", current)
@@ -302,7 +310,9 @@ class GemmReduceScatter:
         rank, world = info.rank, info.world_size
         starts = row_starts(rows)
         most, N = max(rows), b_local.shape[1]
-        staging = torch.zeros(world, most, N, dtype=a_local.dtype, device=a_local.device)
+        # rows of whole 16 bytes, as on GPUs (the GEMMs store and read them through tensor descriptors)
+        padded = torch.zeros(world, most, padded_width(N, a_local.dtype), dtype=a_local.dtype, device=a_local.device)
+        staging = padded[..., :N]
         if fused:
             signals = torch.zeros(2 * world * self.chunks, dtype=torch.int32, device=a_local.device)
             step_rows = chunk_rows(rows, self.chunks)
@@ -314,11 +324,11 @@ class GemmReduceScatter:
                 if d != rank and rows[d]:
                     block = slice(starts[d], starts[d] + rows[d])
                     shard_gemm(a_local[block], b_local, staging[d, : rows[d]], (rows[d],), 0, kernel=self.kernel)
-        everyone = [torch.empty_like(staging) for _ in range(world)]
-        dist.all_gather(everyone, staging, group=info.group)
+        everyone = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(everyone, padded, group=info.group)
         mine = rows[rank]
         if mine:
-            received = torch.stack([everyone[s][rank, :mine] for s in range(world)])
+            received = torch.stack([everyone[s][rank, :mine] for s in range(world)])[..., :N]
             ready = torch.ones(world * self.chunks, dtype=torch.int32, device=a_local.device)
             shard_gemm(a_local[starts[rank]: starts[rank] + mine], b_local, out, (mine,), 0, kernel=self.kernel,
                        chunks=self.chunks, chunk_rows=chunk_rows(rows, self.chunks), addend=received,

@@ -232,7 +232,7 @@ def shard_ordered_gemm(
                     flag = add_flags_ptr + slot * CHUNKS + row_in_shard // chunk_rows
                     if WAIT_PTX:
                         landed = _wait_flag_ptx(flag, epoch)
-                    else:
+                    else:  # (no proxy fence: this runs only where descriptor reads are not TMA copies)
                         while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
                             pass
                         landed = 0
@@ -448,7 +448,8 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
     if (flags is not None or addend is not None) and chunks > 1 and chunk_rows >= 1 << 30:
         raise ValueError("shard_gemm: chunks > 1 needs chunk_rows (kernels.symm.chunk_rows(rows, chunks))")
     if addend is not None and (len(rows) != 1 or addend_flags is None or addend.dim() != 3 or addend.stride(2) != 1
-                               or addend.shape[1] < M or addend.shape[2] != N or addend.stride(0) % addend.stride(1)
+                               or addend.shape[1] < M or addend.shape[2] != N or addend.stride(1) < N
+                               or addend.stride(0) % addend.stride(1)
                                or (addend.stride(1) * addend.element_size()) % 16 or addend.data_ptr() % 16):
         raise ValueError("shard_gemm: an addend must be [slots, >= M, N] with unit column stride, rows of 16-byte "
                          "multiples, a 16-byte aligned start and a slot stride that is a whole number of rows, for "

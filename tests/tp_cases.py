@@ -122,26 +122,31 @@ def case_ag_gemm(ranks: Ranks) -> dict:
 
 @cases.case
 def case_gemm_rs(ranks: Ranks) -> dict:
-    """Both GEMM-RS designs, rows that do not divide by the ranks, twice each (the second with a K-major B)."""
+    """Both GEMM-RS designs, rows that do not divide by the ranks, twice each (the second with a K-major B); a
+    width whose rows are not whole 16 bytes (``out`` padded, B K-major only: a row-major B needs aligned rows)."""
     world, size = ranks.world, ranks.options.size
     if size == "tiny":
         shapes = [(8 * world + 3, 16, 16)]
     elif size == "small":
-        shapes = [(16 * world, 32, 16), (37, 24, 24), (41, 16, 40)]
+        shapes = [(16 * world, 32, 16), (37, 24, 24), (41, 16, 40), (29, 16, 20)]
     else:
-        shapes = [(4096, 2048, 4096), (3001, 1024, 2048)]
+        shapes = [(4096, 2048, 4096), (3001, 1024, 2048), (2048, 1024, 1004)]
     ops = {design: GemmReduceScatter(design=design, kernel=shard_kernel(ranks)) for design in ("decomposed", "fused")}
     checks = Checks(ranks)
     for dtype in dtypes(ranks):
         for M, K_local, N in shapes:
             for design, op in ops.items():
                 for again in range(2):
+                    aligned = N * dtype.itemsize % 16 == 0
+                    if not (again or aligned):
+                        continue
                     a_local = checks.rand(M, K_local, dtype=dtype)
                     b_local = checks.rand(K_local, N, dtype=dtype) / (K_local * world) ** 0.5
                     if again:
                         b_local = b_local.t().contiguous().t()
                     mine = split_rows(M, world)[ranks.rank]
-                    out = torch.full((mine, N), float("nan"), dtype=dtype, device=ranks.device)
+                    width = -(-N * dtype.itemsize // 16) * 16 // dtype.itemsize  # rows of whole 16 bytes
+                    out = torch.full((mine, width), float("nan"), dtype=dtype, device=ranks.device)[:, :N]
                     checks.trace(f"GEMM-RS {design} M={M} K_r={K_local} N={N} {dtype} #{again}")
                     op(a_local, b_local, out)
                     checks.within(f"GEMM-RS {design} M={M} K_r={K_local} N={N} {dtype}",
