@@ -43,6 +43,9 @@ class Arrivals(Protocol):
     def start(self, pieces: Sequence[Piece], epoch: int) -> None:
         """Begin delivering ``pieces`` (each copy, then its flag set to ``epoch``) later than the GEMM starts."""
 
+    def pending(self) -> bool:
+        """Whether the delivery is still to come (asked without waiting)."""
+
     def join(self) -> None:
         """Wait until every piece has arrived (on the GPU: the current stream waits)."""
 
@@ -64,6 +67,9 @@ class HostThreadArrivals:
         self._thread = threading.Thread(target=deliver)
         self._thread.start()
 
+    def pending(self) -> bool:
+        return self._thread.is_alive()
+
     def join(self) -> None:
         self._thread.join()
 
@@ -84,6 +90,9 @@ class SideStreamArrivals:
             for dest, source, flag in pieces:
                 dest.copy_(source, non_blocking=True)
                 flag.fill_(epoch)
+
+    def pending(self) -> bool:
+        return not self.side.query()
 
     def join(self) -> None:
         torch.cuda.current_stream().wait_stream(self.side)
@@ -136,26 +145,40 @@ def own_rows_gemm_with_late_partials(arrivals: Arrivals, config: triton.Config, 
 
     The partials sit in a ``[3, slot_rows, N]`` buffer cut to the own rows (``slot_rows > rows``), as the
     receive slots of :class:`~disttune.kernels.gemm_rs.GemmReduceScatter` are; every row is NaN until its piece
-    lands, the rows past ``rows`` and the skipped slot stay NaN: a tile that read a piece before its flag, a
-    row of the wrong slot or the skipped slot would carry NaN into the output. Returns whether the output is
-    right and whether it holds NaN. Cost: one GEMM call, at least the arrivals' delay.
+    lands, the rows past ``rows`` and the skipped slot stay NaN (the skipped slot's flags are set, so a kernel
+    that reads it gets NaN instead of waiting forever): a tile that read a piece before its flag, a row of the
+    wrong slot or the skipped slot would carry NaN into the output. A first call with every piece in place
+    compiles the kernel, so the late call launches at once. Returns whether the output is right, whether it
+    holds NaN, and whether the delivery was still to come when the GEMM was launched (on a GPU: after its
+    launch returned; under the interpreter, whose launch runs the kernel, before it). Cost: two GEMM calls, the
+    second at least the arrivals' delay.
     """
     g = torch.Generator().manual_seed(11)
     slots, skip, chunks, step, slot_rows = 3, 1, 2, 256, rows + 40
-    a = torch.randn(rows, K, generator=g).to(dtype)
-    b = torch.randn(K, N, generator=g).to(dtype)
+    a = torch.randn(rows, K, generator=g).to(dtype).to(device)
+    b = torch.randn(K, N, generator=g).to(dtype).to(device)
     partials = torch.randn(slots, rows, N, generator=g).to(dtype)
     source = partials.pin_memory() if device == "cuda" else partials
     received = torch.full((slots, slot_rows, N), float("nan"), dtype=dtype, device=device)
     flags = torch.zeros(slots * chunks, dtype=torch.int32, device=device)
     out = torch.empty(rows, N, dtype=dtype, device=device)
+    kernel = make_shard_gemm_kernel([config])
     pieces = [(received[s, c * step: min(rows, (c + 1) * step)], source[s, c * step: min(rows, (c + 1) * step)],
                flags[s * chunks + c]) for s in range(slots) if s != skip for c in range(-(-rows // step))]
-    epoch = 3
+
+    def call(epoch: int) -> None:
+        shard_gemm(a, b, out, (rows,), 0, kernel=kernel, chunks=chunks, chunk_rows=step, epoch=epoch,
+                   addend=received[:, :rows], addend_flags=flags, addend_skip=skip)
+
+    flags.fill_(1)
+    call(1)  # compiles; reads NaN, as nothing has landed
+    epoch = 2
+    flags[skip * chunks: (skip + 1) * chunks] = epoch
     arrivals.start(pieces, epoch)
-    shard_gemm(a.to(device), b.to(device), out, (rows,), 0, kernel=make_shard_gemm_kernel([config]), chunks=chunks,
-               chunk_rows=step, epoch=epoch, addend=received[:, :rows], addend_flags=flags, addend_skip=skip)
+    pending_before = arrivals.pending()
+    call(epoch)
+    late = arrivals.pending() if device == "cuda" else pending_before
     arrivals.join()
-    want = a.float() @ b.float() + partials[0].float() + partials[2].float()
+    want = a.float().cpu() @ b.float().cpu() + partials[0].float() + partials[2].float()
     got = out.float().cpu()
-    return {"right": rel_error(got, want) < 1e-2, "nan": bool(got.isnan().any())}
+    return {"right": rel_error(got, want) < 1e-2, "nan": bool(got.isnan().any()), "late": late}

@@ -166,7 +166,7 @@ def test_the_own_rows_gemm_adds_each_peers_partial_only_once_a_side_stream_deliv
 
     found = own_rows_gemm_with_late_partials(SideStreamArrivals(), gemm_config(64, 64, 32, 8, 3, 4), rows=rows,
                                              K=256, N=192, dtype=torch.float16, device="cuda")
-    assert found == {"right": True, "nan": False}, found
+    assert found == {"right": True, "nan": False, "late": True}, found
 
 
 def _gemm(n: int = 8192):
