@@ -61,7 +61,7 @@ from .symm import (
 from .tp_common import check_inputs, check_matrices, check_rows, group_info, row_starts, split_rows
 
 __all__ = ["DESIGNS", "FUSED_FROM_WORLD", "GemmReduceScatter", "auto_design", "default_pieces", "gemm_rs",
-           "gemm_rs_reference"]
+           "gemm_rs_reference", "padded_width"]
 
 DESIGNS = ("auto", "fused", "decomposed")
 

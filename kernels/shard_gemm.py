@@ -373,20 +373,25 @@ def _check_gemm_inputs(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Ten
                 "and a 16-byte aligned start, as Hopper's tensor descriptors need; pad the last dimension")
 
 
-_sms_cache: dict = {}
+_facts_by_device: dict = {}
+
+
+def device_facts(device: torch.device) -> tuple:
+    """(streaming multiprocessors, whether flag waits run in inline PTX) of ``device``: read once per device, with
+    the interpreter asked on every call; (4, False) under the interpreter or off CUDA."""
+    if device.type != "cuda" or interpreting():
+        return 4, False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    facts = _facts_by_device.get(index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(index)
+        facts = _facts_by_device[index] = (props.multi_processor_count, props.major >= 9 and torch.version.hip is None)
+    return facts
 
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 under the interpreter: the persistent grid's size there)."""
-    if device.type != "cuda" or interpreting():
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sms_cache:
-        _sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sms_cache[index]
-
-
-_ptx_waits: dict = {}
+    return device_facts(device)[0]
 
 
 def waits_in_ptx(device: torch.device) -> bool:
@@ -394,12 +399,7 @@ def waits_in_ptx(device: torch.device) -> bool:
     interpreter): that keeps its tile loop flattened, so the next tile's loads overlap this tile's epilogue
     (GEMM-RS's own rows' GEMM, 4096 x 8192 x 4096 bf16, ran 3.5 % faster on one H200). Elsewhere a ``while``
     loop of atomic loads."""
-    if device.type != "cuda" or interpreting() or torch.version.hip is not None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ptx_waits:
-        _ptx_waits[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _ptx_waits[index]
+    return device_facts(device)[1]
 
 
 #: A scratch block per stream for the device-side descriptors, grown to the largest size asked: launches on one
@@ -508,7 +508,7 @@ def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals
     M, K = a.shape
     N = b.shape[1]
     kmajor = b_is_kmajor(b)
-    sms = num_sms(a.device)
+    sms, wait_ptx = device_facts(a.device)
 
     def grid(meta):
         row_tiles = sum(cdiv(r, meta["BLOCK_M"]) for r in rows) - cdiv(skipped_rows, meta["BLOCK_M"])
@@ -517,7 +517,7 @@ def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals
     return cached_launch.launch(kernel if kernel is not None else shard_gemm_kernel, grid, (
         a, b, c, flags, offsets, add, add_flags, signals, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
         c.stride(-2), stride_c_slot, stride_add_slot, stride_add_m, rank, chunk_rows, epoch, add_skip),
-        dict(WORLD=len(rows), B_KMAJOR=kmajor, NUM_SMS=sms, WAIT_PTX=waits_in_ptx(a.device), **modes))
+        dict(WORLD=len(rows), B_KMAJOR=kmajor, NUM_SMS=sms, WAIT_PTX=wait_ptx, **modes))
 
 
 def matmul_shards(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, kernel=None) -> torch.Tensor:

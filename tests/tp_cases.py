@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import disttune  # noqa: E402
 from disttune.kernels.ag_gemm import AllGatherGEMM, ag_gemm_reference  # noqa: E402
-from disttune.kernels.gemm_rs import GemmReduceScatter, gemm_rs_reference  # noqa: E402
+from disttune.kernels.gemm_rs import GemmReduceScatter, gemm_rs_reference, padded_width  # noqa: E402
 from disttune.kernels.matmul import HOPPER_GEMM_CONFIGS  # noqa: E402
 from disttune.kernels.shard_gemm import make_shard_gemm_kernel  # noqa: E402
 from disttune.kernels.tp_common import split_rows  # noqa: E402
@@ -137,16 +137,15 @@ def case_gemm_rs(ranks: Ranks) -> dict:
         for M, K_local, N in shapes:
             for design, op in ops.items():
                 for again in range(2):
-                    aligned = N * dtype.itemsize % 16 == 0
-                    if not (again or aligned):
+                    if not again and padded_width(N, dtype) != N:  # rows not whole 16 bytes
                         continue
                     a_local = checks.rand(M, K_local, dtype=dtype)
                     b_local = checks.rand(K_local, N, dtype=dtype) / (K_local * world) ** 0.5
                     if again:
                         b_local = b_local.t().contiguous().t()
                     mine = split_rows(M, world)[ranks.rank]
-                    width = -(-N * dtype.itemsize // 16) * 16 // dtype.itemsize  # rows of whole 16 bytes
-                    out = torch.full((mine, width), float("nan"), dtype=dtype, device=ranks.device)[:, :N]
+                    out = torch.full((mine, padded_width(N, dtype)), float("nan"), dtype=dtype,
+                                     device=ranks.device)[:, :N]
                     checks.trace(f"GEMM-RS {design} M={M} K_r={K_local} N={N} {dtype} #{again}")
                     op(a_local, b_local, out)
                     checks.within(f"GEMM-RS {design} M={M} K_r={K_local} N={N} {dtype}",
