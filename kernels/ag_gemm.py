@@ -18,10 +18,11 @@ Designs (``design=``):
   directly and starts at once, each peer shard's GEMM waits (a stream wait, no SM) for the
   shard's arrival flag. ``gemm="cublas"`` runs the same schedule with ``torch.matmul`` per
   shard (a baseline for the transport; nothing to tune).
-* ``"fused"``: one persistent Triton GEMM (``kernels.shard_gemm``) over the whole workspace;
-  the local shard is copied into it on a copy stream of its own, beside the first push, and
-  the kernel walks the local shard's tiles first; each tile spins on its piece's flag
-  (``chunks`` pieces per shard, multiples of 256 rows) before loading A.
+* ``"fused"``: one persistent Triton GEMM (``kernels.shard_gemm``) over all shards: it walks
+  the local shard's tiles first, reading ``a_shard`` where it lies, then the peers' shards in
+  the workspace, each tile spinning on its piece's flag (``chunks`` pieces per shard,
+  multiples of 256 rows; in inline PTX on sm_90, which keeps the tile loop flat) before
+  loading A.
 * ``"auto"``: fused on GPUs from :data:`FUSED_FROM_WORLD` ranks on, decomposed below. The
   decomposed design costs the host one GEMM launch and a few driver calls per shard; with
   4 ranks an 8192^3 step's shards are 2048 rows, each GEMM takes the GPU about as long as
@@ -37,9 +38,8 @@ Both GEMMs are ``triton.autotune`` kernels: wrap the step that calls :class:`All
 with ``disttune.contextual_autotune`` to tune them while the copies really run.
 
 Cost per call (GPU): ``w - 1`` pushes of the local shard on the copy engines, in
-``max(chunks, streams)`` pieces each (fused: plus a local copy), a few stream memory operations per
-piece, the GEMM(s). Memory: a ``[2, M, K]`` symmetric
-workspace (double-buffered) and a 8 KB signal buffer per rank.
+``max(chunks, streams)`` pieces each, a few stream memory operations per piece, the GEMM(s).
+Memory: a ``[2, M, K]`` symmetric workspace (double-buffered) and a 8 KB signal buffer per rank.
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ class AllGatherGEMM:
             timeline.mark("call starts", current)
         starts = row_starts(rows)
         if design == "fused":
-            workspace = pusher.gather(a_shard, rows, self.pieces, include_own=True)
+            workspace = pusher.gather(a_shard, rows, self.pieces)
             shard_gemm(workspace, b_local, out, rows, rank, flags=pusher.arrival_flags, kernel=self.kernel,
-                       chunks=self.pieces, chunk_rows=chunk_rows(rows, self.pieces), epoch=pusher.epoch)
+                       chunks=self.pieces, chunk_rows=chunk_rows(rows, self.pieces), epoch=pusher.epoch, own=a_shard)
         else:
             def gemm(a, block):
                 if self.gemm == "cublas":
@@ -201,7 +201,7 @@ class AllGatherGEMM:
         if design == "fused":
             ready = torch.ones(world * self.pieces, dtype=torch.int32, device=a_shard.device)
             return shard_gemm(a_full, b_local, out, rows, rank, flags=ready, kernel=self.kernel, chunks=self.pieces,
-                              chunk_rows=chunk_rows(rows, self.pieces))
+                              chunk_rows=chunk_rows(rows, self.pieces), own=a_shard)
         starts = row_starts(rows)
         for s in arrival_order(rank, world):
             rows_s = slice(starts[s], starts[s] + rows[s])

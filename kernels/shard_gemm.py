@@ -5,18 +5,19 @@ One ``triton.autotune`` kernel serves three jobs:
 * a plain GEMM ``C = A @ B`` (one shard, no flags);
 * the GEMM of the *fused* AllGather-GEMM: ``A`` is the gathered ``[M, K]`` workspace whose
   row shards arrive while the kernel runs. Tiles are walked shard by shard starting with the
-  launching rank's own, and a tile spins on its piece's int32 ready flag (an acquire load)
-  until it holds the call's epoch before it loads A. Flags are set by copy-engine streams
+  launching rank's own, read where the caller holds it (``own``), in a loop of their own; then
+  each tile spins on its piece's int32 ready flag (an acquire load) until it holds the call's
+  epoch before it loads A. Flags are set by copy-engine streams
   (``kernels.symm.write_flag_at``), which need no SM, so spinning tiles cannot starve them;
 * the per-shard GEMMs of the *decomposed* designs and of GEMM-ReduceScatter (one shard each);
   the own rows' GEMM of GEMM-ReduceScatter adds the other ranks' partials in its epilogue, each
   tile's once its piece's flag holds the epoch, read through a tensor descriptor.
 
 Main loop (Hopper): persistent (``min(#SMs, #tiles)`` programs loop over the tiles; the loop
-nest is flattened so the next tile's loads overlap this tile's epilogue, except when tiles
-spin in a loop: the fused AllGather-GEMM's; the reduction waits in inline PTX on sm_90, which
-keeps the nest flat), A and B loaded through device-side tensor descriptors (TMA; ``triton.set_allocator``
-is set for their scratch), B either row-major ``[K, N]`` or, faster, K-major (``w.t()`` of a
+nest is flattened so the next tile's loads overlap this tile's epilogue; tiles wait on flags in
+inline PTX on sm_90, which keeps the nest flat, and in a ``while`` loop elsewhere, which does not),
+A and B loaded through device-side tensor descriptors (TMA; ``triton.set_allocator`` is set for
+their scratch), B either row-major ``[K, N]`` or, faster, K-major (``w.t()`` of a
 row-major ``[N, K]`` weight, as ``nn.Linear`` stores it), C stored through a descriptor in two
 halves (epilogue subtiling) for one shard, or with a masked pointer store when a tile must
 not write another shard's rows (shards may be ragged: any row counts). Within a shard,
@@ -170,10 +171,35 @@ def _wait_flag_ptx(flag_ptr, epoch):
         "=r,l,r", [flag_ptr, epoch], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _tile_product(a_desc, b_desc, row, col, k_tiles, B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A @ B`` at (``row``, ``col``), A and B read through descriptors."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        a = a_desc.load([row, ki * BLOCK_K])
+        if B_KMAJOR:
+            b = b_desc.load([col, ki * BLOCK_K]).T
+        else:
+            b = b_desc.load([ki * BLOCK_K, col])
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _store_rows(c_ptr, acc, row, rows_left, col, stride_cm, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the tile's first ``rows_left`` rows at (``row``, ``col``) of C with a masked pointer store (a tile at
+    the end of a ragged shard must not write the next shard's rows)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = col + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + (row.to(tl.int64) + offs_m)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
+
+
 def shard_ordered_gemm(
-    a_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr, add_ptr, add_flags_ptr, signals_ptr,
+    a_ptr, own_ptr, b_ptr, c_ptr, flags_ptr, offsets_ptr, add_ptr, add_flags_ptr, signals_ptr,
     M, N, K,
-    stride_am, stride_b, stride_cm, stride_c_slot, stride_add_slot, stride_add_m,
+    stride_am, stride_own, stride_b, stride_cm, stride_c_slot, stride_add_slot, stride_add_m,
     rank, chunk_rows, epoch, add_skip,
     WORLD: tl.constexpr, WAIT: tl.constexpr, CHUNKS: tl.constexpr, B_KMAJOR: tl.constexpr, ADD_SLOTS: tl.constexpr,
     RS: tl.constexpr, NUM_SMS: tl.constexpr, WAIT_PTX: tl.constexpr,
@@ -195,33 +221,47 @@ def shard_ordered_gemm(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = _count_tiles(offsets_ptr, num_pid_n, WORLD, BLOCK_M)
+    first_tile = tl.program_id(0)
+    if WAIT:  # the own shard's tiles first, read from own_ptr where they already are: nothing to wait for
+        own_start = tl.load(offsets_ptr + rank)
+        own_rows = tl.load(offsets_ptr + rank + 1) - own_start
+        own_desc = tl.make_tensor_descriptor(own_ptr, shape=[own_rows, K], strides=[stride_own, 1],
+                                             block_shape=[BLOCK_M, BLOCK_K])
+        own_out = tl.make_tensor_descriptor(c_ptr + own_start.to(tl.int64) * stride_cm, shape=[own_rows, N],
+                                            strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+        own_tiles = tl.cdiv(own_rows, BLOCK_M) * num_pid_n
+        for tile in tl.range(first_tile, own_tiles, NUM_SMS, flatten=True):
+            _, _, _, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD, BLOCK_M, GROUP_M,
+                                                        RS)
+            col = pid_n * BLOCK_N
+            acc = _tile_product(own_desc, b_desc, row_in_shard, col, k_tiles, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            own_out.store([row_in_shard, col], left.to(c_ptr.dtype.element_ty))  # (clipped at the own rows' end)
+            own_out.store([row_in_shard, col + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
+        # this program's next tile of the rank-rotated walk: the peers' shards, in the order they arrive
+        first_tile += tl.cdiv(tl.maximum(own_tiles - first_tile, 0), NUM_SMS) * NUM_SMS
     if RS:  # the other ranks' partials only: the own rows' tiles, last in the walk, are left out
         own_rows = tl.load(offsets_ptr + rank + 1) - tl.load(offsets_ptr + rank)
         num_tiles -= tl.cdiv(own_rows, BLOCK_M) * num_pid_n
     # A spin loop inside the tile loop keeps the compiler from flattening the loop nest (the PTX spin does not).
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS,
-                         flatten=not WAIT and not RS and (ADD_SLOTS == 0 or WAIT_PTX)):
+    for tile in tl.range(first_tile, num_tiles, NUM_SMS,
+                         flatten=not RS and ((not WAIT and ADD_SLOTS == 0) or WAIT_PTX)):
         shard, row, rows_left, pid_n, row_in_shard = _locate_tile(tile, rank, offsets_ptr, num_pid_n, WORLD,
                                                                   BLOCK_M, GROUP_M, RS)
+        landed = 0
         if WAIT and not SKIP_WAIT:  # shards arrive in CHUNKS pieces of chunk_rows rows, each flagged with the epoch
             flag = flags_ptr + shard * CHUNKS + row_in_shard // chunk_rows
-            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
-                pass
+            if WAIT_PTX:
+                landed = _wait_flag_ptx(flag, epoch)
+            else:  # (no proxy fence: this runs only where descriptor reads are not TMA copies)
+                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+                    pass
         col = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([row, ki * BLOCK_K])
-            if B_KMAJOR:
-                b = b_desc.load([col, ki * BLOCK_K]).T
-            else:
-                b = b_desc.load([ki * BLOCK_K, col])
-            acc = tl.dot(a, b, acc)
+        acc = _tile_product(a_desc, b_desc, row + landed, col, k_tiles, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
         if RS:  # shard s's rows into C's slot s, then one more tile of its piece done
-            offs_m = tl.arange(0, BLOCK_M)
-            offs_n = col + tl.arange(0, BLOCK_N)
-            c_ptrs = (c_ptr + shard.to(tl.int64) * stride_c_slot
-                      + (row_in_shard.to(tl.int64) + offs_m)[:, None] * stride_cm + offs_n[None, :])
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
+            _store_rows(c_ptr + shard.to(tl.int64) * stride_c_slot, acc, row_in_shard, rows_left, col, stride_cm, N,
+                        BLOCK_M, BLOCK_N)
             _count_piece_tile(signals_ptr, shard, row_in_shard, rows_left, chunk_rows, num_pid_n, epoch, WORLD,
                               CHUNKS, BLOCK_M)
         elif WORLD == 1:
@@ -231,22 +271,18 @@ def shard_ordered_gemm(
                 if slot != add_skip:
                     flag = add_flags_ptr + slot * CHUNKS + row_in_shard // chunk_rows
                     if WAIT_PTX:
-                        landed = _wait_flag_ptx(flag, epoch)
+                        added = _wait_flag_ptx(flag, epoch)
                     else:  # (no proxy fence: this runs only where descriptor reads are not TMA copies)
                         while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
                             pass
-                        landed = 0
-                    add_row = slot * slot_rows + row + landed
+                        added = 0
+                    add_row = slot * slot_rows + row + added
                     left += add_desc.load([add_row, col]).to(tl.float32)
                     right += add_desc.load([add_row, col + BLOCK_N // 2]).to(tl.float32)
             c_desc.store([row, col], left.to(c_ptr.dtype.element_ty))
             c_desc.store([row, col + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
         else:
-            offs_m = tl.arange(0, BLOCK_M)
-            offs_n = col + tl.arange(0, BLOCK_N)
-            c_ptrs = c_ptr + (row.to(tl.int64) + offs_m)[:, None] * stride_cm + offs_n[None, :]
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
-                     mask=(offs_m < rows_left)[:, None] & (offs_n < N)[None, :])
+            _store_rows(c_ptr, acc, row, rows_left, col, stride_cm, N, BLOCK_M, BLOCK_N)
 
 
 #: The jitted kernel without a tuner.
@@ -428,13 +464,16 @@ def ensure_descriptor_allocator() -> None:
 def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequence[int], rank: int,
                flags: Optional[torch.Tensor] = None, kernel=None, chunks: int = 1,
                chunk_rows: int = 1 << 30, epoch: int = 1, addend: Optional[torch.Tensor] = None,
-               addend_flags: Optional[torch.Tensor] = None, addend_skip: int = -1) -> torch.Tensor:
+               addend_flags: Optional[torch.Tensor] = None, addend_skip: int = -1,
+               own: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out = a @ b`` tile by tile, shard by shard from ``rank``'s shard on (see module doc).
 
     ``rows``: row count of each shard (``sum(rows) == a.shape[0]``, at most MAX_WORLD shards).
     ``flags``: int32 ``[len(rows) * chunks]``; when given, a tile of shard ``s`` whose
     first row is ``r`` rows into the shard waits for ``flags[s * chunks + r // chunk_rows] >= epoch``
-    (``chunk_rows`` a multiple of 256, so no tile spans two chunks).
+    (``chunk_rows`` a multiple of 256, so no tile spans two chunks). With ``flags``, ``own``
+    (``[rows[rank], K]``, 16-byte aligned rows) holds ``rank``'s shard: its tiles, first in the walk, read it
+    there and wait for nothing; ``a``'s rows of that shard are not read (the workspace need not hold a copy).
     ``addend``: ``[slots, >= M, N]`` (one shard only): every slot but ``addend_skip`` is added to the fp32
     accumulator before the store, each tile once ``addend_flags[slot * chunks + r // chunk_rows] >= epoch``
     (the reduction of GEMM-RS).
@@ -454,8 +493,15 @@ def shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: Sequen
         raise ValueError("shard_gemm: an addend must be [slots, >= M, N] with unit column stride, rows of 16-byte "
                          "multiples, a 16-byte aligned start and a slot stride that is a whole number of rows, for "
                          "one shard, with addend_flags")
+    if flags is not None and (own is None or own.shape != (rows[rank], K) or own.dtype != a.dtype
+                              or (own.numel() and (own.stride(1) != 1 or (own.stride(0) * own.element_size()) % 16
+                                                   or own.data_ptr() % 16))):
+        raise ValueError(f"shard_gemm: with flags, own must be rank {rank}'s shard: {a.dtype}, shape "
+                         f"{(rows[rank], K)}, row-major with 16-byte aligned rows and start; got "
+                         f"{None if own is None else (own.dtype, tuple(own.shape), own.stride())}")
     offsets = shard_offsets_tensor(rows, a.device)
-    _launch(kernel, a, b, out, rows, rank, flags if flags is not None else offsets, offsets,
+    _launch(kernel, a, own if own is not None else a, b, out, rows, rank, flags if flags is not None else offsets,
+            offsets,
             out if addend is None else addend, offsets if addend_flags is None else addend_flags, offsets,
             0, 0 if addend is None else addend.stride(0), 0 if addend is None else addend.stride(1),
             chunk_rows, epoch, addend_skip,
@@ -494,12 +540,12 @@ def partials_gemm(a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, sign
         return True
     offsets = shard_offsets_tensor(rows, a.device)
     modes = dict(WAIT=False, CHUNKS=chunks, ADD_SLOTS=0, RS=True)
-    launched = _launch(kernel, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals,
+    launched = _launch(kernel, a, a, b, partials, rows, rank, offsets, offsets, partials, offsets, signals,
                        partials.stride(0), 0, 0, chunk_rows, epoch, -1, modes, skipped_rows=rows[rank])
     return launched is not None or interpreting()  # (the interpreter's launches return None)
 
 
-def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals, stride_c_slot, stride_add_slot,
+def _launch(kernel, a, own, b, c, rows, rank, flags, offsets, add, add_flags, signals, stride_c_slot, stride_add_slot,
             stride_add_m, chunk_rows, epoch, add_skip, modes: dict, skipped_rows: int) -> Any:
     """The kernel's launch (through ``disttune.cached_launch``) over the tiles of ``rows`` less ``skipped_rows``;
     returns what the launch returned (None where a tuner launched nothing)."""
@@ -515,7 +561,8 @@ def _launch(kernel, a, b, c, rows, rank, flags, offsets, add, add_flags, signals
         return (max(1, min(sms, row_tiles * cdiv(N, meta["BLOCK_N"]))),)
 
     return cached_launch.launch(kernel if kernel is not None else shard_gemm_kernel, grid, (
-        a, b, c, flags, offsets, add, add_flags, signals, M, N, K, a.stride(0), b.stride(1 if kmajor else 0),
+        a, own, b, c, flags, offsets, add, add_flags, signals, M, N, K, a.stride(0), own.stride(0),
+        b.stride(1 if kmajor else 0),
         c.stride(-2), stride_c_slot, stride_add_slot, stride_add_m, rank, chunk_rows, epoch, add_skip),
         dict(WORLD=len(rows), B_KMAJOR=kmajor, NUM_SMS=sms, WAIT_PTX=wait_ptx, **modes))
 

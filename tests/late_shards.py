@@ -1,8 +1,8 @@
 """The shard GEMM reading row shards that arrive while it runs, in a world of one: ``check=`` against a racy config.
 
 A stand-in for the fused AllGather-GEMM's peers. Each call, the ``[SHARDS * rows, K]`` workspace is
-poisoned with NaN, shard 0 (the rank's own) is put in place and flagged, and the other shards are
-delivered late by an *arrivals* object, each copy followed by its int32 ready flag set to the call's
+poisoned with NaN (the rank's own shard, 0, stays so: the GEMM reads it from where the rank holds it), and the
+other shards are delivered late by an *arrivals* object, each copy followed by its int32 ready flag set to the call's
 epoch (the protocol of :func:`~disttune.kernels.shard_gemm.shard_gemm`: a tile spins until its
 shard's flag holds the epoch). A config that waits computes ``A @ B``; its
 :func:`~disttune.kernels.shard_gemm.racy_config` (``SKIP_WAIT``) reads NaN rows every call.
@@ -124,10 +124,8 @@ def check_scores_out_racy_config(arrivals: Arrivals, waiting: triton.Config, che
     def step() -> torch.Tensor:
         epoch = next(epochs)
         workspace.fill_(float("nan"))
-        workspace[:rows].copy_(own)
-        flags[0].fill_(epoch)
         arrivals.start(pieces, epoch)
-        shard_gemm(workspace, b_dev, out, [rows] * SHARDS, 0, flags=flags, kernel=kernel, epoch=epoch)
+        shard_gemm(workspace, b_dev, out, [rows] * SHARDS, 0, flags=flags, kernel=kernel, epoch=epoch, own=own)
         arrivals.join()
         return out.clone()
 

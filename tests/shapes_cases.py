@@ -178,10 +178,8 @@ def _fused_ag_gemm_step(ctx: Ranks, kernel, **options):
     def step():
         gathered = [torch.empty_like(a_shard) for _ in range(world)]
         torch.distributed.all_gather(gathered, a_shard)
-        workspace.zero_()
+        workspace.fill_(float("nan"))  # the own rows stay so: the GEMM reads them from a_shard
         flags.zero_()
-        workspace[rank * rows:(rank + 1) * rows] = a_shard
-        flags[rank] = 1
 
         def copy_engine() -> None:
             time.sleep(ARRIVAL_S)
@@ -192,7 +190,7 @@ def _fused_ag_gemm_step(ctx: Ranks, kernel, **options):
 
         engine = threading.Thread(target=copy_engine)
         engine.start()
-        shard_gemm(workspace, b_local, out, [rows] * world, rank, flags=flags, kernel=kernel, epoch=1)
+        shard_gemm(workspace, b_local, out, [rows] * world, rank, flags=flags, kernel=kernel, epoch=1, own=a_shard)
         engine.join()
         return out.clone()
 
