@@ -196,9 +196,10 @@ def log_verdicts(log: RankLog, verdicts: Sequence[Verdict], extra: Sequence[str]
     for verdict in verdicts:
         site, choice = verdict.site, verdict.choice
         every_rank = verdict.per_rank is not None and (verdict.world <= LOGGED_ROWS_MAX_RANKS or verdict.rank == 0)
-        for index, samples in enumerate(site.samples):
-            for iteration, (ms, at) in enumerate(zip(samples, site.sample_times[index])):
-                log.measure(site.id.kernel, site.id.key, index, config_text(site.configs[index]), iteration, ms, at)
+        taken = [(at, index, iteration, ms) for index, samples in enumerate(site.samples)
+                 for iteration, (ms, at) in enumerate(zip(samples, site.sample_times[index]))]
+        for at, index, iteration, ms in sorted(taken):  # in the order they were taken: the configs interleave
+            log.measure(site.id.kernel, site.id.key, index, config_text(site.configs[index]), iteration, ms, at)
         for c, config in enumerate(site.configs):
             measures = None
             if choice is not None:

@@ -200,9 +200,12 @@ def resolve_statistic(statistic: Statistic) -> Callable[[Sequence[float]], float
 class Schedule:
     """Which config each site tries in each tuning run: the same on every rank.
 
-    Config ``c`` of every site gets runs ``c*(w+r) .. c*(w+r)+w+r-1``: ``w`` warm-up
-    runs, then ``r`` timed ones. A site with fewer configs than the longest list
-    launches its stand-in (untimed) once its own configs are done.
+    First the warm-ups: config ``c`` of every site gets runs ``c*w .. c*w+w-1``. Then ``r`` rounds of
+    timed runs, each round timing every config once, in list order: config ``c``'s timed runs are
+    ``L*w + c``, ``L*w + L + c``, ... (``L`` = ``longest``). Interleaved so, a stretch in which the machine
+    runs slow (another job, a clock that drops for a while) costs every config a sample alike instead of
+    all of one config's samples, which would hand the win to a slower config. A site with fewer configs
+    than the longest list launches its stand-in (untimed) in the other configs' slots.
 
     A *split* site (``share=(rank, world)``) hands slot ``j`` to position ``j*world + rank``:
     in each slot every rank runs a different config, so it needs ``ceil(n / world)`` slots.
@@ -219,14 +222,15 @@ class Schedule:
 
     def slot(self, run: int, n_configs: int, share: Optional[tuple] = None) -> tuple[Optional[int], bool]:
         """(config position or None for a stand-in launch, whether this launch is timed)."""
-        per_config = self.n_warmup + self.n_repeat
-        index, phase = divmod(run, per_config)
+        warmups = self.longest * self.n_warmup
+        timed = run >= warmups
+        index = (run - warmups) % self.longest if timed else run // self.n_warmup
         if share is not None:
             rank, world = share
             index = index * world + rank
         if index >= n_configs:
             return None, False
-        return index, phase >= self.n_warmup
+        return index, timed
 
 
 def total_function_runs(longest: int, n_warmup: int, n_repeat: int) -> int:

@@ -24,7 +24,19 @@ def test_split_schedule_gives_each_rank_a_disjoint_share():
             if timed:
                 seen.setdefault(index, []).append(rank)
     assert seen == {c: [c % world] * 2 for c in range(n)}, "each config timed twice, by one rank only"
-    assert schedule.slot(2 * 3, n, (2, world)) == (None, False), "position 8 is past the list: a stand-in"
+    # slot 2 is warmed up in run 2 and timed in runs 5 and 8; rank 2's position there, 8, is past the list
+    assert [schedule.slot(run, n, (2, world)) for run in (2, 5, 8)] == [(None, False)] * 3, "a stand-in"
+
+
+def test_timed_runs_interleave_the_configs_after_every_warm_up():
+    from disttune.sites import Schedule
+
+    schedule = Schedule(longest=3, n_warmup=2, n_repeat=3)
+    slots = [schedule.slot(run, 3) for run in range(schedule.runs)]
+    assert slots == [(0, False), (0, False), (1, False), (1, False), (2, False), (2, False)] + [
+        (c, True) for _ in range(3) for c in range(3)], "warm-ups config by config, then rounds of every config"
+    assert [schedule.slot(run, 2) for run in (4, 5, 8)] == [(None, False)] * 3, "a shorter list: its stand-in"
+    assert [Schedule(2, 0, 2).slot(run, 2) for run in range(4)] == [(0, True), (1, True), (0, True), (1, True)]
 
 
 def test_split_agreement_takes_the_owner_time_and_keeps_failures():
